@@ -1,0 +1,82 @@
+"""Drafts that share their target's embeddings and LM head.
+
+On a small draft the LM head dominates the cost of a step (SmolLM2's
+49152 x 576 head is a fifth of the whole 135M target). A shared-weights
+draft is a few transformer layers on top of the target's embedding table,
+with a head restricted to the S most frequent tokens: its q is zero
+outside those S tokens, which the accept / reject rule handles exactly
+(the residual max(0, p - q) then carries that mass).
+
+On disk only what is not shared is stored, in one directory:
+  harness_draft.json   format, head size, how the weights were made;
+  config.json          the draft's LlamaConfig (the target's, fewer layers);
+  weights.safetensors  the layers, final norm and `head_token_ids` [S].
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+
+class SubsetHead(nn.Module):
+    """LM head over a subset of the vocabulary; other tokens get logit -inf."""
+
+    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.register_buffer("token_ids", token_ids, persistent=False)  # [S]
+        self.weight = nn.Parameter(weight[token_ids].clone(), requires_grad=weight.requires_grad)  # [S, H]
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V]
+        subset_logits = hidden @ self.weight.T  # [B, T, S]
+        logits = subset_logits.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
+        logits[..., self.token_ids] = subset_logits
+        return logits
+
+
+def build_shared_draft(target: PreTrainedModel, num_layers: int, head_token_ids: torch.Tensor, init_layers: list[int] | None = None):
+    """A new draft: `num_layers` layers (copied from `init_layers` of the target),
+    the target's embedding table (shared, not copied) and a subset head."""
+    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": num_layers})
+    config.quantization_config = None
+    del config.quantization_config
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    init_layers = init_layers if init_layers is not None else list(range(num_layers))
+    for mine, theirs in zip(draft.model.layers, init_layers):
+        mine.load_state_dict(target.model.layers[theirs].state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    draft.model.embed_tokens = target.get_input_embeddings()
+    draft.lm_head = SubsetHead(target.get_output_embeddings().weight.detach(), head_token_ids, config.vocab_size)
+    return draft.to(next(target.parameters()).device)
+
+
+def own_state_dict(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """What a shared draft stores: everything but the shared embedding and head rows."""
+    state = {k: v for k, v in draft.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
+    state["head_token_ids"] = draft.lm_head.token_ids
+    return state
+
+
+def save_shared_draft(draft: PreTrainedModel, out: Path, meta: dict, dtype: torch.dtype = torch.float16) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    draft.config.save_pretrained(out)
+    state = {k: (v if k == "head_token_ids" else v.to(dtype)).contiguous().cpu() for k, v in own_state_dict(draft).items()}
+    save_file(state, out / "weights.safetensors")
+    (out / "harness_draft.json").write_text(json.dumps({"format": 1, **meta}, indent=2) + "\n")
+
+
+def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    state = load_file(path / "weights.safetensors")
+    head_token_ids = state.pop("head_token_ids")
+    config = AutoConfig.from_pretrained(path)
+    draft = build_shared_draft(target, config.num_hidden_layers, head_token_ids.to(next(target.parameters()).device))
+    missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    assert not unexpected and all(k.startswith(("model.embed_tokens", "lm_head")) for k in missing), (missing, unexpected)
+    draft.shares_target_weights = True  # same tokenizer as the target by construction
+    return draft.to(dtype).eval()

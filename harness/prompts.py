@@ -1,0 +1,53 @@
+"""Prompt sets and how a prompt becomes token ids.
+
+The builtin set (harness/data/builtin_prompts.jsonl) is ours, offline:
+60 prompts, 10 in each of six categories. Each prompt is a dict with
+`id`, `category` and `prompt`; the category travels into every result.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from harness.errors import HarnessError
+
+BUILTIN = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
+
+
+def load_builtin() -> list[dict]:
+    return [json.loads(line) for line in BUILTIN.read_text().splitlines() if line.strip()]
+
+
+def select(prompts: list[dict], num_prompts: int | None, seed: int, shuffle: bool) -> list[dict]:
+    """A seeded choice of prompts; the chosen ids are recorded in the results."""
+    if shuffle:
+        prompts = random.Random(seed).sample(prompts, len(prompts))
+    return prompts if num_prompts is None else prompts[:num_prompts]
+
+
+def encode(tokenizer, text: str, template: str) -> list[int]:
+    """Token ids for a user prompt: the chat template when the tokenizer has
+    one (template=auto or chat), raw text otherwise. Special tokens are added
+    once: by the template, or by the tokenizer for raw text, never both."""
+    use_chat = template == "chat" or (template == "auto" and tokenizer.chat_template)
+    if template == "chat" and not tokenizer.chat_template:
+        raise HarnessError("prompts.template=chat but the target's tokenizer has no chat template: use template=raw or auto")
+    if use_chat:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def fit_context(ids: list[int], budget: int, overlong: str) -> list[int] | None:
+    """Keep a prompt within the context budget: truncate from the left, or skip (None)."""
+    if len(ids) <= budget:
+        return ids
+    return ids[-budget:] if overlong == "truncate" else None
+
+
+def as_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=device)

@@ -1,0 +1,309 @@
+"""One benchmark cell: a pair, a k, a sampling setting, a prompt set.
+
+`run_cell(cfg)` is a plain function over a composed config; the Hydra entry
+point (harness.__main__) is a thin wrapper around it and tests call it
+directly. For every prompt it runs the target-only baseline and the
+speculative loop back to back (alternating which goes first, so drift hits
+both alike), times each from outside, and appends one JSON line; the
+summary is derived from those lines.
+
+Results live in `<out_dir>/<cell key>/`, the key derived from the resolved
+config, so a re-run of the same cell resumes where it stopped and a
+finished cell is not run again unless `force=true`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from harness import metrics
+from harness.drafters import Drafter, ModelDrafter, NgramDrafter
+from harness.errors import HarnessError
+from harness.loop import autoregressive_decode, speculative_decode
+from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device
+from harness.prompts import as_tensor, encode, fit_context, load_builtin, select
+from harness.sampling import Sampling
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# Keys that do not change a cell's results: they stay out of its key.
+NOT_IN_KEY = ("out_dir", "force", "wandb", "default_pair")
+
+
+@dataclass
+class Pair:
+    name: str
+    target: CachedLM
+    drafter: Drafter
+    tokenizer: Any
+    eos_ids: set[int]
+    device: torch.device
+
+
+_loaded: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun
+
+
+def with_default_pair(cfg: DictConfig) -> DictConfig:
+    """Fill `pair` from conf/pair/<default_pair>.yaml when no +pair= was given."""
+    if cfg.get("pair") is None:
+        path = CONF_DIR / "pair" / f"{cfg.default_pair}.yaml"
+        if not path.exists():
+            raise HarnessError(f"default_pair={cfg.default_pair} has no conf/pair/{cfg.default_pair}.yaml")
+        OmegaConf.set_struct(cfg, False)
+        cfg.pair = OmegaConf.load(path)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    checks = [
+        (isinstance(cfg.k, int) and not isinstance(cfg.k, bool) and cfg.k >= 1, f"k={cfg.k} must be a positive integer (e.g. k=4)"),
+        (isinstance(cfg.temperature, (int, float)) and cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0 is greedy)"),
+        (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
+        (isinstance(cfg.top_k, int) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
+        (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 1, f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
+        (cfg.prompts.num_prompts is None or (isinstance(cfg.prompts.num_prompts, int) and cfg.prompts.num_prompts >= 1),
+         f"prompts.num_prompts={cfg.prompts.num_prompts} must be a positive integer or null (all)"),
+        (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
+        (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise HarnessError(message)
+
+
+def cell_key(cfg: DictConfig) -> str:
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    keyed = {k: v for k, v in resolved.items() if k not in NOT_IN_KEY}
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{cfg.pair.name}-k{cfg.k}-t{cfg.temperature}-{digest}"
+
+
+def load_pair(pair_cfg: DictConfig, device: torch.device) -> Pair:
+    key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + str(device)
+    if key in _loaded:
+        return _loaded[key]
+    _loaded.clear()  # free the previous pair before loading the next
+    target_spec = ModelSpec.from_config(pair_cfg.target)
+    tokenizer = load_tokenizer(target_spec, "target")
+    target_model = load_model(target_spec, device, "target")
+    # The rule compares token ids over the range the tokenizer can produce and
+    # both models score (padded embedding rows beyond it are dropped).
+    vocab_size = min(len(tokenizer), target_model.get_output_embeddings().weight.shape[0])
+    drafter: Drafter
+    if pair_cfg.draft.kind == "ngram":
+        drafter = NgramDrafter(vocab_size, pair_cfg.draft.get("max_ngram", 3), pair_cfg.draft.get("min_ngram", 1))
+    elif pair_cfg.draft.kind == "model":
+        draft_spec = ModelSpec.from_config(pair_cfg.draft)
+        draft_model = load_model(draft_spec, device, "draft", target=target_model)
+        if not getattr(draft_model, "shares_target_weights", False):
+            shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
+            vocab_size = min(vocab_size, shared, draft_model.get_output_embeddings().weight.shape[0])
+        drafter = ModelDrafter(CachedLM(draft_model, vocab_size))
+    else:
+        raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use model or ngram")
+    eos = target_model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size), drafter, tokenizer, eos_ids, device)
+    _loaded[key] = pair
+    return pair
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(generator, device: torch.device) -> tuple[list, list[float]]:
+    """Drain a decode generator, stamping each yield (device synchronised)."""
+    items, stamps = [], []
+    start = time.perf_counter()
+    for item in generator:
+        _sync(device)
+        stamps.append(time.perf_counter() - start)
+        items.append(item)
+    return items, stamps
+
+
+def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, reps: int = 7) -> dict:
+    """Target step time, verify cost v(n) = T(n positions) / T(1), draft cost ratio c.
+
+    Measured at the context length of a real prompt, median of `reps`.
+    """
+    target, device = pair.target, pair.device
+    target.reset()
+    target.prefill(ids[:-1])
+    extra = ids[-1:].repeat(k + 1)  # positions to score; their values do not matter for timing
+
+    def median_time(fn, setup=lambda: None) -> float:
+        samples = []
+        for _ in range(reps):
+            setup()
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        return sorted(samples)[reps // 2]
+
+    def score(n: int):
+        target.forward(extra[:n], num_logits=n)
+        target.rollback(ids.shape[0] - 1)
+
+    verify_s = {n: median_time(lambda: score(n)) for n in range(1, k + 2)}
+    generator = torch.Generator(device).manual_seed(0)
+
+    draft_s = median_time(lambda: pair.drafter.propose(ids, k, sampling, generator), setup=lambda: pair.drafter.start(ids)) / k
+    step = verify_s[1]
+    return {
+        "target_step_s": step,
+        "draft_step_s": draft_s,
+        "cost_ratio": draft_s / step,
+        "verify_s": {n: t for n, t in verify_s.items()},
+        "verify_cost": {n: t / step for n, t in verify_s.items()},
+    }
+
+
+def conditions(cfg: DictConfig, device: torch.device, dtype: str) -> dict:
+    import transformers
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                     if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {
+        "device": str(device), "device_name": name, "dtype": dtype, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "seed": cfg.seed, "hostname": platform.node(),
+    }
+
+
+def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: DictConfig, sampling: Sampling) -> dict:
+    """Baseline and speculative decoding of one prompt, back to back."""
+    seed = cfg.seed * 1_000_003 + index
+
+    def spec():
+        gen = torch.Generator(pair.device).manual_seed(seed)
+        return timed(speculative_decode(pair.target, pair.drafter, ids, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, gen), pair.device)
+
+    def base():
+        gen = torch.Generator(pair.device).manual_seed(seed)
+        return timed(autoregressive_decode(pair.target, ids, sampling, cfg.max_new_tokens, pair.eos_ids, gen), pair.device)
+
+    if index % 2 == 0:
+        base_out, spec_out = base(), spec()
+    else:
+        spec_out, base_out = spec(), base()
+    (cycles, spec_stamps), (base_tokens, base_stamps) = spec_out, base_out
+    counts = metrics.cycle_counts(cycles, cfg.k)
+    spec_tokens = [t for c in cycles for t in c.tokens]
+    return {
+        "index": index, "id": prompt["id"], "category": prompt["category"], "prompt_tokens": int(ids.shape[0]),
+        "spec": {
+            **counts, "new_tokens": len(spec_tokens), "time_s": spec_stamps[-1], "ttft_s": spec_stamps[0],
+            "first_tokens": len(cycles[0].tokens),
+            "draft_passes": counts["drafted"] if isinstance(pair.drafter, ModelDrafter) else 0,
+            "tokens": spec_tokens,
+        },
+        "base": {
+            "new_tokens": len(base_tokens), "time_s": base_stamps[-1], "ttft_s": base_stamps[0], "first_tokens": 1,
+            "tokens": base_tokens,
+        },
+        "speedup": (len(spec_tokens) / spec_stamps[-1]) / (len(base_tokens) / base_stamps[-1]),
+    }
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by an interruption: everything after it is redone
+    return records
+
+
+def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = False) -> dict:
+    """Run (or resume) one cell; returns its summary, also written to summary.json."""
+    cfg = with_default_pair(cfg)
+    validate(cfg)
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    cell_dir = Path(out_dir if out_dir is not None else cfg.out_dir) / cell_key(cfg)
+    try:
+        cell_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise HarnessError(f"cannot write results to {cell_dir}: {err.strerror}; set out_dir=<a writable directory>") from None
+    summary_path, lines_path = cell_dir / "summary.json", cell_dir / "prompts.jsonl"
+    if summary_path.exists() and not cfg.force:
+        summary = json.loads(summary_path.read_text())
+        if not quiet:
+            print(f"[harness] cell already complete, not re-run (force=true to redo): {cell_dir}", file=sys.stderr)
+        return summary
+    if cfg.force:
+        lines_path.unlink(missing_ok=True)
+    (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    pair = load_pair(cfg.pair, device)
+    sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+    prompts = select(load_builtin(), cfg.prompts.num_prompts, cfg.seed, cfg.prompts.shuffle)
+    context = pair.target.model.config.max_position_embeddings
+    budget = context - cfg.max_new_tokens - cfg.k - 1
+    encoded, skipped = [], 0
+    for p in prompts:
+        ids = fit_context(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), budget, cfg.prompts.overlong)
+        if ids is None:
+            skipped += 1
+        else:
+            encoded.append((p, as_tensor(ids, device)))
+    if not encoded:
+        raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
+
+    # Warm-up (excluded): allocator, kernels and caches see both paths once.
+    run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, OmegaConf.merge(cfg, {"max_new_tokens": 8}), sampling)
+    costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
+
+    records = _read_records(lines_path)
+    done = {r["id"] for r in records}
+    with lines_path.open("a") as out:
+        todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
+        for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
+            record = run_prompt(pair, p, ids, i, cfg, sampling)
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            records.append(record)
+
+    summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
+    summary.update(
+        pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
+        k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+        prompts_skipped=skipped, prompt_ids=[p["id"] for p, _ in encoded],
+        categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs,
+        conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")),
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        cell=cell_dir.name, cell_dir=str(cell_dir),
+    )
+    _write_json_atomic(summary_path, summary)
+    return summary
