@@ -61,7 +61,10 @@ def speculative_decode(
         if sampling.greedy:
             verdict: Verdict = verify_greedy(draft_tokens, logits.argmax(-1))
         else:
-            verdict = rule(draft_tokens, draft_probs, shape_probs(logits, sampling), generator)
+            target_probs = shape_probs(logits, sampling)  # [k'+1, V]
+            if draft_probs is None:  # nothing drafted (k' = 0): a plain target step
+                draft_probs = target_probs[:0]
+            verdict = rule(draft_tokens, draft_probs, target_probs, generator)
         n = verdict.num_accepted
         target.rollback(cached + 1 + n)
         drafter.rollback(ids.shape[0] + n)

@@ -116,7 +116,7 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     reached = np.sum([r["spec"]["position_reached"] for r in records], axis=0) if records else np.zeros(k)
     kept = np.sum([r["spec"]["position_accepted"] for r in records], axis=0) if records else np.zeros(k)
     alpha = _ratio(total("accepted"), total("tested"))
-    c, v = costs["cost_ratio"], costs["verify_cost"][k]
+    c, v = costs["cost_ratio"], costs["verify_cost"][k]  # verify_cost[n - 1] = v(n)
     predicted = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
     summary = {
         "num_prompts": len(records),

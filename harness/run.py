@@ -172,8 +172,8 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rep
         "target_step_s": step,
         "draft_step_s": draft_s,
         "cost_ratio": draft_s / step,
-        "verify_s": {n: t for n, t in verify_s.items()},
-        "verify_cost": {n: t / step for n, t in verify_s.items()},
+        "verify_s": list(verify_s.values()),  # [k + 1]: scoring 1..k+1 positions
+        "verify_cost": [t / step for t in verify_s.values()],  # [k + 1]: v(n) = T(n) / T(1)
     }
 
 

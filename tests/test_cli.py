@@ -1,0 +1,101 @@
+"""`python -m harness` end to end on the tiny pair, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def harness(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def tiny_args(tiny_pair, out: Path, *extra: str) -> list[str]:
+    return [
+        "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
+        "prompts.num_prompts=12", "max_new_tokens=20", f"out_dir={out}", *extra,
+    ]
+
+
+def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
+    out = harness(*tiny_args(tiny_pair, tmp_path, "k=3"))
+    assert out.returncode == 0, out.stderr
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("acceptance_rate", "tokens_per_cycle", "speedup", "speedup_ci", "predicted_speedup", "efficiency", "conditions"):
+        assert key in last
+    assert 0 < last["acceptance_rate"] < 1
+    assert "acceptance rate" in out.stdout and "speedup" in out.stdout  # the readable table
+    cell = Path(last["cell_dir"])
+    records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    assert len(records) == 12
+    assert {r["category"] for r in records} == {"conversation", "translation"}  # builtin order: 10 + 2
+    for r in records:  # greedy: speculative output is the target's own output
+        assert r["spec"]["tokens"] == r["base"]["tokens"]
+    summary = json.loads((cell / "summary.json").read_text())
+    assert summary["acceptance_rate"] == last["acceptance_rate"]
+    assert summary["conditions"]["torch"] and summary["conditions"]["threads"] >= 1
+    assert set(summary["categories"]) == {"conversation", "translation"}
+
+
+def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
+    args = tiny_args(tiny_pair, tmp_path, "temperature=1.0", "prompts.num_prompts=6")
+    first = harness(*args)
+    assert first.returncode == 0, first.stderr
+    cell = Path(json.loads(first.stdout.strip().splitlines()[-1])["cell_dir"])
+    # Simulate an interrupted run: drop the summary and the last two prompts.
+    lines = (cell / "prompts.jsonl").read_text().splitlines()
+    (cell / "prompts.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    (cell / "summary.json").unlink()
+    second = harness(*args)
+    assert second.returncode == 0, second.stderr
+    ids = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    assert len(ids) == 6 == len(set(ids))
+    assert ids[:4] == [json.loads(line)["id"] for line in lines[:4]]  # finished prompts were kept, not redone
+    third = harness(*args)
+    assert third.returncode == 0 and "already complete" in third.stderr
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("k=0", "k=0 must be a positive integer"),
+        ("temperature=-1", "must be >= 0"),
+        ("top_p=1.5", "must be in (0, 1]"),
+        ("top_k=-2", "must be an integer >= 0"),
+        ("max_new_tokens=0", "must be a positive integer"),
+        ("device=cuda", "CUDA is not available"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(tiny_pair, tmp_path, override, message):
+    out = harness(*tiny_args(tiny_pair, tmp_path, override))
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert message in out.stderr
+    assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_missing_model_path_and_unavailable_hub_id(tiny_pair, tmp_path):
+    out = harness("+pair=llama_7b_68m", f"pair.target.id={tmp_path / 'nope'}", f"out_dir={tmp_path}")
+    assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+    out = harness("+pair=llama_7b_68m", f"out_dir={tmp_path}")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "meta-llama/Llama-2-7b-hf" in out.stderr and "HF_HOME" in out.stderr
+
+
+def test_different_tokenizers_are_refused(tiny_pair, tmp_path):
+    from conftest import make_model, make_tokenizer
+
+    other = tmp_path / "other"
+    tok = make_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 ")
+    make_model(len(tok), seed=5).save_pretrained(other)
+    tok.save_pretrained(other)
+    out = harness("+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={other}", f"out_dir={tmp_path}")
+    assert out.returncode != 0 and "different tokenizers" in out.stderr and "Traceback" not in out.stderr

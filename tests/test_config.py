@@ -1,0 +1,76 @@
+"""Every config in conf/ composes, and the card's command line works as written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from harness.run import CONF_DIR, cell_key, validate, with_default_pair
+
+PAIRS = sorted(p.stem for p in (CONF_DIR / "pair").glob("*.yaml"))
+PUBLISHED = {
+    "llama_7b_68m": ("meta-llama/Llama-2-7b-hf", "JackFram/llama-68m"),
+    "vicuna_7b_68m": ("lmsys/vicuna-7b-v1.3", "double7/vicuna-68m"),
+    "llama31_8b_32_1b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+    "qwen25_7b_05b": ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+}
+
+
+def composed(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_every_pair_composes(pair):
+    cfg = with_default_pair(composed([f"+pair={pair}"]))
+    OmegaConf.resolve(cfg)
+    validate(cfg)
+    assert cfg.pair.name == pair
+    assert cfg.pair.target.id and cfg.pair.draft.kind in ("model", "ngram")
+    assert cell_key(cfg).startswith(pair)
+
+
+def test_published_pairs_name_real_hub_ids():
+    for name, (target, draft) in PUBLISHED.items():
+        cfg = composed([f"+pair={name}"])
+        assert (cfg.pair.target.id, cfg.pair.draft.id) == (target, draft)
+
+
+def test_no_pair_means_the_embedded_default():
+    cfg = with_default_pair(composed([]))
+    assert cfg.pair.name == "smollm2" and cfg.pair.target.id == "embedded:smollm2"
+
+
+def test_card_command_composes():
+    cfg = composed(["+pair=llama_7b_68m", "k=4"])
+    assert cfg.k == 4 and cfg.pair.target.id == "meta-llama/Llama-2-7b-hf"
+
+
+def test_sampling_overrides_compose():
+    cfg = composed(["k=8", "temperature=0.7", "top_k=50", "top_p=0.9", "max_new_tokens=16", "seed=3", "device=cpu", "dtype=float32"])
+    validate(with_default_pair(cfg))
+    assert (cfg.k, cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens, cfg.seed) == (8, 0.7, 50, 0.9, 16, 3)
+    assert cfg.pair.target.dtype == "float32"  # the pair follows the top-level dtype
+
+
+def test_cell_key_changes_with_what_changes_results():
+    base = with_default_pair(composed([]))
+    assert cell_key(base) == cell_key(with_default_pair(composed(["out_dir=/elsewhere", "force=true"])))
+    assert cell_key(base) != cell_key(with_default_pair(composed(["seed=1"])))
+    assert cell_key(base) != cell_key(with_default_pair(composed(["temperature=1.0"])))
+
+
+def test_cfg_job_prints_both_model_ids():
+    out = subprocess.run(
+        [sys.executable, "-m", "harness", "+pair=llama_7b_68m", "k=4", "--cfg", "job"],
+        capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "meta-llama/Llama-2-7b-hf" in out.stdout and "JackFram/llama-68m" in out.stdout
+    assert "k: 4" in out.stdout

@@ -1,0 +1,153 @@
+"""The speculative loop on tiny real transformers, loaded the way users load models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.drafters import ModelDrafter, NgramDrafter
+from harness.loop import autoregressive_decode, speculative_decode
+from harness.models import CachedLM, ModelSpec, load_model
+from harness.sampling import Sampling, shape_probs
+
+PROMPTS = ["hello world", "The quick brown fox", "def f(x): return", "2 + 2 =", "Once upon a time, there"]
+GREEDY = Sampling(0.0)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    cpu = torch.device("cpu")
+    target = load_model(ModelSpec(str(tiny_pair["target"])), cpu)
+    draft = load_model(ModelSpec(str(tiny_pair["draft"])), cpu, "draft")
+    return target, draft
+
+
+def ids_of(text: str) -> torch.Tensor:
+    from conftest import make_tokenizer
+
+    return torch.tensor(make_tokenizer()(text)["input_ids"])
+
+
+def spec_tokens(target, drafter, prompt, k, sampling, max_new, eos, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cycles = list(speculative_decode(CachedLM(target, 98), drafter, prompt, k, sampling, max_new, eos, gen))
+    return [t for c in cycles for t in c.tokens], cycles
+
+
+def base_tokens(target, prompt, max_new, eos, sampling=GREEDY, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return list(autoregressive_decode(CachedLM(target, 98), prompt, sampling, max_new, eos, gen))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_equals_target_greedy(models, k):
+    target, draft = models
+    rejected_somewhere = False
+    for text in PROMPTS:
+        prompt = ids_of(text)
+        expected = base_tokens(target, prompt, 37, set())
+        got, cycles = spec_tokens(target, ModelDrafter(CachedLM(draft, 98)), prompt, k, GREEDY, 37, set())
+        assert got == expected
+        assert len(got) == 37  # max_new_tokens = 37 is not a multiple of k + 1: the stop falls inside a cycle
+        rejected_somewhere |= any(c.num_accepted < c.num_drafted for c in cycles)
+    assert rejected_somewhere  # the pair really disagrees: the test exercises rejections
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_stops_at_eos_inside_a_cycle(models, k):
+    target, draft = models
+    for text in PROMPTS:
+        prompt = ids_of(text)
+        free = base_tokens(target, prompt, 40, set())
+        eos = {free[13]}  # pretend a token it emits mid-way is EOS
+        expected = base_tokens(target, prompt, 40, eos)
+        got, _ = spec_tokens(target, ModelDrafter(CachedLM(draft, 98)), prompt, k, GREEDY, 40, eos)
+        assert got == expected
+        assert got[-1] in eos and all(t not in eos for t in got[:-1])
+
+
+def test_prompt_lookup_greedy_equals_target_greedy(models):
+    target, _ = models
+    for text in PROMPTS:
+        prompt = ids_of(text * 2)  # repeated text: lookup finds matches
+        assert spec_tokens(target, NgramDrafter(98), prompt, 4, GREEDY, 30, set())[0] == base_tokens(target, prompt, 30, set())
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(1.0), Sampling(0.7, top_p=0.9)])
+def test_draft_equal_to_target_accepts_everything(models, sampling):
+    target, _ = models
+    for text in PROMPTS[:3]:
+        _, cycles = spec_tokens(target, ModelDrafter(CachedLM(target, 98)), ids_of(text), 4, sampling, 40, set())
+        assert all(c.num_accepted == c.num_drafted for c in cycles)
+
+
+def test_acceptance_matches_expected_sum_min_p_q(models):
+    """alpha = accepted / tested positions estimates mean sum_v min(p, q) over the
+    same positions. Over ~2,000 tested positions the standard error of alpha is
+    about sqrt(0.25 / 1800) = 0.012: the tolerance 0.05 is over 4 standard errors."""
+    target, draft = models
+    accepted = tested = 0
+    expected = 0.0
+    for seed in range(20):
+        for text in PROMPTS:
+            _, cycles = spec_tokens(target, ModelDrafter(CachedLM(draft, 98)), ids_of(text), 3, Sampling(1.0), 24, set(), seed)
+            for c in cycles:
+                accepted += c.num_accepted
+                tested += len(c.expected_acceptance)
+                expected += float(c.expected_acceptance.sum())
+    assert tested > 1800
+    alpha, beta = accepted / tested, expected / tested
+    assert 0.2 < beta < 0.95  # partial acceptance: the comparison means something
+    assert abs(alpha - beta) < 0.05
+
+
+class RecordingDrafter(ModelDrafter):
+    """A model drafter that compares its cache with a fresh forward before each proposal."""
+
+    checked = 0
+
+    def propose(self, ids, k, sampling, generator):
+        cached_len = self.lm.length  # the drafter caches a prefix of the committed ids
+        if cached_len > 0:
+            logits = self.lm.forward(ids[cached_len : cached_len + 1], 1)
+            self.lm.rollback(cached_len)
+            fresh = CachedLM(self.lm.model, self.lm.vocab_size).forward(ids[: cached_len + 1], 1)
+            torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+            RecordingDrafter.checked += 1
+        return super().propose(ids, k, sampling, generator)
+
+
+def test_cache_rollback_matches_fresh_forward(models):
+    """After any pattern of rejections, both models' next logits over the committed
+    sequence equal those of a fresh forward pass over it."""
+    target_model, draft_model = models
+    for sampling in (GREEDY, Sampling(1.0)):
+        for text in PROMPTS:
+            prompt = ids_of(text)
+            target = CachedLM(target_model, 98)
+            drafter = RecordingDrafter(CachedLM(draft_model, 98))
+            gen = torch.Generator().manual_seed(3)
+            committed = prompt
+            patterns = set()
+            for cycle in speculative_decode(target, drafter, prompt, 4, sampling, 40, set(), gen):
+                patterns.add(cycle.num_accepted)
+                committed = torch.cat([committed, torch.tensor(cycle.tokens)])
+                assert target.length == len(committed) - 1
+                cached = target.forward(committed[-1:], 1)
+                target.rollback(target.length - 1)
+                fresh = CachedLM(target_model, 98).forward(committed, 1)
+                torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-4)
+            assert len(patterns) >= 2  # several different rejection points were exercised
+    assert RecordingDrafter.checked > 50
+
+
+def test_sampling_shapes_top_k_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    p = shape_probs(logits, Sampling(1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = logits.softmax(-1)[0]
+    p = shape_probs(logits, Sampling(1.0, top_p=0.8))
+    kept = (p[0] > 0).sum().item()
+    assert full[: kept - 1].sum() < 0.8 <= full[:kept].sum()  # smallest prefix reaching top_p
+    p = shape_probs(logits, Sampling(0.5))
+    torch.testing.assert_close(p, (logits / 0.5).softmax(-1))
