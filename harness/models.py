@@ -11,9 +11,12 @@ Two ids are special:
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
@@ -66,6 +69,27 @@ def _not_available(model_id: str, role: str) -> HarnessError:
     )
 
 
+@functools.cache
+def hub_reachable() -> bool:
+    """One quick connection attempt, so an offline machine fails in seconds
+    instead of after huggingface_hub's retries (about a minute)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_kwargs(spec: ModelSpec, source: str) -> dict:
+    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    if not Path(source).exists():  # a hub id: use the cache alone when the hub is out of reach
+        kwargs["local_files_only"] = not hub_reachable()
+    return kwargs
+
+
 def resolve_source(spec: ModelSpec, role: str) -> tuple[str, str | None]:
     """(path or hub id, gguf file name) to hand to from_pretrained."""
     if spec.id.startswith("embedded:"):
@@ -88,7 +112,7 @@ def resolve_source(spec: ModelSpec, role: str) -> tuple[str, str | None]:
 
 def load_tokenizer(spec: ModelSpec, role: str = "target"):
     source, gguf_file = resolve_source(spec, role)
-    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    kwargs = _hub_kwargs(spec, source)
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:
@@ -107,7 +131,7 @@ def load_model(spec: ModelSpec, device: torch.device, role: str = "target", targ
         if target is None:
             raise HarnessError(f"draft '{spec.id}' shares weights with its target and must be loaded with it")
         return load_shared_draft(Path(source), target, dtype)
-    kwargs = {"revision": spec.revision, "dtype": dtype, "trust_remote_code": spec.trust_remote_code}
+    kwargs = {**_hub_kwargs(spec, source), "dtype": dtype}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     if spec.device_map:

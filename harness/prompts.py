@@ -23,10 +23,20 @@ def load_builtin() -> list[dict]:
 
 
 def select(prompts: list[dict], num_prompts: int | None, seed: int, shuffle: bool) -> list[dict]:
-    """A seeded choice of prompts; the chosen ids are recorded in the results."""
-    if shuffle:
-        prompts = random.Random(seed).sample(prompts, len(prompts))
-    return prompts if num_prompts is None else prompts[:num_prompts]
+    """A deterministic choice of prompts, balanced over categories.
+
+    Prompts are taken round-robin over categories (in order of first
+    appearance), so any prefix of the selection covers every category
+    evenly; `shuffle` first permutes each category with `seed`. The chosen
+    ids are recorded in the results.
+    """
+    rng = random.Random(seed)
+    by_category: dict[str, list[dict]] = {}
+    for p in prompts:
+        by_category.setdefault(p["category"], []).append(p)
+    queues = [rng.sample(group, len(group)) if shuffle else group for group in by_category.values()]
+    ordered = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return ordered if num_prompts is None else ordered[:num_prompts]
 
 
 def encode(tokenizer, text: str, template: str) -> list[int]:

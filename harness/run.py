@@ -29,12 +29,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from harness import metrics
+from harness import metrics, tracking
+from harness.datasets import load_prompts
 from harness.drafters import Drafter, ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device
-from harness.prompts import as_tensor, encode, fit_context, load_builtin, select
+from harness.prompts import as_tensor, encode, fit_context, select
 from harness.sampling import Sampling
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -73,8 +74,8 @@ def validate(cfg: DictConfig) -> None:
         (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
         (isinstance(cfg.top_k, int) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
         (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 1, f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
-        (cfg.prompts.num_prompts is None or (isinstance(cfg.prompts.num_prompts, int) and cfg.prompts.num_prompts >= 1),
-         f"prompts.num_prompts={cfg.prompts.num_prompts} must be a positive integer or null (all)"),
+        (cfg.dataset.num_prompts is None or (isinstance(cfg.dataset.num_prompts, int) and cfg.dataset.num_prompts >= 1),
+         f"dataset.num_prompts={cfg.dataset.num_prompts} must be a positive integer or null (all)"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
     ]
@@ -268,7 +269,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
 
     pair = load_pair(cfg.pair, device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
-    prompts = select(load_builtin(), cfg.prompts.num_prompts, cfg.seed, cfg.prompts.shuffle)
+    prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
     context = pair.target.model.config.max_position_embeddings
     budget = context - cfg.max_new_tokens - cfg.k - 1
     encoded, skipped = [], 0
@@ -287,6 +288,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
 
     records = _read_records(lines_path)
     done = {r["id"] for r in records}
+    tracker = tracking.start(cfg, cell_dir)
     with lines_path.open("a") as out:
         todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
         for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
@@ -294,6 +296,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
             out.write(json.dumps(record) + "\n")
             out.flush()
             records.append(record)
+            tracker.log_prompt(record)
 
     summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
     summary.update(
@@ -306,4 +309,5 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         cell=cell_dir.name, cell_dir=str(cell_dir),
     )
     _write_json_atomic(summary_path, summary)
+    tracker.finish(summary, records)
     return summary

@@ -74,3 +74,16 @@ def test_cfg_job_prints_both_model_ids():
     assert out.returncode == 0, out.stderr
     assert "meta-llama/Llama-2-7b-hf" in out.stdout and "JackFram/llama-68m" in out.stdout
     assert "k: 4" in out.stdout
+
+
+def test_prompt_selection_is_balanced_and_seeded():
+    from harness.prompts import load_builtin, select
+
+    prompts = load_builtin()
+    assert len(prompts) >= 48 and len({p["category"] for p in prompts}) >= 6
+    first = select(prompts, 12, seed=0, shuffle=False)
+    assert sorted({p["category"] for p in first}) == ["code", "conversation", "math", "qa", "summarization", "translation"]
+    assert all(sum(p["category"] == c for p in first) == 2 for c in {p["category"] for p in first})
+    assert select(prompts, 12, 5, True) == select(prompts, 12, 5, True)
+    assert select(prompts, 12, 5, True) != select(prompts, 12, 6, True)
+    assert len(select(prompts, None, 0, False)) == len(prompts)
