@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=args.overrides))
     device = resolve_device(cfg.device)
-    pair = load_pair(cfg.pair, device)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
     target, eos = pair.target, sorted(pair.eos_ids)
     draft_model = pair.drafter.lm.model if isinstance(pair.drafter, ModelDrafter) else None
     ngram = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)

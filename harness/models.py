@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, StaticCache
 
 from harness.errors import HarnessError
 
@@ -172,28 +172,41 @@ class CachedLM:
     `length` is the number of tokens whose keys and values are cached. The
     loop keeps the cache one token behind the committed sequence: the last
     committed token is fed with the next forward, which yields its logits.
+
+    Two caches: `dynamic` (HF DynamicCache; rollback crops the tensors) and
+    `static` (HF StaticCache of `max_len` slots, allocated once; positions
+    are written by index and rollback only moves `length` back, the causal
+    mask hiding the stale slots beyond it, as gpt-fast does). The static cache
+    keeps shapes fixed, which is what `torch.compile` needs.
     """
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int):
+    def __init__(self, model: PreTrainedModel, vocab_size: int, cache: str = "dynamic", max_len: int | None = None):
         self.model = model
         self.vocab_size = vocab_size  # rows beyond it (padding) are dropped
         self.device = next(model.parameters()).device
+        self.static = cache == "static"
+        if self.static:
+            self.cache = StaticCache(config=model.config, max_cache_len=max_len or model.config.max_position_embeddings)
         self.reset()
 
     def reset(self) -> None:
         """Empty the cache: a new sequence starts."""
-        self.cache = DynamicCache(config=self.model.config)
+        if self.static:
+            self._move_static_position(0)
+        else:
+            self.cache = DynamicCache(config=self.model.config)
         self.length = 0
+
+    def _move_static_position(self, length: int) -> None:
+        # StaticCache layers write at their own running position: move it back.
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(length)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
         """Append input_ids [T] to the cache; logits [num_logits, vocab] of the last positions."""
-        out = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=num_logits,
-        )
+        out = self.model(input_ids=input_ids.unsqueeze(0), cache=self.cache, use_cache=True, logits_to_keep=num_logits)
         self.length += input_ids.shape[0]
         return out.logits[0, -num_logits:, : self.vocab_size]
 
@@ -205,5 +218,8 @@ class CachedLM:
     def rollback(self, length: int) -> None:
         """Drop cached positions at and beyond `length` (rejected tokens)."""
         if length < self.length:
-            self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove
+            if self.static:
+                self._move_static_position(length)
+            else:
+                self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove
             self.length = length

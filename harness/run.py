@@ -76,6 +76,7 @@ def validate(cfg: DictConfig) -> None:
         (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 1, f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
         (cfg.dataset.num_prompts is None or (isinstance(cfg.dataset.num_prompts, int) and cfg.dataset.num_prompts >= 1),
          f"dataset.num_prompts={cfg.dataset.num_prompts} must be a positive integer or null (all)"),
+        (cfg.cache in ("dynamic", "static"), f"cache={cfg.cache} must be dynamic or static"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
     ]
@@ -91,8 +92,17 @@ def cell_key(cfg: DictConfig) -> str:
     return f"{cfg.pair.name}-k{cfg.k}-t{cfg.temperature}-{digest}"
 
 
-def load_pair(pair_cfg: DictConfig, device: torch.device) -> Pair:
-    key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + str(device)
+def _compiled(model, enabled: bool):
+    """torch.compile the forward (static shapes per input length; CUDA graphs on GPU)."""
+    if enabled:
+        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+        model.forward = torch.compile(model.forward, mode=mode, dynamic=False)
+    return model
+
+
+def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False) -> Pair:
+    """Load (or reuse) a pair. `cache` is dynamic or static; `compile` wraps both forwards."""
+    key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + f"{device}{cache}{compile}"
     if key in _loaded:
         return _loaded[key]
     _loaded.clear()  # free the previous pair before loading the next
@@ -111,14 +121,14 @@ def load_pair(pair_cfg: DictConfig, device: torch.device) -> Pair:
         if not getattr(draft_model, "shares_target_weights", False):
             shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
             vocab_size = min(vocab_size, shared, draft_model.get_output_embeddings().weight.shape[0])
-        drafter = ModelDrafter(CachedLM(draft_model, vocab_size))
+        drafter = ModelDrafter(CachedLM(_compiled(draft_model, compile), vocab_size, cache))
     else:
         raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use model or ngram")
     eos = target_model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size), drafter, tokenizer, eos_ids, device)
+    pair = Pair(pair_cfg.name, CachedLM(_compiled(target_model, compile), vocab_size, cache), drafter, tokenizer, eos_ids, device)
     _loaded[key] = pair
     return pair
 
@@ -267,7 +277,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         lines_path.unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    pair = load_pair(cfg.pair, device)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
     context = pair.target.model.config.max_position_embeddings

@@ -28,9 +28,9 @@ def ids_of(text: str) -> torch.Tensor:
     return torch.tensor(make_tokenizer()(text)["input_ids"])
 
 
-def spec_tokens(target, drafter, prompt, k, sampling, max_new, eos, seed=0):
+def spec_tokens(target, drafter, prompt, k, sampling, max_new, eos, seed=0, cache="dynamic"):
     gen = torch.Generator().manual_seed(seed)
-    cycles = list(speculative_decode(CachedLM(target, 98), drafter, prompt, k, sampling, max_new, eos, gen))
+    cycles = list(speculative_decode(CachedLM(target, 98, cache, 256), drafter, prompt, k, sampling, max_new, eos, gen))
     return [t for c in cycles for t in c.tokens], cycles
 
 
@@ -64,6 +64,20 @@ def test_greedy_stops_at_eos_inside_a_cycle(models, k):
         got, _ = spec_tokens(target, ModelDrafter(CachedLM(draft, 98)), prompt, k, GREEDY, 40, eos)
         assert got == expected
         assert got[-1] in eos and all(t not in eos for t in got[:-1])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_static_cache_gives_the_same_tokens(models, k):
+    """The static cache (rollback by moving the write position) agrees with the dynamic one,
+    at T=0 token for token and at T=1 for the same seed."""
+    target, draft = models
+    for sampling in (GREEDY, Sampling(1.0)):
+        for text in PROMPTS[:3]:
+            prompt = ids_of(text)
+            dynamic = spec_tokens(target, ModelDrafter(CachedLM(draft, 98)), prompt, k, sampling, 30, set())[0]
+            static_drafter = ModelDrafter(CachedLM(draft, 98, "static", 256))
+            for _ in range(2):  # reused across sequences, as in a run
+                assert spec_tokens(target, static_drafter, prompt, k, sampling, 30, set(), cache="static")[0] == dynamic
 
 
 def test_prompt_lookup_greedy_equals_target_greedy(models):
