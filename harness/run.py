@@ -14,12 +14,15 @@ finished cell is not run again unless `force=true`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,6 +241,31 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
     }
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Treat SIGTERM (a scheduler or `kill`) like Ctrl-C, so both end a run the same way."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _current_rss_mb() -> float:
+    """Resident memory now (Linux /proc), to show it does not grow across prompts."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
@@ -278,6 +306,8 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
     context = pair.target.model.config.max_position_embeddings
@@ -299,14 +329,23 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
     records = _read_records(lines_path)
     done = {r["id"] for r in records}
     tracker = tracking.start(cfg, cell_dir)
-    with lines_path.open("a") as out:
-        todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
-        for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
-            record = run_prompt(pair, p, ids, i, cfg, sampling)
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-            records.append(record)
-            tracker.log_prompt(record)
+    todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
+    _write_json_atomic(cell_dir / "status.json", {"status": "running", "done": len(records), "total": len(encoded)})
+    try:
+        with lines_path.open("a") as out, _sigterm_as_interrupt():
+            for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
+                record = run_prompt(pair, p, ids, i, cfg, sampling)
+                record["rss_mb"] = _current_rss_mb()
+                out.write(json.dumps(record) + "\n")
+                out.flush()  # append-only and flushed per prompt: an interruption loses at most the prompt in flight
+                records.append(record)
+                tracker.log_prompt(record)
+    except BaseException as err:
+        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        _write_json_atomic(cell_dir / "status.json", {"status": status, "done": len(records), "total": len(encoded), "error": repr(err)})
+        partial = metrics.summarize(records, cfg.k, costs, cfg.seed) if records else {}
+        tracker.finish({**partial, "status": status}, records, status=status)
+        raise
 
     summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
     summary.update(
@@ -316,8 +355,11 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs,
         conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         cell=cell_dir.name, cell_dir=str(cell_dir),
     )
+    summary["status"] = "finished"
     _write_json_atomic(summary_path, summary)
+    _write_json_atomic(cell_dir / "status.json", {"status": "finished", "done": len(records), "total": len(encoded)})
     tracker.finish(summary, records)
     return summary
