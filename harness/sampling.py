@@ -33,14 +33,18 @@ class Sampling:
 def shape_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Shaped distribution over the vocabulary. logits: [..., V] -> probs [..., V].
 
-    Non-finite logits are treated as impossible tokens (NaN and +inf would
-    otherwise poison the softmax); a row with no finite logit at all raises,
-    since no distribution can be made from it.
+    Non-finite logits have one fixed meaning, the same for target and draft
+    (and so for the baseline): NaN is an impossible token; a row with +inf
+    logits puts equal mass on those; a row with no usable logit at all is
+    uniform. A NaN never reaches the acceptance arithmetic.
     """
     assert not sampling.greedy, "greedy decoding uses argmax, not probabilities"
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logits = logits.to(dtype) / sampling.temperature
-    logits = torch.where(torch.isfinite(logits), logits, float("-inf"))
+    logits = logits.to(dtype)
+    pos_inf = logits == float("inf")
+    logits = torch.where(pos_inf.any(-1, keepdim=True), torch.where(pos_inf, 0.0, float("-inf")), logits)
+    logits = torch.where(torch.isnan(logits), float("-inf"), logits) / sampling.temperature
+    logits = torch.where((logits > float("-inf")).any(-1, keepdim=True), logits, 0.0)  # nothing usable: uniform
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -1,0 +1,60 @@
+"""Numerical safety: non-finite logits, residuals with no mass, half precision."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.rule import verify
+from harness.sampling import Sampling, sample, shape_probs
+
+T1 = Sampling(1.0)
+
+
+def test_non_finite_logits_have_one_fixed_meaning():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([
+        [1.0, nan, 0.0, -inf],  # NaN: impossible
+        [1.0, inf, 0.0, inf],  # +inf: all mass on those, equally
+        [nan, nan, -inf, -inf],  # nothing usable: uniform
+    ])
+    p = shape_probs(logits, T1)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(3))
+    assert p[0, 1] == 0 and p[0, 3] == 0 and p[0, 0] > p[0, 2] > 0
+    torch.testing.assert_close(p[1], torch.tensor([0.0, 0.5, 0.0, 0.5]))
+    torch.testing.assert_close(p[2], torch.full((4,), 0.25))
+    assert torch.isfinite(shape_probs(logits, Sampling(0.7, top_k=2, top_p=0.9))).all()
+
+
+def test_residual_without_mass_falls_back_to_p():
+    """If rounding leaves p <= q everywhere, the residual has no mass; a rejection
+    there (probability ~0 in exact arithmetic) must still recover a token of p.
+    q is over-normalised here to make that branch frequent."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.9, 0.9, 0.0]])  # residual max(0, p - q) = 0
+    draft = torch.tensor([0])
+    rejected = 0
+    for seed in range(300):
+        v = verify(draft, q, p, torch.Generator().manual_seed(seed))
+        if v.num_accepted == 0:
+            rejected += 1
+            assert p[0, int(v.next_token)] > 0
+    assert 90 < rejected < 180  # P(reject) = 1 - 0.5 / 0.9 = 0.44
+
+
+def test_sampling_never_picks_a_zero_weight_token():
+    weights = torch.zeros(50_000)
+    weights[[3, 7]] = torch.tensor([1.0, 3.0])
+    gen = torch.Generator().manual_seed(0)
+    draws = [int(sample(weights, gen)) for _ in range(2000)]
+    assert set(draws) == {3, 7}
+    assert 0.7 < draws.count(7) / 2000 < 0.8
+
+
+def test_half_precision_logits_give_float32_probabilities():
+    logits = torch.randn(3, 100, dtype=torch.float16) * 4
+    for dtype in (torch.float16, torch.bfloat16):
+        p = shape_probs(logits.to(dtype), Sampling(0.7, top_p=0.9))
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p.sum(-1), torch.ones(3))
+    assert shape_probs(logits.double(), T1).dtype == torch.float64
