@@ -35,7 +35,8 @@ from harness import metrics
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
-from harness.prompts import as_tensor, encode, load_builtin, select
+from harness.datasets import load_prompts
+from harness.prompts import as_tensor, encode, select
 from harness.run import CONF_DIR, _sync, conditions, load_pair, measure_costs, with_default_pair
 from harness.sampling import Sampling
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     target, eos = pair.target, sorted(pair.eos_ids)
     draft_model = pair.drafter.lm.model if isinstance(pair.drafter, ModelDrafter) else None
     ngram = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)
-    prompts = select(load_builtin(), args.prompts, cfg.seed, shuffle=False)
+    prompts = select(load_prompts(cfg.dataset), args.prompts, cfg.seed, shuffle=False)
     encoded = [as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device) for p in prompts]
     n = args.max_new_tokens
 

@@ -1,16 +1,325 @@
 """Prompt sets, chosen by the `dataset` config group (conf/dataset/).
 
 `load_prompts(dataset_cfg)` returns a list of {"id", "category", "prompt"}
-dicts; the category travels into every result.
+dicts; the category travels into every result, so acceptance and speedup
+can be read per task type (as Spec-Bench reads its six task groups).
+
+Every set goes through one path, `datasets.load_dataset`:
+  builtin   our offline set, harness/data/builtin_prompts.jsonl (json loader);
+  hub       an HF dataset id, config and split (mt_bench, gsm8k, humaneval, ...);
+  local     a jsonl, json, csv or parquet file (`dataset.path`); any hub set
+            can also be pointed at a local export of itself with dataset.path.
+
+A row becomes a prompt like this:
+  - a list value (MT-Bench / Spec-Bench `turns`) stands for its first item
+    ({turns}); a template can index it for another ({turns[1]});
+  - `template` is a str.format string over the row's fields ("{article}",
+    "{translation[de]}"); with no template the text field(s) are the prompt;
+  - the id is the row's `id_field` when it has one, else "<name>-<row index>";
+  - the category is the row's `category_field`, else the fixed `category`.
+Templates are only ever formatted with the row (format_map), never evaluated.
+
+Choosing which prompts run (seeded, balanced over categories) is
+harness.prompts.select's job; this module only reads rows, and never
+tokenizes, so a large split costs no more than the rows it reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+import string
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
 from harness.errors import HarnessError
-from harness.prompts import load_builtin
+
+BUILTIN = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
+LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # extension -> datasets builder
+# A template field: a row field, optionally indexed ({translation[de]}); no attribute access.
+FIELD = re.compile(r"^([A-Za-z_]\w*)((?:\[[^\[\]]+\])*)$")
 
 
 def load_prompts(dataset_cfg) -> list[dict]:
-    if dataset_cfg.source == "builtin":
-        return load_builtin()
-    raise HarnessError(f"dataset.source={dataset_cfg.source} is not supported yet: use builtin")
+    """Read the configured set and turn each usable row into a prompt dict."""
+    cfg = dataset_cfg
+    with _quiet_datasets():
+        if cfg.source == "builtin":
+            rows, columns = _load_local(cfg, BUILTIN)
+        elif cfg.get("path"):
+            rows, columns = _load_local(cfg, Path(str(cfg.path)).expanduser())
+        elif cfg.source == "local":
+            raise HarnessError(f"dataset={cfg.name} reads a file: give it with dataset.path=/path/to/prompts.jsonl (jsonl, json, csv or parquet)")
+        elif cfg.source == "hub":
+            rows, columns = _load_hub(cfg)
+        else:
+            raise HarnessError(f"dataset.source={cfg.source} is not a source: use builtin, hub or local")
+        prompts = _to_prompts(cfg, rows, columns)
+
+    wanted = cfg.get("num_prompts")
+    if wanted is not None and wanted > len(prompts):
+        print(f"[harness] warning: dataset.num_prompts={wanted} but {cfg.name} has {len(prompts)} prompts: using all {len(prompts)}", file=sys.stderr)
+    return prompts
+
+
+# ---------------------------------------------------------------- reading rows
+
+
+def _rows_to_read(cfg) -> int | None:
+    """How many rows to read from the source: `max_rows` (a window the seeded
+    choice picks from), never fewer than num_prompts; None reads all."""
+    max_rows, wanted = cfg.get("max_rows"), cfg.get("num_prompts")
+    if max_rows is None:
+        return wanted if cfg.get("streaming") else None
+    return max(max_rows, wanted or 0)
+
+
+def _first_rows(ds, n: int | None) -> Iterable[dict]:
+    """The first n rows (all for None). A Dataset is sliced, not copied; a
+    streamed IterableDataset is read here, stopping after n rows, so that
+    any read error surfaces inside the caller's error handling."""
+    import datasets as hf_datasets
+
+    if isinstance(ds, hf_datasets.IterableDataset):
+        return list(ds if n is None else ds.take(n))
+    return ds if n is None else ds.select(range(min(n, len(ds))))
+
+
+def _columns(ds) -> list[str] | None:
+    return list(ds.column_names) if getattr(ds, "column_names", None) is not None else None
+
+
+def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
+    import datasets as hf_datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    shown = f"dataset.path={path}" if cfg.source != "builtin" else f"the builtin set ({path})"
+    if not path.exists():
+        raise HarnessError(f"{shown} does not exist: give an existing jsonl, json, csv or parquet file")
+    if path.is_dir():
+        raise HarnessError(f"{shown} is a directory: give one jsonl, json, csv or parquet file")
+    fmt = cfg.get("format") or "auto"
+    if fmt == "auto":
+        fmt = LOADERS.get(path.suffix.lower())
+        if fmt is None:
+            raise HarnessError(f"{shown}: cannot tell the format from '{path.suffix}': use a .jsonl, .json, .csv or .parquet file, or set dataset.format=json|csv|parquet")
+    elif fmt not in ("json", "csv", "parquet"):
+        raise HarnessError(f"dataset.format={fmt} is not a format: use auto, json, csv or parquet")
+    if path.stat().st_size == 0:
+        raise HarnessError(f"{shown} is empty: it needs one prompt per row")
+    try:
+        ds = hf_datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=bool(cfg.get("streaming")))
+        rows = _first_rows(ds, _rows_to_read(cfg))
+    except (DatasetGenerationError, ValueError, StopIteration, OSError) as err:
+        if isinstance(err, StopIteration) or "corresponds to no data" in str(err):
+            raise HarnessError(f"{shown} holds no rows: it needs one prompt per row") from None
+        cause = err.__cause__ or err
+        raise HarnessError(f"{shown} cannot be read as {fmt}: {_one_line(cause)}") from None
+    return rows, _columns(ds)
+
+
+def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None]:
+    import datasets as hf_datasets
+    from datasets.exceptions import DatasetNotFoundError, DatasetsError
+
+    hf_id, streaming = cfg.hf_id, bool(cfg.get("streaming"))
+    offline_reason = _offline_reason()
+    try:
+        with _offline(offline_reason is not None):
+            ds = hf_datasets.load_dataset(hf_id, cfg.get("hf_config"), split=cfg.split, streaming=streaming)
+            rows = _first_rows(ds, _rows_to_read(cfg))
+    except DatasetNotFoundError as err:
+        if offline_reason is None:
+            raise HarnessError(f"dataset {hf_id} ({cfg.name}) is not on the hub or is gated ({_one_line(err)}): check dataset.hf_id, or log in with `hf auth login`") from None
+        raise HarnessError(_unavailable(cfg, offline_reason)) from None
+    except OSError as err:  # ConnectionError, FileNotFoundError (not cached), network failures
+        raise HarnessError(_unavailable(cfg, offline_reason or f"failing ({_one_line(err)})")) from None
+    except ValueError as err:  # a config or split the set does not have (or, offline, the cache does not hold)
+        if offline_reason is not None:
+            raise HarnessError(_unavailable(cfg, offline_reason)) from None
+        raise HarnessError(f"dataset {hf_id} ({cfg.name}), dataset.hf_config={cfg.get('hf_config')} dataset.split={cfg.split}: {_one_line(err)}") from None
+    except DatasetsError as err:  # e.g. a file of the set that cannot be parsed
+        raise HarnessError(f"dataset {hf_id} ({cfg.name}) could not be read: {_one_line(err.__cause__ or err)}") from None
+    return rows, _columns(ds)
+
+
+# ------------------------------------------------------------ offline handling
+
+
+def _offline_reason() -> str | None:
+    """Why the hub cannot be used, or None when it can.
+
+    When the hub is unreachable but no offline variable is set, the datasets
+    library retries for about half a minute before giving up; one quick
+    connection attempt instead lets us go straight to the cache.
+    """
+    import datasets as hf_datasets
+
+    from harness.models import hub_reachable
+
+    if hf_datasets.config.HF_HUB_OFFLINE:
+        return "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"
+    if not hub_reachable():
+        return "unreachable"
+    return None
+
+
+@contextlib.contextmanager
+def _offline(enabled: bool) -> Iterator[None]:
+    """Run the datasets library in offline mode (cache only) for the duration.
+
+    Both libraries read their offline flag at import time from the
+    environment, so the flag is flipped on the modules and restored after.
+    """
+    if not enabled:
+        yield
+        return
+    import datasets as hf_datasets
+    import huggingface_hub.constants as hub_constants
+
+    saved = hf_datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
+    hf_datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hf_datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
+
+
+def _unavailable(cfg, reason: str) -> str:
+    """The one line for a hub set that cannot be loaded: what, why, and the three ways out."""
+    import datasets as hf_datasets
+
+    cache = hf_datasets.config.HF_DATASETS_CACHE
+    config = f", '{cfg.hf_config}'" if cfg.get("hf_config") else ""
+    return (
+        f"dataset {cfg.hf_id} ({cfg.name}) is not in the datasets cache ({cache}) and the hub is {reason}: "
+        f"cache it where the hub is reachable (python -c \"import datasets; datasets.load_dataset('{cfg.hf_id}'{config}, split='{cfg.split}')\") "
+        f"and copy the cache here, point HF_DATASETS_CACHE or HF_HOME at a cache that holds it, "
+        f"or export it to a file and run with dataset.path=/path/to/file.jsonl (see docs/datasets.md)"
+    )
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars or cache chatter from the datasets library: our own
+    lines (and errors) are the ones a user should read."""
+    import datasets as hf_datasets
+
+    bars = hf_datasets.is_progress_bar_enabled()
+    verbosity = hf_datasets.logging.get_verbosity()
+    hf_datasets.disable_progress_bars()
+    hf_datasets.logging.set_verbosity(hf_datasets.logging.CRITICAL)  # its read errors become our one line
+    try:
+        yield
+    finally:
+        hf_datasets.logging.set_verbosity(verbosity)
+        if bars:
+            hf_datasets.enable_progress_bars()
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+# ------------------------------------------------------------ rows -> prompts
+
+
+def _as_list(value) -> list[str]:
+    if value is None:
+        return []
+    return [str(value)] if isinstance(value, str) else [str(v) for v in value]
+
+
+def _template_fields(cfg) -> list[str]:
+    """The row fields a template names; refuses anything but {field} and {field[key]}."""
+    template = cfg.get("template")
+    if not template:
+        return []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise HarnessError(f"dataset.template is not a valid format string ({err}): write fields as {{field}} and literal braces as {{{{ }}}}") from None
+    fields = []
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        match = FIELD.match(name)
+        if match is None:
+            raise HarnessError(f"dataset.template field {{{name}}} is not a row field: use {{field}} or {{field[key]}}")
+        fields.append(match.group(1))
+    return fields
+
+
+def _first_item(value: Any) -> Any:
+    """A list value (the `turns` of MT-Bench / Spec-Bench) stands for its first item."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if value else None
+    return value
+
+
+class _ListField(list):
+    """A list field in a template: written bare ({turns}) it formats as its
+    first item, indexed ({turns[1]}) it is the list."""
+
+    def __format__(self, spec: str) -> str:
+        return format("" if not self else self[0], spec)
+
+
+def _check_fields(cfg, needed: list[str], columns: list[str]) -> None:
+    """One line naming a configured field the set lacks, and the fields it has."""
+    missing = [f for f in needed if f not in columns]
+    if not missing:
+        return
+    where = f"dataset.path={cfg.path}" if cfg.get("path") else (cfg.get("hf_id") or cfg.name)
+    if missing == [cfg.get("category_field")]:
+        fix = "set dataset.category_field to one of them, or dataset.category_field=null dataset.category=<name>"
+    else:
+        fix = "set dataset.text_field (and the fields dataset.template names) to fields it has"
+    raise HarnessError(f"{where} has no field {', '.join(repr(f) for f in missing)} (its fields: {', '.join(columns)}): {fix}")
+
+
+def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[dict]:
+    text_fields = _as_list(cfg.get("text_field"))
+    template = cfg.get("template")
+    if not text_fields and not template:
+        raise HarnessError(f"dataset={cfg.name} names no text: set dataset.text_field=<field> or dataset.template='...{{field}}...'")
+    id_field, category_field = cfg.get("id_field"), cfg.get("category_field")
+    fixed_category = cfg.get("category") or cfg.name
+    needed = list(dict.fromkeys(text_fields + _template_fields(cfg) + ([category_field] if category_field else [])))
+    if columns is not None:
+        _check_fields(cfg, needed, columns)
+
+    prompts, seen, read, empty = [], set(), 0, 0
+    for index, row in enumerate(rows):
+        read += 1
+        if columns is None:  # a streamed set that declares no features: check its first row
+            columns = list(row)
+            _check_fields(cfg, needed, columns)
+        texts = [_first_item(row[f]) for f in text_fields]
+        if any(t is None or str(t).strip() == "" for t in texts):
+            empty += 1
+            continue
+        try:
+            if template:
+                text = template.format_map({k: _ListField(v) if isinstance(v, list) else v for k, v in row.items()})
+            else:
+                text = "\n\n".join(str(t) for t in texts)
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise HarnessError(f"dataset.template does not fit row {index} of {cfg.name} ({type(err).__name__}: {err}): check the fields it names") from None
+        pid = _first_item(row.get(id_field)) if id_field else None
+        pid = f"{cfg.name}-{index}" if pid is None else str(pid)
+        if pid in seen:
+            raise HarnessError(f"{cfg.name}: id {pid!r} appears twice in field '{id_field}': ids must be unique (dataset.id_field=null numbers the rows)")
+        seen.add(pid)
+        category = _first_item(row.get(category_field)) if category_field else None
+        prompts.append({"id": pid, "category": fixed_category if category is None else str(category), "prompt": text})
+
+    if read == 0:
+        raise HarnessError(f"{cfg.name} holds no rows: it needs one prompt per row")
+    if empty:
+        print(f"[harness] warning: {cfg.name}: {empty} of {read} rows have an empty {'/'.join(text_fields)} and were left out", file=sys.stderr)
+    if not prompts:
+        raise HarnessError(f"{cfg.name} gave no prompts: all {read} rows read have an empty {'/'.join(text_fields)}")
+    return prompts

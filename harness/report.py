@@ -14,7 +14,8 @@ def format_summary(s: dict) -> str:
     lines = [
         f"pair {s['pair']}: target {s['target']} | draft {s['draft']}",
         f"k={s['k']} temperature={s['temperature']} top_k={s['top_k']} top_p={s['top_p']} "
-        f"max_new_tokens={s['max_new_tokens']} prompts={s['num_prompts']} (skipped {s['prompts_skipped']})",
+        f"max_new_tokens={s['max_new_tokens']} dataset={s.get('dataset', '?')} prompts={s['num_prompts']} "
+        f"(skipped {s['prompts_skipped']}, truncated {s.get('prompts_truncated', 0)})",
         f"{c['device']} ({c['device_name']}), {c['dtype']}, {c['threads']} threads, torch {c['torch']}, transformers {c['transformers']}",
         "",
         f"{'metric':<34}{'value':>12}",

@@ -305,19 +305,24 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         lines_path.unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
+    # Prompts first: a dataset problem should stop the run before a model loads.
+    prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
-    prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
-    context = pair.target.model.config.max_position_embeddings
+    context = getattr(pair.target.model.config, "max_position_embeddings", None) or pair.tokenizer.model_max_length
     budget = context - cfg.max_new_tokens - cfg.k - 1
-    encoded, skipped = [], 0
+    if budget < 1:
+        raise HarnessError(f"max_new_tokens={cfg.max_new_tokens} and k={cfg.k} leave no room for a prompt in the target's {context}-token context: lower max_new_tokens")
+    encoded, skipped, truncated = [], 0, 0
     for p in prompts:
-        ids = fit_context(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), budget, cfg.prompts.overlong)
+        full = encode(pair.tokenizer, p["prompt"], cfg.prompts.template)
+        ids = fit_context(full, budget, cfg.prompts.overlong)
         if ids is None:
             skipped += 1
         else:
+            truncated += len(ids) < len(full)
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
@@ -351,7 +356,9 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
     summary.update(
         pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
         k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-        prompts_skipped=skipped, prompt_ids=[p["id"] for p, _ in encoded],
+        dataset=cfg.dataset.name, prompts_skipped=skipped, prompts_truncated=truncated,
+        prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
+        prompt_ids=[p["id"] for p, _ in encoded],
         categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs,
         conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -1,0 +1,258 @@
+"""Prompt sets (conf/dataset/): local files through datasets.load_dataset, the
+Spec-Bench question format, every hub config composing and failing in one
+line without the hub, cached hub sets offline, and categories in results.
+
+Nothing here reaches the network: the hub sets are either refused (offline)
+or read from a cache laid out the way a connected machine leaves it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import datasets
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness.datasets import load_prompts
+from harness.errors import HarnessError
+from harness.prompts import load_builtin, select
+from harness.run import CONF_DIR, validate, with_default_pair
+
+ROOT = Path(__file__).parent.parent
+DATASETS = sorted(p.stem for p in (CONF_DIR / "dataset").glob("*.yaml"))
+HUB = {  # name: (hf id, config, split, fixed category or None when the set has a category field)
+    "mt_bench": ("philschmid/mt-bench", None, "train", None),
+    "gsm8k": ("openai/gsm8k", "main", "test", "math"),
+    "humaneval": ("openai/openai_humaneval", None, "test", "code"),
+    "cnn_dailymail": ("abisee/cnn_dailymail", "3.0.0", "test", "summarization"),
+    "wmt14_de_en": ("wmt/wmt14", "de-en", "test", "translation"),
+}
+# Spec-Bench / MT-Bench question.jsonl: integer ids, several turns, `reference` on some rows only.
+SPEC_BENCH = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a travel blog post about Hawaii.", "Rewrite it in one line."]},
+    {"question_id": 82, "category": "writing", "turns": ["Draft an email asking for feedback."]},
+    {"question_id": 111, "category": "math", "turns": ["What is the area of a unit circle?", "And its perimeter?"], "reference": ["pi", "2 pi"]},
+    {"question_id": 112, "category": "math", "turns": ["Solve 2x + 3 = 7."], "reference": ["x = 2"]},
+    {"question_id": 113, "category": "math", "turns": ["What is 17 * 3?"], "reference": ["51"]},
+]
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def offline_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh datasets cache per test, and the hub switched off."""
+    cache = tmp_path / "hf_datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def fake_hub_cache(cache: Path, hf_id: str, config: str | None, split: str, rows: list[dict], work: Path) -> None:
+    """Lay `rows` out as datasets caches a hub set after one online
+    load_dataset(hf_id, config, split=split): <cache>/<ns>___<name>/<config>/<version>/<hash>/
+    holding dataset_info.json and <name>-<split>.arrow. Copying such a cache to
+    an offline machine is one of the fixes the offline message offers."""
+    work.mkdir(parents=True, exist_ok=True)
+    builder = datasets.load_dataset_builder("json", data_files={split: str(write_jsonl(work / "rows.jsonl", rows))}, cache_dir=str(work / "build"))
+    builder.download_and_prepare()
+    namespace, name = hf_id.split("/")
+    target = cache / f"{namespace}___{name}" / (config or "default") / "0.0.0" / "0123abcd"
+    shutil.copytree(builder.cache_dir, target)
+    (target / f"json-{split}.arrow").rename(target / f"{name}-{split}.arrow")
+    info = json.loads((target / "dataset_info.json").read_text())
+    info.update(config_name=config or "default", dataset_name=name, builder_name="parquet")
+    (target / "dataset_info.json").write_text(json.dumps(info))
+
+
+# ------------------------------------------------------------------ configs
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_every_dataset_config_composes(name):
+    cfg = with_default_pair(composed(f"dataset={name}"))
+    validate(cfg)
+    d = cfg.dataset
+    assert d.name == name and d.source in ("builtin", "hub", "local")
+    assert d.text_field or d.template
+    assert d.category_field or d.category
+    if name in HUB:
+        hf_id, config, split, category = HUB[name]
+        assert (d.hf_id, d.hf_config, d.split) == (hf_id, config, split)
+        assert d.category == category and d.num_prompts == (80 if name == "mt_bench" else 100)
+        assert "path" in d and "streaming" in d  # a local export and streaming are an override away
+
+
+@pytest.mark.parametrize("name", sorted(HUB))
+def test_hub_sets_without_the_hub_fail_in_one_line(name):
+    start = time.perf_counter()
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed(f"dataset={name}").dataset)
+    message = str(err.value)
+    assert time.perf_counter() - start < 5
+    assert "\n" not in message
+    assert HUB[name][0] in message and "HF_DATASETS_CACHE" in message and "dataset.path=" in message
+
+
+# ------------------------------------------------------------- local files
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_local_files_go_through_load_dataset(fmt, tmp_path, monkeypatch):
+    rows = [{"uid": f"r{i}", "task": "ab"[i % 2], "text": f"prompt number {i}"} for i in range(6)]
+    path = tmp_path / f"prompts.{fmt}"
+    {"jsonl": lambda: write_jsonl(path, rows), "json": lambda: path.write_text(json.dumps(rows)),
+     "csv": lambda: pd.DataFrame(rows).to_csv(path, index=False), "parquet": lambda: pd.DataFrame(rows).to_parquet(path)}[fmt]()
+    calls = []
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    cfg = composed("dataset=local", f"dataset.path={path}", "dataset.text_field=text", "dataset.category_field=task", "dataset.id_field=uid")
+    prompts = load_prompts(cfg.dataset)
+    assert calls == [{"parquet": "parquet", "csv": "csv"}.get(fmt, "json")]
+    assert prompts == [{"id": r["uid"], "category": r["task"], "prompt": r["text"]} for r in rows]
+
+
+def test_spec_bench_question_file_works_as_is(tmp_path):
+    path = write_jsonl(tmp_path / "question.jsonl", SPEC_BENCH)
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={path}").dataset)
+    assert [p["id"] for p in prompts] == ["81", "82", "111", "112", "113"]
+    assert prompts[0] == {"id": "81", "category": "writing", "prompt": "Write a travel blog post about Hawaii."}  # first turn
+    assert [p["category"] for p in select(prompts, 4, 0, False)] == ["writing", "math", "writing", "math"]
+    # The mt_bench config reads the same file in place of the hub.
+    assert load_prompts(composed("dataset=mt_bench", f"dataset.path={path}").dataset) == prompts
+
+
+def test_builtin_set_goes_through_load_dataset():
+    assert load_prompts(composed("dataset=builtin").dataset) == load_builtin()
+
+
+def test_instruction_templates_and_fixed_categories(tmp_path):
+    news = write_jsonl(tmp_path / "cnn.jsonl", [{"id": "a1", "article": "Rain fell.", "highlights": "Rain."}])
+    [p] = load_prompts(composed("dataset=cnn_dailymail", f"dataset.path={news}").dataset)
+    assert p == {"id": "a1", "category": "summarization", "prompt": "Summarize the following article in three sentences.\n\nRain fell."}
+    pairs = write_jsonl(tmp_path / "wmt.jsonl", [{"translation": {"de": "Guten Morgen.", "en": "Good morning."}}])
+    [p] = load_prompts(composed("dataset=wmt14_de_en", f"dataset.path={pairs}").dataset)
+    assert p == {"id": "wmt14_de_en-0", "category": "translation", "prompt": "Translate the following German text into English.\n\nGuten Morgen."}
+    # A bare list field is its first item; an indexed one picks the item.
+    questions = write_jsonl(tmp_path / "question.jsonl", SPEC_BENCH[:1])
+    [p] = load_prompts(composed("dataset=local", f"dataset.path={questions}", "dataset.template='{turns} | {turns[1]} ({category})'").dataset)
+    assert p["prompt"] == "Write a travel blog post about Hawaii. | Rewrite it in one line. (writing)"
+
+
+def test_more_prompts_than_the_set_warns_and_uses_all(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "question.jsonl", SPEC_BENCH)
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={path}", "dataset.num_prompts=50").dataset)
+    assert len(prompts) == 5
+    assert "warning: dataset.num_prompts=50 but local has 5 prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, overrides, message",
+    [
+        (None, [], "does not exist"),
+        ("", [], "is empty"),
+        ("\n", [], "holds no rows"),
+        ("{\"turns\": [\"hi\"]}\nnot json\n", [], "cannot be read as json"),
+        ('{"prompt": "hi", "category": "x"}\n', [], "has no field 'turns' (its fields: prompt, category)"),
+        ('{"turns": ["hi"]}\n', [], "set dataset.category_field to one of them"),
+        ('{"turns": ["hi"], "category": "x"}\n', ["dataset.template='{turns.__class__}'"], "is not a row field"),
+        ('{"question_id": 1, "turns": ["a"], "category": "x"}\n{"question_id": 1, "turns": ["b"], "category": "x"}\n', [], "appears twice"),
+    ],
+    ids=["missing", "empty", "blank", "malformed", "no-text-field", "no-category-field", "attribute-template", "duplicate-ids"],
+)
+def test_bad_local_files_are_one_line(tmp_path, content, overrides, message):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=local", f"dataset.path={path}", *overrides).dataset)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_extension_is_one_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("hello\n")
+    with pytest.raises(HarnessError, match="dataset.format=json"):
+        load_prompts(composed("dataset=local", f"dataset.path={path}").dataset)
+
+
+# --------------------------------------------------------- cached hub sets
+
+
+def test_cached_hub_sets_load_offline(offline_cache, tmp_path):
+    questions = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
+    fake_hub_cache(offline_cache, "openai/gsm8k", "main", "test", questions, tmp_path)
+    prompts = load_prompts(composed("dataset=gsm8k").dataset)
+    assert [p["id"] for p in prompts] == [f"gsm8k-{i}" for i in range(5)]
+    assert prompts[1] == {"id": "gsm8k-1", "category": "math", "prompt": "What is 1 + 1?"}
+    # A streamed set reads only its window of max_rows (never fewer than num_prompts) from the cache.
+    articles = [{"id": f"n{i}", "article": f"Story {i}.", "highlights": "."} for i in range(8)]
+    fake_hub_cache(offline_cache, "abisee/cnn_dailymail", "3.0.0", "test", articles, tmp_path / "cnn")
+    prompts = load_prompts(composed("dataset=cnn_dailymail", "dataset.num_prompts=2", "dataset.max_rows=3").dataset)
+    assert [p["id"] for p in prompts] == ["n0", "n1", "n2"] and prompts[0]["prompt"].endswith("Story 0.")
+
+
+def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp_path):
+    """No HF_*_OFFLINE set and the hub refusing connections: the cache is used
+    at once, and a set not in it gets the one line in seconds, not after retries."""
+    fake_hub_cache(offline_cache, "openai/gsm8k", "main", "test", [{"question": "Q?", "answer": "A"}], tmp_path)
+    script = textwrap.dedent(f"""
+        import time
+        from hydra import compose, initialize_config_dir
+        from harness.datasets import load_prompts
+        from harness.errors import HarnessError
+        with initialize_config_dir(config_dir={str(CONF_DIR)!r}, version_base="1.3"):
+            print(load_prompts(compose("config", overrides=["dataset=gsm8k"]).dataset))
+            start = time.perf_counter()
+            try:
+                load_prompts(compose("config", overrides=["dataset=humaneval"]).dataset)
+            except HarnessError as err:
+                print(f"{{time.perf_counter() - start:.1f}}", err)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_DATASETS_CACHE=str(offline_cache))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cached, failed = out.stdout.strip().splitlines()
+    assert "'prompt': 'Q?'" in cached
+    seconds, message = failed.split(" ", 1)
+    assert float(seconds) < 5 and "openai/openai_humaneval" in message and "unreachable" in message
+
+
+# ------------------------------------------------------------------ results
+
+
+def test_categories_flow_into_results(tiny_pair, tmp_path):
+    path = write_jsonl(tmp_path / "question.jsonl", SPEC_BENCH)
+    args = [
+        "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
+        "dataset=local", f"dataset.path={path}", "dataset.num_prompts=4", "max_new_tokens=8", f"out_dir={tmp_path / 'out'}",
+    ]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
+    out = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    cell = Path(json.loads(out.stdout.strip().splitlines()[-1])["cell_dir"])
+    summary = json.loads((cell / "summary.json").read_text())
+    assert sorted(summary["categories"]) == ["math", "writing"]
+    assert all(summary["categories"][c]["num_prompts"] == 2 for c in ("math", "writing"))
+    assert summary["prompt_ids"] == ["81", "111", "82", "112"]  # round-robin over categories
+    records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    assert {r["id"]: r["category"] for r in records} == {"81": "writing", "82": "writing", "111": "math", "112": "math"}
+    assert "writing" in out.stdout and "math" in out.stdout  # the per-category table
