@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import stats
 
-from harness.loop import Cycle
+if TYPE_CHECKING:  # annotations only: the report imports metrics without torch
+    from harness.loop import Cycle
 
 
 def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:

@@ -136,6 +136,15 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     return pair
 
 
+def draft_size(pair: Pair) -> dict:
+    """Parameters and bytes of the draft's own weights (prompt lookup: 0; weights shared with the target excluded)."""
+    if not isinstance(pair.drafter, ModelDrafter):
+        return {"draft_params": 0, "draft_bytes": 0}
+    shared = {id(p) for p in pair.target.model.parameters()}
+    own = [p for p in pair.drafter.lm.model.parameters() if id(p) not in shared]
+    return {"draft_params": sum(p.numel() for p in own), "draft_bytes": sum(p.numel() * p.element_size() for p in own)}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -359,7 +368,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         dataset=cfg.dataset.name, prompts_skipped=skipped, prompts_truncated=truncated,
         prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
         prompt_ids=[p["id"] for p, _ in encoded],
-        categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs,
+        categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs, **draft_size(pair),
         conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,

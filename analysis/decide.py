@@ -1,0 +1,399 @@
+"""The decision: which draft and k to ship, per category and for a traffic mix.
+
+A *candidate* is a draft at one k (one or more cells: one per dataset). A
+*context* is what a deployment fixes: the target and the sampling setting.
+Within a context every candidate is measured on the same prompts, so all
+comparisons are paired by prompt (dataset, id); prompts that some candidate
+lacks are dropped and counted.
+
+Speedup of a candidate on a set of prompts is a throughput ratio, its spec
+tokens per second over its own baseline's (each cell times its own baseline
+back to back, so drift cancels within a cell):
+
+    S_g = (sum spec tokens / sum spec time) / (sum base tokens / sum base time)   over category g
+
+For a traffic mix where category g is a share w_g of the generated tokens,
+serving N tokens takes N sum_g w_g tau_g, tau_g the seconds per token in g,
+so the mix speedup is the ratio of those times:
+
+    S_mix = sum_g w_g tau_base_g / sum_g w_g tau_spec_g
+          = 1 / sum_g u_g / S_g,   u_g = w_g tau_base_g / sum_h w_h tau_base_h
+
+a weighted harmonic mean of the per-category speedups, weighted by each
+category's share of the baseline's time. (A weighted arithmetic mean of S_g
+would overstate it: time, not rate, adds up.)
+
+Intervals: a stratified, paired bootstrap over prompts. Each replicate
+resamples the prompts of every category with replacement (keeping the
+category sizes) and applies the same resample to every candidate, so the
+ratio of two candidates' speedups has its own interval. Percentile
+intervals, `n_resamples` replicates. (Hand-rolled on resample counts rather
+than scipy.stats.bootstrap, which neither stratifies nor shares replicates
+between statistics.)
+
+The test between the best two drafts: Wilcoxon signed-rank on per-prompt
+log speedup differences (scipy.stats.wilcoxon), over the prompts of the
+mix's categories; it is unweighted, the bootstrap interval of the ratio is
+the weighted statement.
+
+A candidate is shipped only if the lower bound of its speedup interval is
+above 1; otherwise the decision is "ship no speculation". Picking the best
+of many candidates favours a lucky one (winner's curse): the interval of the
+winner is slightly optimistic, more so with many candidates and few prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from harness.errors import HarnessError
+
+CONTEXT_KEYS = ["target", "sampling"]
+NO_SPECULATION = "no speculation"
+
+
+@dataclass
+class Table:
+    """Aligned per-prompt arrays of one context: [candidates, prompts]."""
+
+    candidates: list[tuple[str, int]]  # (label, k)
+    kinds: list[str]
+    prompt_keys: list[str]
+    categories: list[str]  # [prompts]
+    spec_tokens: np.ndarray
+    spec_time: np.ndarray
+    base_tokens: np.ndarray
+    base_time: np.ndarray
+
+
+def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str, float], list[str]]:
+    """Normalised weights over the categories present, and notes on what was dropped."""
+    notes = []
+    if not weights:
+        return {g: 1 / len(present) for g in present}, ["no traffic weights given: every category weighs the same"]
+    weights = {str(g): float(w) for g, w in weights.items()}
+    if any(w < 0 for w in weights.values()):
+        raise HarnessError(f"traffic weights must be >= 0: {weights}")
+    missing = {g: w for g, w in weights.items() if g not in present and w > 0}
+    unweighted = [g for g in present if g not in weights]
+    covered = sum(w for g, w in weights.items() if g in present)
+    if covered <= 0:
+        raise HarnessError(f"no traffic weight falls on a measured category: weights name {sorted(weights)}, "
+                           f"the results have {present}")
+    if missing:
+        share = 100 * sum(missing.values()) / sum(weights.values())
+        notes.append(f"no measurements for {', '.join(sorted(missing))} ({share:.0f}% of the traffic weight): "
+                     f"the mix is renormalised over the measured categories")
+    if unweighted:
+        notes.append(f"not in the mix (no weight): {', '.join(unweighted)}")
+    return {g: weights.get(g, 0.0) / covered for g in present}, notes
+
+
+def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list[str]]:
+    """Align one context's candidates on the prompts they all ran."""
+    notes = []
+    chosen = []
+    for (label, k, dataset), group in cells.groupby(["label", "k", "dataset"], sort=True):
+        best = group.sort_values("num_prompts", ascending=False).iloc[0]
+        if len(group) > 1:
+            notes.append(f"{label} k={k} on {dataset}: {len(group)} cells, using {best['cell']} (most prompts)")
+        chosen.append(best["cell"])
+    rows = prompts[prompts["cell"].isin(chosen)]
+    candidates = sorted({(r.label, int(r.k)) for r in cells[cells["cell"].isin(chosen)].itertuples()})
+    per_candidate = {c: rows[(rows["label"] == c[0]) & (rows["k"] == c[1])].set_index("prompt_key") for c in candidates}
+    union = set().union(*(set(df.index) for df in per_candidate.values()))
+    common = sorted(set.intersection(*(set(df.index) for df in per_candidate.values())))
+    if not common:  # disjoint prompt sets: keep the largest group of candidates that ran the same prompts
+        groups: dict[frozenset, list] = {}
+        for c, df in per_candidate.items():
+            groups.setdefault(frozenset(df.index), []).append(c)
+        keys, kept = max(groups.items(), key=lambda item: (len(item[1]), len(item[0])))
+        dropped = [f"{label} k={k}" for label, k in candidates if (label, k) not in kept]
+        notes.append(f"candidates ran disjoint prompt sets: compared only those on the most common set; left out: {', '.join(dropped)}")
+        candidates, common = kept, sorted(keys)
+        per_candidate = {c: per_candidate[c] for c in kept}
+    elif len(common) < len(union):
+        notes.append(f"{len(union) - len(common)} of {len(union)} prompts are missing from some candidate: paired on the {len(common)} all ran")
+    first = per_candidate[candidates[0]].loc[common]
+
+    def stack(column: str) -> np.ndarray:
+        return np.stack([per_candidate[c].loc[common, column].to_numpy(dtype=float) for c in candidates])
+
+    kinds = [cells[(cells["label"] == c[0])]["draft_kind"].iloc[0] for c in candidates]
+    table = Table(candidates, kinds, common, first["category"].astype(str).tolist(), stack("spec_new_tokens"),
+                  stack("spec_time_s"), stack("base_new_tokens"), stack("base_time_s"))
+    return table, notes
+
+
+def resample_counts(categories: list[str], n_resamples: int, seed: int) -> np.ndarray:
+    """[1 + n_resamples, prompts] how often each prompt is drawn; row 0 is the data itself.
+    Stratified: each category's prompts are resampled among themselves."""
+    rng = np.random.default_rng(seed)
+    cats = np.asarray(categories)
+    counts = np.zeros((n_resamples + 1, len(cats)))
+    counts[0] = 1
+    for g in np.unique(cats):
+        idx = np.flatnonzero(cats == g)
+        counts[1:, idx] = rng.multinomial(len(idx), np.full(len(idx), 1 / len(idx)), size=n_resamples)
+    return counts
+
+
+def category_sums(table: Table, counts: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """Resampled per-category totals: each [candidates, 1 + n_resamples, categories]."""
+    mask = (np.asarray(table.categories)[:, None] == np.asarray(names)[None, :]).astype(float)  # [prompts, categories]
+    out = {}
+    for name in ("spec_tokens", "spec_time", "base_tokens", "base_time"):
+        x = getattr(table, name)  # [candidates, prompts]
+        out[name] = np.einsum("bp,cp,pg->cbg", counts, x, mask)
+    return out
+
+
+def speedups(sums: dict[str, np.ndarray], weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per-category S_g [c, b, g], mix S [c, b]) from resampled totals; weights [g] sum to 1."""
+    tau_spec = sums["spec_time"] / sums["spec_tokens"]
+    tau_base = sums["base_time"] / sums["base_tokens"]
+    per_category = tau_base / tau_spec
+    used = weights > 0
+    mix = (tau_base[..., used] * weights[used]).sum(-1) / (tau_spec[..., used] * weights[used]).sum(-1)
+    return per_category, mix
+
+
+def _interval(replicates: np.ndarray, confidence: float) -> tuple[float, float]:
+    tail = 100 * (1 - confidence) / 2
+    finite = replicates[np.isfinite(replicates)]
+    if finite.size < 2:
+        return math.nan, math.nan
+    return float(np.percentile(finite, tail)), float(np.percentile(finite, 100 - tail))
+
+
+def decide(cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame | None = None, weights: dict | None = None,
+           confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> list[dict]:
+    """One decision per context (target, sampling); see the module docstring."""
+    decisions = []
+    for key, group in cells.groupby(CONTEXT_KEYS, sort=True):
+        context = dict(zip(CONTEXT_KEYS, key))
+        usable = group[group["has_prompts"]]
+        if usable.empty:  # W&B runs without their results artifact
+            decisions.append(decide_from_summaries(context, group, confidence))
+            continue
+        excluded = len(group) - len(usable)
+        decisions.append(decide_context(context, usable, prompts[prompts["cell"].isin(usable["cell"])], fits,
+                                        weights, confidence, n_resamples, seed,
+                                        [f"{excluded} cells without per-prompt rows are not in this decision"] if excluded else []))
+    return decisions
+
+
+def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float) -> dict:
+    """The fallback without per-prompt rows: each cell's own speedup and interval over all its
+    prompts (the dataset's own mix, no traffic weights), no paired comparison, same ship rule."""
+    candidates = [{"label": r.label, "k": int(r.k), "draft_kind": r.draft_kind, "speedup": float(r.speedup),
+                   "low": float(r.speedup_ci_low), "high": float(r.speedup_ci_high), "categories": {}}
+                  for r in cells.sort_values("speedup", ascending=False).itertuples()]
+    best = candidates[0]
+    runner = next((c for c in candidates if c["label"] != best["label"]), None)
+    ships = best["low"] > 1
+    choice = {"best": _brief(best, best["speedup"], best["low"], best["high"]),
+              "runner_up": _brief(runner, runner["speedup"], runner["low"], runner["high"]) if runner else None,
+              "comparison": None, "ship": best["label"] if ships else NO_SPECULATION, "k": best["k"] if ships else None}
+    choice["verdict"] = _verdict(choice, confidence) + " (From cell summaries: unweighted, unpaired, no test.)"
+    choice["what_would_change"] = []
+    return {**context, "prompts": int(cells["num_prompts"].max()), "categories": {}, "weights": {}, "confidence": confidence,
+            "n_resamples": 0, "candidates": candidates, "mix": choice, "per_category": {},
+            "notes": ["no per-prompt rows: each candidate's speedup and interval are its cell's own, over all its prompts"]}
+
+
+def decide_context(context: dict, cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame | None,
+                   weights: dict | None, confidence: float, n_resamples: int, seed: int, notes: list[str]) -> dict:
+    table, table_notes = build_table(cells, prompts)
+    names = sorted(set(table.categories))
+    w, weight_notes = resolve_weights(weights, names)
+    w_vec = np.array([w[g] for g in names])
+    counts = resample_counts(table.categories, n_resamples, seed)
+    per_cat, mix = speedups(category_sums(table, counts, names), w_vec)
+    per_prompt = (table.spec_tokens / table.spec_time) / (table.base_tokens / table.base_time)  # [c, p]
+    cats = np.asarray(table.categories)
+
+    # A category of one prompt has no spread to resample: its interval (and the mix's) is unknown.
+    small = [g for g in names if (cats == g).sum() < 2]
+    if small:
+        notes = notes + [f"fewer than 2 prompts in {', '.join(small)}: no bootstrap interval there"
+                         + (" nor for the mix" if any(w[g] > 0 for g in small) else "")
+                         + " (the decision needs at least 2, better 10+, prompts per category)"]
+    mix_known = not any(w[g] > 0 for g in small)
+
+    candidates = []
+    for i, (label, k) in enumerate(table.candidates):
+        lo, hi = _interval(mix[i, 1:], confidence) if mix_known else (math.nan, math.nan)
+        entry = {"label": label, "k": k, "draft_kind": table.kinds[i], "speedup": float(mix[i, 0]), "low": lo, "high": hi,
+                 "categories": {}}
+        for j, g in enumerate(names):
+            glo, ghi = _interval(per_cat[i, 1:, j], confidence) if g not in small else (math.nan, math.nan)
+            entry["categories"][g] = {"speedup": float(per_cat[i, 0, j]), "low": glo, "high": ghi}
+        candidates.append(entry)
+
+    in_mix = np.isin(cats, [g for g in names if w[g] > 0])
+    mix_choice = _choose(candidates, mix, per_prompt, in_mix, lambda c: (c["speedup"], c["low"], c["high"]), confidence)
+    per_category = {}
+    for j, g in enumerate(names):
+        def stat(c, g=g):
+            m = c["categories"][g]
+            return m["speedup"], m["low"], m["high"]
+        per_category[g] = _choose(candidates, per_cat[:, :, j], per_prompt, cats == g, stat, confidence)
+        per_category[g]["prompts"] = int((cats == g).sum())
+
+    decision = {
+        **context,
+        "prompts": len(table.prompt_keys),
+        "categories": {g: int((cats == g).sum()) for g in names},
+        "weights": w,
+        "confidence": confidence,
+        "n_resamples": n_resamples,
+        "candidates": sorted(candidates, key=lambda c: -c["speedup"]),
+        "mix": mix_choice,
+        "per_category": per_category,
+        "notes": notes + table_notes + weight_notes,
+    }
+    decision["mix"]["what_would_change"] = what_would_change(decision, table, names, w_vec, fits, cells)
+    return decision
+
+
+def _choose(candidates: list[dict], replicates: np.ndarray, per_prompt: np.ndarray, prompts_used: np.ndarray,
+            stat, confidence: float) -> dict:
+    """The best candidate by point estimate, the best of another draft, their comparison, the verdict."""
+    order = sorted(range(len(candidates)), key=lambda i: -stat(candidates[i])[0])
+    best = order[0]
+    s, lo, hi = stat(candidates[best])
+    choice = {"best": _brief(candidates[best], s, lo, hi), "runner_up": None, "comparison": None}
+    other = next((i for i in order if candidates[i]["label"] != candidates[best]["label"]), None)
+    if other is not None:
+        choice["runner_up"] = _brief(candidates[other], *stat(candidates[other]))
+        ratio = replicates[best] / replicates[other]  # [1 + n_resamples]
+        rlo, rhi = _interval(ratio[1:], confidence) if np.isfinite(lo) else (math.nan, math.nan)
+        diffs = np.log(per_prompt[best, prompts_used]) - np.log(per_prompt[other, prompts_used])
+        choice["comparison"] = {"ratio": float(ratio[0]), "low": rlo, "high": rhi,
+                                "p_bootstrap_not_better": float(np.mean(ratio[1:] <= 1)),
+                                "wilcoxon_p": wilcoxon_p(diffs), "prompts": int(prompts_used.sum()),
+                                "significant": bool(rlo > 1)}
+    ships = lo > 1
+    choice["ship"] = candidates[best]["label"] if ships else NO_SPECULATION
+    choice["k"] = candidates[best]["k"] if ships else None
+    choice["verdict"] = _verdict(choice, confidence)
+    return choice
+
+
+def _brief(c: dict, s: float, lo: float, hi: float) -> dict:
+    return {"label": c["label"], "k": c["k"], "speedup": s, "low": lo, "high": hi}
+
+
+def wilcoxon_p(diffs: np.ndarray) -> float:
+    """Two-sided Wilcoxon signed-rank p-value of paired differences (NaN when it cannot be computed)."""
+    diffs = diffs[np.isfinite(diffs)]
+    if diffs.size < 2 or np.all(diffs == 0):
+        return math.nan
+    return float(stats.wilcoxon(diffs).pvalue)
+
+
+def _f(x: float, fmt: str = ".3f") -> str:
+    return "nan" if x is None or x != x else format(x, fmt)
+
+
+def _verdict(choice: dict, confidence: float) -> str:
+    b, pct = choice["best"], f"{100 * confidence:g}%"
+    interval = f"{_f(b['speedup'])}×" + (f" [{_f(b['low'])}, {_f(b['high'])}]" if b["low"] == b["low"] else "")
+    if choice["ship"] == NO_SPECULATION:
+        why = "lower bound ≤ 1" if b["low"] == b["low"] else "no interval: too few prompts"
+        return (f"Ship no speculation: no draft beats the baseline with {pct} confidence "
+                f"(best: {b['label']} k={b['k']}, speedup {interval}, {why}).")
+    text = f"Ship {b['label']} with k={b['k']}: speedup {interval} ({pct} interval)."
+    cmp, r = choice["comparison"], choice["runner_up"]
+    if cmp:
+        rel = (f"{b['label']} vs {r['label']} (k={r['k']}): ratio {_f(cmp['ratio'])} [{_f(cmp['low'])}, {_f(cmp['high'])}], "
+               f"Wilcoxon p = {_f(cmp['wilcoxon_p'], '.3g')} over {cmp['prompts']} prompts")
+        text += (f" It beats the runner-up: {rel}." if cmp["significant"] else
+                 f" Not distinguishable from the runner-up: {rel}; either is defensible.")
+    return text
+
+
+def what_would_change(decision: dict, table: Table, names: list[str], w: np.ndarray, fits: pd.DataFrame | None,
+                      cells: pd.DataFrame) -> list[str]:
+    """Plain sentences: how far each input is from flipping the mix decision."""
+    mix, out = decision["mix"], []
+    best, runner, cmp = mix["best"], mix["runner_up"], mix["comparison"]
+    n = decision["prompts"]
+    # Sampling noise: prompts needed to resolve the top two (interval half-width scales as 1/sqrt(n)).
+    if cmp and not cmp["significant"] and cmp["ratio"] > 0 and all(np.isfinite([cmp["low"], cmp["high"]])):
+        half = (math.log(cmp["high"]) - math.log(max(cmp["low"], 1e-12))) / 2
+        effect = abs(math.log(cmp["ratio"]))
+        if effect > 0:
+            out.append(f"More prompts: {best['label']} and {runner['label']} differ by {100 * (cmp['ratio'] - 1):+.1f}%; "
+                       f"about {math.ceil(n * (half / effect) ** 2)} prompts (now {n}) would separate a difference that size.")
+    if mix["ship"] == NO_SPECULATION and np.isfinite(best["low"]) and best["speedup"] > 0:
+        half = (math.log(max(best["high"], 1e-12)) - math.log(max(best["low"], 1e-12))) / 2
+        gain = math.log(best["speedup"])
+        if gain > 0:
+            out.append(f"More prompts: {best['label']} k={best['k']} measures {best['speedup']:.3f}×; about "
+                       f"{math.ceil(n * (half / gain) ** 2)} prompts (now {n}) would show whether it beats the baseline.")
+    # Traffic mix: the share of one category at which the runner-up overtakes.
+    if runner is not None and len(names) > 1:
+        i = table.candidates.index((best["label"], best["k"]))
+        j = table.candidates.index((runner["label"], runner["k"]))
+        counts = np.ones((1, len(table.prompt_keys)))
+        sums = category_sums(table, counts, names)
+        for g_index, g in enumerate(names):
+            flip = _flip_share(sums, i, j, w, g_index)
+            if flip is not None:
+                out.append(f"Traffic: if {g} rises from {100 * w[g_index]:.0f}% to {100 * flip:.0f}% of the tokens, "
+                           f"{runner['label']} k={runner['k']} overtakes {best['label']} (point estimates).")
+    # The fitted model: an unmeasured k, or the costs at which the draft stops paying.
+    if fits is not None and not fits.empty:
+        label = best["label"]
+        rows = fits[(fits["label"] == label) & (fits["target"] == decision["target"]) & (fits["sampling"] == decision["sampling"])]
+        for _, f in rows.iterrows():
+            measured = {int(k) for k in f["ks"].split()}
+            if f["best_k"] and f["best_k"] not in measured:
+                out.append(f"Unmeasured k ({f['dataset']}): the fit puts {label}'s best k at {f['best_k']} "
+                           f"(predicted {f['predicted_best']:.3f}×, measured k: {f['ks']}); run k={f['best_k']} to confirm.")
+            where = f"Costs (fitted model, {f['dataset']}): {label}"
+            if not f["break_even_cost_ratio"] > 0:
+                out.append(f"{where}: at α = {_f(f['alpha'])} and the measured verify cost (b = {_f(f['verify_slope'])}) "
+                           f"even a free draft (c = 0) predicts no speedup above 1; only a cheaper verify pass would.")
+                continue
+            at_c = (f"at this c, while α ≥ {_f(f['break_even_alpha'])}" if f["break_even_alpha"] == f["break_even_alpha"]
+                    else "at this c no α does")
+            out.append(f"{where} pays off (predicted speedup > 1 at some k ≤ 16) while c ≤ "
+                       f"{_f(f['break_even_cost_ratio'])} (measured c = {_f(f['cost_ratio'])}) and, {at_c} "
+                       f"(measured α = {_f(f['alpha'])}).")
+    return out
+
+
+def _flip_share(sums: dict, i: int, j: int, w: np.ndarray, g: int) -> float | None:
+    """Smallest share of category g (moving weight to g from the others, proportionally)
+    at which candidate j's mix speedup exceeds candidate i's; None if it never does."""
+    tau_spec = sums["spec_time"][:, 0] / sums["spec_tokens"][:, 0]  # [c, g]
+    tau_base = sums["base_time"][:, 0] / sums["base_tokens"][:, 0]
+    for t in np.linspace(0, 1, 201):
+        wt = (1 - t) * w + t * np.eye(len(w))[g]
+        s = (tau_base @ wt) / (tau_spec @ wt)
+        if s[j] > s[i]:
+            return None if t == 0 else float(wt[g])
+    return None
+
+
+def decisions_frame(decisions: list[dict]) -> pd.DataFrame:
+    """One row per context x (mix | category): what to ship, for the CSV and the markdown."""
+    rows = []
+    for d in decisions:
+        for scope, choice in [("mix", d["mix"]), *d["per_category"].items()]:
+            b, r, c = choice["best"], choice["runner_up"] or {}, choice["comparison"] or {}
+            rows.append({"target": d["target"], "sampling": d["sampling"], "scope": scope, "ship": choice["ship"],
+                         "k": choice["k"], "best": b["label"], "best_k": b["k"], "speedup": b["speedup"],
+                         "low": b["low"], "high": b["high"], "runner_up": r.get("label"), "runner_up_k": r.get("k"),
+                         "runner_up_speedup": r.get("speedup"), "ratio": c.get("ratio"), "ratio_low": c.get("low"),
+                         "ratio_high": c.get("high"), "wilcoxon_p": c.get("wilcoxon_p")})
+    return pd.DataFrame(rows)
+

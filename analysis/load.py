@@ -1,0 +1,346 @@
+"""One loader for every kind of results: a local tree or a W&B sweep -> two frames.
+
+A *cell* is one benchmark run (a pair, a k, a sampling setting, a prompt
+set): `harness.run.run_cell` writes it as `<cell dir>/{config.yaml,
+summary.json, prompts.jsonl}`, and `harness.tracking` logs the same three
+things to one W&B run (config = resolved config, summary = summary.json,
+the files as a "cell-results" artifact). Both sources are reduced to the
+same raw triple (config, summary, records) and go through `frames`, so
+every later step sees one schema:
+
+  cells    one row per cell: identity (target, draft, label, dataset, k,
+           sampling), the summary metrics, the measured costs, the draft size
+  prompts  one row per cell x prompt: the counts and timings of both paths
+
+A local source may be a cell directory, a results store (`out_dir`), a Hydra
+run or multirun directory (its jobs' `cell.json` point at their cells) or a
+mix; cells are found by their `summary.json` (written only when a cell
+finishes) and deduplicated by cell key. Unfinished or failed cells are left
+out and listed in `Results.notes`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from analysis.sizes import draft_size
+from harness.errors import HarnessError
+
+# entity/project or entity/project/sweep_id (also .../sweeps/<id>, as in a W&B URL)
+WANDB_PATH = re.compile(r"^(?:wandb:)?([\w.-]+)/([\w.-]+)(?:/(?:sweeps/)?([\w-]+))?/?$")
+
+# Summary scalars copied into the cells frame as they are.
+SUMMARY_SCALARS = (
+    "num_prompts", "alpha", "acceptance_rate", "expected_alpha", "tokens_per_cycle", "theoretical_tokens_per_cycle",
+    "accepted_per_cycle", "speedup", "speedup_geomean", "predicted_speedup", "efficiency", "cost_ratio",
+    "verify_cost", "cycles", "new_tokens", "base_new_tokens", "spec_time_s", "base_time_s", "spec_tpot_s",
+    "base_tpot_s", "spec_ttft_s", "base_ttft_s", "max_new_tokens", "peak_rss_mb",
+)
+# Per-prompt fields of the speculative path kept in the prompts frame.
+SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
+
+
+@dataclass
+class RawCell:
+    """What one cell is made of, whatever the source."""
+
+    config: dict  # the resolved Hydra config
+    summary: dict  # summary.json (or the W&B run summary)
+    records: list[dict] | None  # prompts.jsonl lines; None when the source has none
+    origin: str  # where it came from (a directory or a W&B run path)
+
+
+@dataclass
+class Results:
+    cells: pd.DataFrame
+    prompts: pd.DataFrame
+    source: str
+    kind: str  # "local" or "wandb"
+    notes: list[str] = field(default_factory=list)  # cells left out, and why
+
+
+def load(source: str | Path, api: Any = None) -> Results:
+    """Load a local results directory or a W&B path (entity/project[/sweep_id])."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return load_local(path)
+    if WANDB_PATH.match(str(source)):
+        return load_wandb(str(source), api)
+    raise HarnessError(f"{source} is neither a results directory nor a W&B path (entity/project or entity/project/sweep_id)")
+
+
+# Local trees
+
+
+def load_local(root: Path) -> Results:
+    dirs, notes = find_cell_dirs(root)
+    raws = []
+    for cell_dir in dirs:
+        summary = json.loads((cell_dir / "summary.json").read_text())
+        config_path = cell_dir / "config.yaml"
+        config = OmegaConf.to_container(OmegaConf.load(config_path)) if config_path.exists() else {}
+        raws.append(RawCell(config, summary, read_records(cell_dir / "prompts.jsonl"), str(cell_dir)))
+    results = frames(raws, str(root), "local", notes)
+    if results.cells.empty:
+        raise HarnessError(f"no finished cell under {root} (a cell is a directory with summary.json, written when it finishes)")
+    return results
+
+
+def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
+    """Finished cell directories under `root` or pointed at by Hydra jobs in it, and notes on the rest."""
+    notes: list[str] = []
+    found = [p.parent for p in sorted(root.rglob("summary.json"))]
+    for pointer_path in sorted(root.rglob("cell.json")):  # Hydra jobs (harness.callbacks.record_job)
+        try:
+            pointer = json.loads(pointer_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if pointer.get("status") != "finished" or not pointer.get("cell_dir"):
+            overrides = " ".join(pointer.get("overrides") or [])
+            notes.append(f"job {pointer.get('job')} ({overrides}) {pointer.get('status')}: {pointer.get('error')}")
+            continue
+        cell_dir = Path(pointer["cell_dir"])
+        if (cell_dir / "summary.json").exists():
+            found.append(cell_dir)
+        else:
+            notes.append(f"job {pointer.get('job')} points at {cell_dir}, which has no summary.json (moved or cleaned?)")
+    for status_path in sorted(root.rglob("status.json")):
+        if not (status_path.parent / "summary.json").exists():
+            try:
+                status = json.loads(status_path.read_text())
+            except (OSError, ValueError):
+                status = {}
+            notes.append(f"cell {status_path.parent.name} not finished ({status.get('status')}, "
+                         f"{status.get('done')}/{status.get('total')} prompts): left out")
+    unique = list(dict.fromkeys(p.resolve() for p in found))
+    return [p for p in unique if _is_cell(p)], notes
+
+
+def _is_cell(path: Path) -> bool:
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and "k" in summary and "costs" in summary
+
+
+def read_records(path: Path) -> list[dict] | None:
+    if not path.exists():
+        return None
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by an interruption
+    return records
+
+
+# W&B
+
+
+def load_wandb(path: str, api: Any = None) -> Results:
+    """Every finished benchmark run of a W&B sweep (entity/project/sweep_id) or project (entity/project).
+
+    Per-prompt rows come from the run's "cell-results" artifact; a run without
+    one contributes its cell row only (and is left out of the paired decision).
+    """
+    entity, project, sweep_id = WANDB_PATH.match(path).groups()
+    if api is None:
+        import wandb
+
+        try:
+            api = wandb.Api(timeout=60)
+        except Exception as err:  # noqa: BLE001 - no key, no network
+            raise HarnessError(f"cannot reach W&B for {path} ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                               f"log in (wandb login, or WANDB_API_KEY) or give a local results directory") from None
+    try:
+        runs = list(api.sweep(f"{entity}/{project}/{sweep_id}").runs if sweep_id else api.runs(f"{entity}/{project}"))
+    except Exception as err:  # noqa: BLE001
+        raise HarnessError(f"cannot read W&B {path}: {type(err).__name__}: {err}".splitlines()[0]) from None
+    raws, notes, bare = [], [], []
+    for run in runs:
+        config = {k: v for k, v in dict(run.config).items() if not k.startswith("_")}
+        summary = _summary_dict(run)
+        if "k" not in summary or "pair" not in config:
+            continue  # not a benchmark cell (e.g. an earlier report run)
+        if summary.get("status") != "finished":
+            notes.append(f"run {run.id} ({getattr(run, 'name', '')}) is {summary.get('status') or run.state}: left out")
+            continue
+        records = _artifact_records(run)
+        if records is None:
+            bare.append(run.id)
+        raws.append(RawCell(config, summary, records, f"wandb:{entity}/{project}/{run.id}"))
+    if bare:
+        notes.append(f"{len(bare)} runs have no cell-results artifact ({', '.join(bare[:5])}{', ...' if len(bare) > 5 else ''}): "
+                     f"cell-level rows only, decided from their summaries (unpaired)")
+    results = frames(raws, path, "wandb", notes)
+    if results.cells.empty:
+        raise HarnessError(f"no finished benchmark run in W&B {path}")
+    return results
+
+
+def _summary_dict(run) -> dict:
+    summary = getattr(run, "summary_metrics", None)  # a plain dict in the public API
+    if summary is None:
+        summary = getattr(run.summary, "_json_dict", None) or dict(run.summary)
+    return dict(summary)
+
+
+def _artifact_records(run) -> list[dict] | None:
+    try:
+        artifacts = [a for a in run.logged_artifacts() if a.type == "cell-results"]
+        if not artifacts:
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(artifacts[-1].download(root=tmp))
+            return read_records(root / "prompts.jsonl")
+    except Exception as err:  # noqa: BLE001 - a missing artifact degrades to cell-level rows
+        print(f"warning: W&B run {run.id}: could not read its artifact ({type(err).__name__}: {err})", file=sys.stderr)
+        return None
+
+
+# The one schema
+
+
+def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | None = None) -> Results:
+    """The cells and prompts frames of raw cells (duplicates of a cell key are dropped)."""
+    notes = list(notes or [])
+    cell_rows, prompt_rows, seen = [], [], {}
+    for raw in raws:
+        row = cell_row(raw)
+        if row["cell"] in seen:
+            notes.append(f"cell {row['cell']} found twice ({seen[row['cell']]}, {raw.origin}): the first is used")
+            continue
+        seen[row["cell"]] = raw.origin
+        cell_rows.append(row)
+        for r in raw.records or []:
+            prompt_rows.append(prompt_row(row["cell"], r, row["dataset"]))
+    cells = pd.DataFrame(cell_rows)
+    if cells.empty:
+        return Results(cells, pd.DataFrame(), source, kind, notes)
+    cells["label"] = _labels(cells)
+    cells = cells.sort_values(["target", "label", "dataset", "sampling", "k"], kind="stable").reset_index(drop=True)
+    prompts = pd.DataFrame(prompt_rows)
+    if not prompts.empty:
+        keys = cells[["cell", "target", "label", "draft_kind", "dataset", "sampling", "temperature", "k"]]
+        prompts = prompts.merge(keys, on="cell", how="left")
+    return Results(cells, prompts, source, kind, notes)
+
+
+def cell_row(raw: RawCell) -> dict:
+    s, cfg = raw.summary, raw.config
+    pair = cfg.get("pair") or {}
+    draft = pair.get("draft") or {}
+    costs = s.get("costs") or {}
+    conditions = s.get("conditions") or cfg.get("conditions") or {}
+    kind = draft.get("kind", "model")
+    draft_id = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" if kind == "ngram" else str(s.get("draft") or draft.get("id"))
+    temperature = float(s.get("temperature", cfg.get("temperature", 0.0)))
+    top_k, top_p = int(s.get("top_k", cfg.get("top_k", 0)) or 0), float(s.get("top_p", cfg.get("top_p", 1.0)) or 1.0)
+    ci = s.get("speedup_ci") or [s.get("speedup_ci_low", np.nan), s.get("speedup_ci_high", np.nan)]
+    gci = s.get("speedup_geomean_ci") or [np.nan, np.nan]
+    hist = list(s.get("accept_hist") or [])
+    row = {
+        "cell": s.get("cell") or Path(raw.origin).name,
+        "origin": raw.origin,
+        "pair": s.get("pair") or pair.get("name"),
+        "target": str(s.get("target") or (pair.get("target") or {}).get("id")),
+        "draft": draft_id,
+        "draft_kind": kind,
+        "dataset": (cfg.get("dataset") or {}).get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown"),
+        "k": int(s["k"]),
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "sampling": sampling_name(temperature, top_k, top_p),
+        "seed": cfg.get("seed"),
+        **{key: _num(s.get(key)) for key in SUMMARY_SCALARS},
+        "speedup_ci_low": _num(ci[0]), "speedup_ci_high": _num(ci[1]),
+        "speedup_geomean_ci_low": _num(gci[0]), "speedup_geomean_ci_high": _num(gci[1]),
+        "target_step_s": _num(costs.get("target_step_s")),
+        "draft_step_s": _num(costs.get("draft_step_s")),
+        "verify_costs": list(costs.get("verify_cost") or []),  # v(n) for n = 1..k+1
+        "position_acceptance": [_num(a) for a in s.get("position_acceptance") or []],
+        "accept_hist": hist,
+        # Exact from the histogram except when a last cycle drafted fewer than k (max_new_tokens).
+        "accepted_total": float(sum(j * n for j, n in enumerate(hist))),
+        "tested_total": float(sum(j * n for j, n in enumerate(hist)) + sum(hist) - (hist[-1] if hist else 0)),
+        "device": conditions.get("device"),
+        "device_name": conditions.get("device_name"),
+        "dtype": conditions.get("dtype"),
+        "has_prompts": raw.records is not None and len(raw.records) > 0,
+    }
+    if raw.records:  # exact counts
+        row["accepted_total"] = float(sum(r["spec"]["accepted"] for r in raw.records))
+        row["tested_total"] = float(sum(r["spec"]["tested"] for r in raw.records))
+        reached = _sum_lists(r["spec"]["position_reached"] for r in raw.records)
+        kept = _sum_lists(r["spec"]["position_accepted"] for r in raw.records)
+        row["position_reached"], row["position_accepted"] = reached, kept
+    else:  # only the ratios are known; weight positions by cycles
+        cycles = row["cycles"] if row["cycles"] == row["cycles"] else 0.0
+        row["position_reached"] = [cycles] * len(row["position_acceptance"])
+        row["position_accepted"] = [cycles * a for a in row["position_acceptance"]]
+    size = draft_size(kind, draft.get("id"), row["dtype"], s)
+    row.update(draft_params=size["params"], draft_bytes=size["bytes"], draft_size_source=size["source"])
+    return row
+
+
+def prompt_row(cell: str, r: dict, dataset: str) -> dict:
+    spec, base = r["spec"], r["base"]
+    row = {"cell": cell, "prompt_id": str(r["id"]), "prompt_key": f"{dataset}:{r['id']}", "category": r.get("category") or "all",
+           "prompt_tokens": r.get("prompt_tokens")}
+    row.update({f"spec_{f}": spec[f] for f in SPEC_FIELDS})
+    row.update(base_new_tokens=base["new_tokens"], base_time_s=base["time_s"])
+    row["speedup"] = (spec["new_tokens"] / spec["time_s"]) / (base["new_tokens"] / base["time_s"])
+    return row
+
+
+def sampling_name(temperature: float, top_k: int = 0, top_p: float = 1.0) -> str:
+    name = f"T={temperature:g}"
+    if top_k:
+        name += f" top_k={top_k}"
+    if top_p < 1.0:
+        name += f" top_p={top_p:g}"
+    return name
+
+
+def _labels(cells: pd.DataFrame) -> pd.Series:
+    """A short name per draft: the pair name, qualified when one pair name covers several drafts."""
+    per_pair = cells.groupby("pair")["draft"].nunique()
+
+    def label(row) -> str:
+        if per_pair.get(row["pair"], 1) <= 1:
+            return str(row["pair"])
+        short = "ngram" if row["draft_kind"] == "ngram" else Path(str(row["draft"])).name
+        return f"{row['pair']}/{short}"
+
+    return cells.apply(label, axis=1)
+
+
+def _sum_lists(lists: Iterable[list]) -> list[float]:
+    total: list[float] = []
+    for values in lists:
+        for i, v in enumerate(values):
+            if i == len(total):
+                total.append(0.0)
+            total[i] += v
+    return total
+
+
+def _num(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")

@@ -1,0 +1,431 @@
+"""`python -m analysis.report <results>`: a sweep in, a decision out (docs/report.md).
+
+<results> is a local directory (a cell, a results store, a Hydra run or
+multirun) or a W&B path (entity/project/sweep_id, or entity/project for
+every run in it). Writes one folder, readable without W&B:
+
+  report.md       the decision, what would change it, the fitted model,
+                  the what-if, every cell, the figures, the methods
+  figures/*.png   seaborn figures
+  cells.csv       one row per cell
+  fits.csv        one row per (target, draft, dataset, sampling)
+  decision.json   the decisions, machine-readable
+
+Settings come from conf/report.yaml (traffic weights, confidence,
+resamples, what-if costs), then --config FILE, then the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from analysis import decide as decide_mod
+from analysis import fit as fit_mod
+from analysis.figures import make_figures
+from analysis.load import WANDB_PATH, Results, load
+from harness.errors import HarnessError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "report.yaml"
+DEFAULTS = {
+    "weights": {},
+    "confidence": 0.95,
+    "n_resamples": 2000,
+    "seed": 0,
+    "max_k": fit_mod.MAX_K,
+    "whatif": {"name": "other hardware", "cost_ratio": None, "target_step_ms": None, "draft_step_ms": None,
+               "verify_slope": None},
+    "wandb_log": True,
+}
+CAPTIONS = {
+    "speedup_vs_k": "Measured speedup against k for each draft, one panel per sampling setting. Bands: 95% paired "
+                    "bootstrap interval of each cell; dashed: the fitted model.",
+    "acceptance_by_sampling": "α (accepted / tested positions) per draft and sampling setting, pooled over k.",
+    "acceptance_by_category": "α per draft and prompt category, pooled over k.",
+    "position_acceptance": "P(drafted position i accepted | positions before it accepted), pooled over each draft's "
+                           "cells. A flat curve at α is the i.i.d. acceptance the formulas assume.",
+    "tokens_per_cycle": "Measured tokens per cycle (bonus included) against (1 − α^(k+1)) / (1 − α). Measured sits "
+                        "slightly below where max_new_tokens or EOS cut a last cycle short.",
+    "measured_vs_predicted": "Measured speedup (95% interval) against the speedup predicted from the cell's own α, "
+                             "c and v(k+1). Below the diagonal: overhead the model does not count (sampling, "
+                             "bookkeeping, cache rollback).",
+    "speedup_vs_size": "Each draft at its best measured k against its size (parameters; weight memory at the run's "
+                       "dtype). Ringed: the Pareto front (no smaller draft is faster).",
+    "fitted_model": "Left: predicted speedup for k = 1..16 from the fitted α (band: α's interval), c and v; ★ best "
+                    "k, ● measured. Right: the verify cost v(n) measured (dots) and fitted (lines).",
+}
+
+
+# Settings
+
+
+def settings(args: argparse.Namespace) -> dict:
+    cfg = OmegaConf.create(DEFAULTS)
+    for path in [DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None, args.config]:
+        if path is not None:
+            if not Path(path).exists():
+                raise HarnessError(f"--config {path} does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+    out = OmegaConf.to_container(cfg, resolve=True)
+    if args.weights:
+        out["weights"] = parse_assignments(args.weights, "--weights")
+    for flag, key in (("confidence", "confidence"), ("resamples", "n_resamples"), ("seed", "seed"), ("max_k", "max_k")):
+        if getattr(args, flag) is not None:
+            out[key] = getattr(args, flag)
+    w = out["whatif"]
+    if args.whatif_name:
+        w["name"] = args.whatif_name
+    if args.cost_ratio:
+        w["cost_ratio"] = parse_scalar_or_map(args.cost_ratio, "--cost-ratio")
+    if args.draft_step_ms:
+        w["draft_step_ms"] = parse_scalar_or_map(args.draft_step_ms, "--draft-step-ms")
+    if args.target_step_ms is not None:
+        w["target_step_ms"] = args.target_step_ms
+    if args.verify_slope is not None:
+        w["verify_slope"] = args.verify_slope
+    if args.no_wandb_log:
+        out["wandb_log"] = False
+    if not 0 < out["confidence"] < 1:
+        raise HarnessError(f"confidence={out['confidence']} must be in (0, 1), e.g. 0.95")
+    return out
+
+
+def parse_assignments(items: list[str], flag: str) -> dict[str, float]:
+    """["a=0.5,b=0.3", "c=0.2"] -> {a: 0.5, b: 0.3, c: 0.2}."""
+    out = {}
+    for item in ",".join(items).split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise HarnessError(f"{flag} {item!r}: expected NAME=NUMBER, e.g. {flag} conversation=0.5,code=0.3")
+    return out
+
+
+def parse_scalar_or_map(items: list[str], flag: str) -> float | dict[str, float]:
+    """["0.05"] -> 0.05 (every model draft); ["a=0.05", "b=0.1"] -> {a: 0.05, b: 0.1}."""
+    if len(items) == 1 and "=" not in items[0]:
+        try:
+            return float(items[0])
+        except ValueError:
+            raise HarnessError(f"{flag} {items[0]!r}: expected a number or DRAFT=NUMBER") from None
+    return parse_assignments(items, flag)
+
+
+# The report
+
+
+def build(source: str, out: Path | None = None, cfg: dict | None = None, api: Any = None) -> dict:
+    """Load, fit, decide, draw and write the report folder; returns decision.json's content."""
+    cfg = {**DEFAULTS, **(cfg or {})}
+    results = load(source, api)
+    out = Path(out) if out else (Path(source) / "report" if results.kind == "local" else Path("report") / _slug(source))
+    out.mkdir(parents=True, exist_ok=True)
+    fits, curves = fit_mod.fit(results.cells, results.prompts, cfg["confidence"], cfg["n_resamples"], cfg["seed"], cfg["max_k"])
+    decisions = decide_mod.decide(results.cells, results.prompts, fits, cfg["weights"], cfg["confidence"],
+                                  cfg["n_resamples"], cfg["seed"])
+    whatif_spec = fit_mod.WhatIf(**{k: v for k, v in cfg["whatif"].items() if k in fit_mod.WhatIf.__dataclass_fields__})
+    whatif = fit_mod.whatif(fits, whatif_spec, cfg["max_k"]) if whatif_spec.given() else pd.DataFrame()
+    figures = make_figures(results.cells, results.prompts, fits, curves, out / "figures")
+
+    _csv(results.cells, out / "cells.csv")
+    _csv(fits, out / "fits.csv")
+    if not whatif.empty:
+        _csv(whatif, out / "whatif.csv")
+    document = {
+        "source": str(source), "kind": results.kind, "generated": dt.datetime.now().isoformat(timespec="seconds"),
+        "report_dir": str(out), "settings": cfg, "decisions": decisions, "notes": results.notes,
+    }
+    (out / "decision.json").write_text(json.dumps(_jsonable(document), indent=2, allow_nan=False) + "\n")
+    (out / "report.md").write_text(markdown(results, fits, decisions, whatif, figures, cfg))
+    if results.kind == "wandb" and cfg.get("wandb_log", True):
+        log_to_wandb(source, out, figures, decisions, fits)
+    return document
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
+
+
+def _csv(frame: pd.DataFrame, path: Path) -> None:
+    """Lists as JSON, so the file stays one value per field."""
+    frame = frame.copy()
+    for column in frame.columns:
+        if frame[column].map(lambda v: isinstance(v, (list, tuple))).any():
+            frame[column] = frame[column].map(json.dumps)
+    frame.to_csv(path, index=False)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return None if not math.isfinite(obj) else float(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+# Markdown
+
+
+def _f(x: Any, fmt: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return format(x, fmt) if fmt else str(x)
+
+
+def _ci(low: Any, high: Any, fmt: str = ".3f") -> str:
+    if low is None or high is None or low != low or high != high:
+        return "–"
+    return f"[{_f(low, fmt)}, {_f(high, fmt)}]"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _count(x: float) -> str:
+    if x != x:
+        return "unknown"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def markdown(results: Results, fits: pd.DataFrame, decisions: list[dict], whatif: pd.DataFrame,
+             figures: dict[str, Path], cfg: dict) -> str:
+    cells = results.cells
+    pct = f"{100 * cfg['confidence']:g}%"
+    devices = ", ".join(sorted({f"{r.device_name} ({r.device}, {r.dtype})" for r in cells.itertuples() if r.device_name}))
+    out = [
+        "# Which draft to ship",
+        "",
+        f"Source: `{results.source}` ({'W&B' if results.kind == 'wandb' else 'local results'}): {len(cells)} cells; "
+        f"drafts {', '.join(sorted(cells['label'].unique()))}; k {', '.join(map(str, sorted(cells['k'].unique())))}; "
+        f"{', '.join(sorted(cells['sampling'].unique()))}; datasets {', '.join(sorted(cells['dataset'].unique()))}.  ",
+        f"Measured on {devices or 'unknown hardware'}. Generated {dt.datetime.now():%Y-%m-%d %H:%M} by "
+        f"`python -m analysis.report`; intervals are {pct}, {cfg['n_resamples']} bootstrap resamples.",
+        "",
+        "## Decision",
+        "",
+    ]
+    for d in decisions:
+        out += _decision_section(d, pct)
+    out += _fits_section(fits, pct)
+    out += _whatif_section(whatif, pct, cfg)
+    out += _cells_section(cells, pct)
+    out += ["## Figures", ""]
+    for name, path in figures.items():
+        out += [f"### {name.replace('_', ' ').capitalize()}", "", f"![{name}](figures/{path.name})", "", CAPTIONS.get(name, ""), ""]
+    out += _sizes_section(cells)
+    out += _methods_section(pct)
+    if results.notes:
+        out += ["## Left out", ""] + [f"- {n}" for n in results.notes] + [""]
+    return "\n".join(out)
+
+
+def _decision_section(d: dict, pct: str) -> list[str]:
+    mix = d["mix"]
+    weights = ", ".join(f"{g} {100 * w:.0f}%" for g, w in d["weights"].items()) or "none (cell-level data)"
+    out = [f"### {d['target']} · {d['sampling']}", "", f"**{mix['verdict']}**", "",
+           f"Traffic mix (share of generated tokens): {weights}. {d['prompts']} prompts, "
+           f"{len(d['candidates'])} candidates (draft × k).", ""]
+    rows = []
+    for scope, choice in [("**mix**", mix), *d["per_category"].items()]:
+        b, r, c = choice["best"], choice["runner_up"], choice["comparison"]
+        ship = choice["ship"] if choice["k"] is None else f"{choice['ship']} (k={choice['k']})"
+        rows.append([scope, ship, f"{b['label']} k={b['k']}", _f(b["speedup"]), _ci(b["low"], b["high"]),
+                     f"{r['label']} k={r['k']}" if r else "–", _f(c["ratio"]) if c else "–",
+                     _ci(c["low"], c["high"]) if c else "–", _f(c["wilcoxon_p"], ".3g") if c else "–"])
+    out += [_table(["scope", "ship", "best", "speedup ↑", f"{pct} CI", "runner-up (other draft)", "ratio best/runner-up",
+                    f"{pct} CI", "Wilcoxon p"], rows), ""]
+    if mix["what_would_change"]:
+        out += ["What would change it:", ""] + [f"- {line}" for line in mix["what_would_change"]] + [""]
+    categories = list(d["categories"])
+    rows = [[c["label"], c["k"], _f(c["speedup"]), _ci(c["low"], c["high"]),
+             *[_f(c["categories"][g]["speedup"]) for g in categories]] for c in d["candidates"]]
+    out += ["Every candidate (mix speedup, then per category):", "",
+            _table(["draft", "k", "mix ↑", f"{pct} CI", *[f"{g} ↑" for g in categories]], rows), ""]
+    if d["notes"]:
+        out += ["Notes:", ""] + [f"- {n}" for n in d["notes"]] + [""]
+    return out
+
+
+def _fits_section(fits: pd.DataFrame, pct: str) -> list[str]:
+    rows = [[f.label, f.dataset, f.sampling, f.ks, _f(f.alpha), _ci(f.alpha_low, f.alpha_high), _f(f.cost_ratio, ".4f"),
+             _f(f.verify_slope, ".4f"), f.verify_max_n, f.best_k, _f(f.predicted_best), _ci(f.predicted_best_low, f.predicted_best_high),
+             f"{_f(f.measured_best_speedup)} (k={f.measured_best_k})", _f(f.efficiency, ".2f"),
+             _f(f.break_even_cost_ratio) if f.break_even_cost_ratio > 0 else "none"]
+            for f in fits.itertuples()]
+    return [
+        "## Fitted model", "",
+        "Per draft, dataset and sampling setting: α pooled over k with a cluster bootstrap over prompts; c the median "
+        "measured cost ratio; v(n) = 1 + b(n − 1), b the median slope of the measured verify costs (measured up to "
+        "n = `v measured to`, extrapolated beyond); the "
+        "predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ 16, its interval from α's.", "",
+        _table(["draft", "dataset", "sampling", "k run", "α ↑", f"{pct} CI", "c ↓", "b ↓", "v measured to", "best k",
+                "predicted ↑", f"{pct} CI", "measured best ↑", "efficiency", "break-even c"], rows), "",
+        "`efficiency`: measured / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
+        "which some k ≤ 16 still predicts a speedup above 1 at this α (none: not even a free draft).", "",
+    ]
+
+
+def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
+    out = ["## What-if: other hardware", ""]
+    if whatif.empty:
+        return out + [
+            "α does not depend on the hardware; c and v do. Give another machine's costs to predict the best k and "
+            "speedup there: `--cost-ratio 0.05` (every model draft) or `--cost-ratio DRAFT=0.05`, or step times "
+            "`--target-step-ms 25 --draft-step-ms 3`, optionally `--verify-slope 0.01` (or `whatif:` in "
+            "conf/report.yaml).", ""]
+    name = whatif["machine"].iloc[0]
+    rows = [[w.label, w.dataset, w.sampling, _f(w.alpha), _f(w.cost_ratio, ".4f"), w.cost_source, _f(w.verify_slope, ".4f"),
+             w.best_k, _f(w.predicted), _ci(w.predicted_low, w.predicted_high), f"{_f(w.here_predicted)} (k={w.here_best_k})"]
+            for w in whatif.itertuples()]
+    return out + [f"Predicted on **{name}** with this sweep's α and the costs given:", "",
+                  _table(["draft", "dataset", "sampling", "α", "c there", "c from", "b there", "best k there",
+                          "predicted there ↑", f"{pct} CI", "predicted here (best k)"], rows), ""]
+
+
+def _cells_section(cells: pd.DataFrame, pct: str) -> list[str]:
+    rows = [[c.label, c.dataset, c.sampling, c.k, int(c.num_prompts) if c.num_prompts == c.num_prompts else "–",
+             _f(c.alpha), _f(c.tokens_per_cycle, ".2f"), _f(c.theoretical_tokens_per_cycle, ".2f"), _f(c.speedup),
+             _ci(c.speedup_ci_low, c.speedup_ci_high), _f(c.predicted_speedup), _f(c.efficiency, ".2f"),
+             _f(c.cost_ratio, ".4f"), _f(c.verify_cost, ".3f")] for c in cells.itertuples()]
+    return ["## Cells", "",
+            _table(["draft", "dataset", "sampling", "k", "prompts", "α ↑", "tok/cycle ↑", "theory", "speedup ↑", f"{pct} CI",
+                    "predicted", "efficiency", "c ↓", "v(k+1) ↓"], rows), ""]
+
+
+def _sizes_section(cells: pd.DataFrame) -> list[str]:
+    sizes = cells.drop_duplicates("label")
+    rows = [[s.label, s.draft, _count(s.draft_params), _f(s.draft_bytes / 2**20, ".1f"), s.draft_size_source] for s in sizes.itertuples()]
+    return ["## Draft sizes", "",
+            _table(["draft", "id", "parameters", "memory MiB", "from"], rows), "",
+            "`from`: run (recorded by the harness), weights (safetensors headers of a local copy), config (a rough "
+            "count from config.json), ngram (prompt lookup: no weights), unknown (no local copy). Memory is "
+            "parameters × the run's bytes per element.", ""]
+
+
+def _methods_section(pct: str) -> list[str]:
+    return [
+        "## Definitions and methods", "",
+        "- **Speedup** of a candidate (a draft at one k) on a set of prompts: (spec tokens / spec time) / (baseline "
+        "tokens / baseline time), totals over the prompts; each cell times its own baseline back to back.",
+        "- **Mix speedup**. With w_g the share of generated tokens in category g and τ_g the seconds per token there, "
+        "serving the mix takes Σ_g w_g τ_g per token, so S_mix = Σ_g w_g τ_base,g / Σ_g w_g τ_spec,g: a weighted "
+        "harmonic mean of the per-category speedups S_g, each weighted by its share of the baseline's time "
+        "(w_g τ_base,g / Σ_h w_h τ_base,h). Weights are normalised over the measured categories.",
+        f"- **Intervals** ({pct}): a paired, stratified bootstrap over prompts: every replicate resamples the prompts "
+        "of each category with replacement and applies the same resample to every candidate; percentile intervals. "
+        "A category with one prompt has no interval.",
+        "- **Ship rule**: the best candidate by point estimate ships only if its interval's lower bound is above 1; "
+        "otherwise *ship no speculation*. Choosing the best of many candidates favours a lucky one, so its interval is "
+        "slightly optimistic.",
+        "- **Best two drafts**: the best candidate against the best candidate of another draft: the bootstrap interval "
+        "of the ratio of their speedups (significant when it excludes 1) and a Wilcoxon signed-rank test of the "
+        "per-prompt log speedup differences (unweighted).",
+        "- **α**: accepted / tested positions, a cycle testing positions up to its first rejection, pooled over prompts "
+        "and k; interval: cluster bootstrap over prompts (scipy.stats.bootstrap), since positions within a prompt are "
+        "correlated. Without per-prompt rows: Wilson, positions taken as independent (too narrow).",
+        "- **Cost model**: c = draft step / target step (median over cells); v(n) = T(n positions) / T(1) fitted as "
+        "1 + b(n − 1) through v(1) = 1, b the median of the measured points' slopes; S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) (Leviathan et al., with the "
+        "measured verify cost). The interval of S carries α's uncertainty only.",
+        "- **What-if**: α carries over to other hardware, c and v do not; a prompt-lookup draft keeps its measured "
+        "lookup time (it runs on the host) when only a target step time is given.",
+        "",
+    ]
+
+
+# W&B
+
+
+def log_to_wandb(source: str, out: Path, figures: dict[str, Path], decisions: list[dict], fits: pd.DataFrame) -> None:
+    """The figures, the decision table and the report folder as one W&B run (job_type=report) next to the sweep."""
+    from harness.tracking import resolve_mode
+
+    entity, project, sweep_id = WANDB_PATH.match(source).groups()
+    try:
+        import wandb
+
+        mode = resolve_mode("auto")
+        if mode == "disabled":
+            return
+        run = wandb.init(project=project, entity=entity, group=sweep_id, job_type="report", mode=mode,
+                         name=f"report-{sweep_id or project}", dir=str(out), config={"source": source},
+                         settings=wandb.Settings(silent=True))
+        logged: dict[str, Any] = {f"report/{name}": wandb.Image(str(path)) for name, path in figures.items()}
+        logged["report/decision"] = wandb.Table(dataframe=decide_mod.decisions_frame(decisions))
+        logged["report/fits"] = wandb.Table(dataframe=fits.astype({c: str for c in ("ks", "alpha_method")}))
+        run.log(logged)
+        artifact = wandb.Artifact(_slug(f"report-{sweep_id or project}")[:128], type="report")
+        for name in ("report.md", "cells.csv", "fits.csv", "decision.json"):
+            artifact.add_file(str(out / name))
+        artifact.add_dir(str(out / "figures"), name="figures")
+        run.log_artifact(artifact)
+        run.finish()
+        print(f"[report] logged to W&B ({mode}): {getattr(run, 'url', None) or run.dir}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - the report folder is the result; W&B is a copy
+        print(f"warning: W&B: report not logged ({type(err).__name__}: {err}); it is in {out}", file=sys.stderr)
+
+
+# Command line
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", help="results directory, Hydra (multi)run directory, or W&B entity/project[/sweep_id]")
+    p.add_argument("--out", type=Path, help="report folder (default: <results>/report, or report/<path> for W&B)")
+    p.add_argument("--config", type=Path, help="a YAML like conf/report.yaml (default: conf/report.yaml)")
+    p.add_argument("--weights", action="append", help="traffic mix: CATEGORY=SHARE[,CATEGORY=SHARE...]")
+    p.add_argument("--confidence", type=float)
+    p.add_argument("--resamples", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-k", type=int)
+    p.add_argument("--whatif-name", help="name of the other machine (what-if)")
+    p.add_argument("--cost-ratio", action="append", help="what-if c: NUMBER for every model draft, or DRAFT=NUMBER")
+    p.add_argument("--target-step-ms", type=float, help="what-if: the target's decode step there")
+    p.add_argument("--draft-step-ms", action="append", help="what-if: a draft step there: NUMBER or DRAFT=NUMBER")
+    p.add_argument("--verify-slope", type=float, help="what-if: b of v(n) = 1 + b(n - 1) there")
+    p.add_argument("--no-wandb-log", action="store_true", help="reading from W&B: do not log the report back")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        cfg = settings(args)
+        document = build(args.results, args.out, cfg)
+    except HarnessError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    for d in document["decisions"]:
+        print(f"{d['target']} · {d['sampling']}: {d['mix']['verdict']}")
+    print(f"report: {Path(document['report_dir']) / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

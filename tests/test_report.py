@@ -1,0 +1,509 @@
+"""analysis.report: the loader, the fitted model, the decision, the figures, the command.
+
+Synthetic cells are built with known alpha, c and v(n): every prompt's
+acceptance histogram is the exact i.i.d. expectation (alpha rational, so the
+counts are integers), and its timings are what the cost model says, times a
+small seeded jitter. Their summaries go through harness.metrics.summarize,
+so they have the harness's own schema. The fitted values, the predicted
+speedups and the recommended draft must then be what the formulas give.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).parent.parent
+if str(ROOT) not in sys.path:  # `analysis` is not an installed package (see docs/report.md)
+    sys.path.insert(0, str(ROOT))
+
+from analysis import decide as decide_mod  # noqa: E402
+from analysis import fit as fit_mod  # noqa: E402
+from analysis import report  # noqa: E402
+from analysis.figures import make_figures, pareto_front  # noqa: E402
+from analysis.load import load, load_wandb  # noqa: E402
+from analysis.sizes import draft_size, rough_params, safetensors_shapes  # noqa: E402
+from harness import metrics  # noqa: E402
+from harness.errors import HarnessError  # noqa: E402
+
+STEP_S = 0.01  # target decode step of the synthetic machine
+
+
+# Synthetic results with known alpha, c and v(n) = 1 + b (n - 1)
+
+
+def exact_hist(alpha: Fraction, k: int) -> list[int]:
+    """Cycles that accept 0..k drafted tokens, proportional to the i.i.d. law, in integers."""
+    scale = alpha.denominator ** k
+    probs = [alpha ** j * (1 - alpha) for j in range(k)] + [alpha ** k]
+    return [int(p * scale) for p in probs]
+
+
+def prompt_record(i: int, category: str, alpha: Fraction, k: int, c: float, b: float, jitter: float, kind: str) -> dict:
+    hist = exact_hist(alpha, k)
+    cycles = sum(hist)
+    accepted = sum(j * n for j, n in enumerate(hist))
+    tested = sum((j + 1) * n for j, n in enumerate(hist[:-1])) + k * hist[-1]
+    committed = accepted + cycles  # each cycle commits its accepted tokens plus one (correction or bonus)
+    spec_time = cycles * (k * c + 1 + b * k) * STEP_S * jitter
+    base_time = committed * STEP_S
+    return {
+        "index": i, "id": f"{category}-{i:02d}", "category": category, "prompt_tokens": 50,
+        "spec": {"cycles": cycles, "committed": committed, "drafted": k * cycles, "accepted": accepted, "tested": tested,
+                 "expected_sum": float(alpha) * tested, "accept_hist": hist,
+                 "position_reached": [sum(hist[i:]) for i in range(k)],
+                 "position_accepted": [sum(hist[i + 1:]) for i in range(k)],
+                 "new_tokens": committed, "time_s": spec_time, "ttft_s": spec_time / cycles, "first_tokens": 1,
+                 "draft_passes": k * cycles if kind == "model" else 0, "tokens": []},
+        "base": {"new_tokens": committed, "time_s": base_time, "ttft_s": STEP_S, "first_tokens": 1, "tokens": []},
+        "speedup": (committed / spec_time) / (committed / base_time),
+        "rss_mb": 100.0,
+    }
+
+
+def write_cell(root: Path, name: str, kind: str, alpha: Fraction, k: int, c: float, b: float, temperature: float = 0.0,
+               categories: tuple[str, ...] = ("chat", "code"), per_category: int = 6, seed: int = 0,
+               params: int | None = None, dataset: str = "synthetic", alphas: dict | None = None) -> Path:
+    """One cell directory as harness.run.run_cell writes it. `alphas` gives a category its own alpha."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for g in categories:
+        for _ in range(per_category):
+            jitter = float(np.exp(rng.normal(0, 0.03)))
+            records.append(prompt_record(len(records), g, (alphas or {}).get(g, alpha), k, c, b, jitter, kind))
+    verify = [1 + b * (n - 1) for n in range(1, k + 2)]
+    costs = {"target_step_s": STEP_S, "draft_step_s": c * STEP_S, "cost_ratio": c,
+             "verify_s": [v * STEP_S for v in verify], "verify_cost": verify}
+    summary = metrics.summarize(records, k, costs)
+    cell = f"{name}-k{k}-t{temperature}-{dataset}"
+    draft = {"kind": kind, "id": f"org/{name}"} if kind == "model" else {"kind": "ngram", "max_ngram": 3, "min_ngram": 1}
+    summary.update(pair=name, target="org/target", draft=draft.get("id", "ngram"), k=k, temperature=temperature, top_k=0,
+                   top_p=1.0, max_new_tokens=64, prompts_skipped=0, prompt_ids=[r["id"] for r in records],
+                   categories=metrics.by_category(records, k, costs), costs=costs,
+                   conditions={"device": "cuda", "device_name": "Synthetic GPU", "dtype": "bfloat16"},
+                   peak_rss_mb=100.0, cell=cell, cell_dir=str(root / cell), status="finished")
+    if params is not None:
+        summary["draft_params"] = params
+    config = {"pair": {"name": name, "target": {"id": "org/target"}, "draft": draft}, "dataset": {"name": dataset},
+              "k": k, "temperature": temperature, "top_k": 0, "top_p": 1.0, "seed": 0, "max_new_tokens": 64}
+    out = root / cell
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    (out / "summary.json").write_text(json.dumps(summary))
+    (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out
+
+
+# Three drafts with known alpha and c, b = 0.02, run at k = 1, 2, 3. By the
+# formula the best measured is "small" at k=3 (1.798x), then "big" at k=3
+# (1.631x), then "lookup" (1.26x); the fit puts small's best k at 4 (1.801x).
+DRAFTS = {"big": ("model", Fraction(4, 5), 0.25, 68_000_000),
+          "small": ("model", Fraction(3, 5), 0.05, 20_000_000),
+          "lookup": ("ngram", Fraction(1, 4), 0.002, None)}
+SLOPE = 0.02
+KS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sweep")
+    for seed, (name, (kind, alpha, c, params)) in enumerate(DRAFTS.items()):
+        for k in KS:
+            write_cell(root, name, kind, alpha, k, c, SLOPE, seed=seed * 10 + k, params=params)
+            # the same drafts at T=1 with lower acceptance, for the figures' facets
+            write_cell(root, name, kind, alpha * Fraction(3, 4), k, c, SLOPE, temperature=1.0, seed=seed * 10 + k, params=params)
+    return root
+
+
+@pytest.fixture(scope="module")
+def loaded(sweep):
+    results = load(sweep)
+    fits, curves = fit_mod.fit(results.cells, results.prompts, n_resamples=500)
+    return results, fits, curves
+
+
+def formula_speedup(alpha: float, k: int, c: float, b: float = SLOPE) -> float:
+    return metrics.predicted_speedup(alpha, k, c, 1 + b * k)
+
+
+# The fitted model
+
+
+def test_fit_recovers_alpha_cost_verify_curve_and_best_k(loaded):
+    results, fits, curves = loaded
+    assert len(results.cells) == 18 and len(results.prompts) == 18 * 12
+    for name, (kind, alpha, c, _) in DRAFTS.items():
+        f = fits[(fits["label"] == name) & (fits["sampling"] == "T=0")].iloc[0]
+        assert f["alpha"] == pytest.approx(float(alpha), abs=1e-12)
+        assert f["alpha_low"] <= float(alpha) <= f["alpha_high"]
+        assert f["cost_ratio"] == pytest.approx(c) and f["verify_slope"] == pytest.approx(SLOPE)
+        assert f["draft_kind"] == kind and f["ks"] == "1 2 3"
+        expected = [formula_speedup(float(alpha), k, c) for k in range(1, 17)]
+        got = curves[(curves["label"] == name) & (curves["sampling"] == "T=0")].sort_values("k")["predicted"]
+        assert got.to_numpy() == pytest.approx(expected, rel=1e-12)
+        assert f["best_k"] == int(np.argmax(expected)) + 1
+        assert f["predicted_best"] == pytest.approx(max(expected))
+        # break-even c: the prediction at the best k for that c is exactly 1
+        k_star, s_star = fit_mod.best_k(float(alpha), f["break_even_cost_ratio"], SLOPE)
+        assert s_star == pytest.approx(1.0)
+    # measured speedups are the formula's (the timings were built from it), up to the 3% jitter
+    cells = results.cells[results.cells["sampling"] == "T=0"]
+    for r in cells.itertuples():
+        kind, alpha, c, _ = DRAFTS[r.label]
+        assert r.speedup == pytest.approx(formula_speedup(float(alpha), r.k, c), rel=0.04)
+        assert r.predicted_speedup == pytest.approx(formula_speedup(float(alpha), r.k, c), rel=1e-9)  # harness's own
+        assert r.tokens_per_cycle == pytest.approx(r.theoretical_tokens_per_cycle)
+
+
+def test_alpha_interval_is_a_cluster_bootstrap_wider_than_binomial():
+    # 10 easy prompts and 10 hard ones: positions are correlated within a prompt
+    accepted = np.array([90] * 10 + [20] * 10, dtype=float)
+    tested = np.full(20, 100.0)
+    boot = fit_mod.alpha_interval(accepted, tested, n_resamples=2000)
+    wilson = fit_mod.binomial_interval(accepted.sum(), tested.sum())
+    assert boot.value == pytest.approx(0.55) and wilson.value == pytest.approx(0.55)
+    assert boot.low < 0.55 < boot.high
+    assert (boot.high - boot.low) > 3 * (wilson.high - wilson.low)
+
+
+def test_verify_slope_and_break_even():
+    points = [(1, 1.0), (2, 1.1), (3, 1.2), (5, 1.4)]
+    assert fit_mod.verify_slope(points) == pytest.approx(0.1)
+    assert fit_mod.verify_slope([(1, 1.0), (2, 0.98)]) == 0.0  # clipped: never cheaper to score more
+    a = fit_mod.break_even_alpha(0.3, 0.0)
+    assert fit_mod.best_k(a, 0.3, 0.0)[1] == pytest.approx(1.0, abs=1e-5)
+    assert math.isnan(fit_mod.break_even_alpha(2.0, 0.5))  # nothing pays when a draft step costs two target steps
+
+
+def test_whatif_uses_alpha_with_the_other_machines_costs(loaded):
+    _, fits, _ = loaded
+    spec = fit_mod.WhatIf(name="H100", cost_ratio={"big": 0.02}, target_step_ms=5.0, verify_slope=0.0)
+    table = fit_mod.whatif(fits[fits["sampling"] == "T=0"], spec).set_index("label")
+    big = table.loc["big"]
+    expected = [metrics.predicted_speedup(0.8, k, 0.02, 1.0) for k in range(1, 17)]
+    assert big["cost_ratio"] == 0.02 and big["best_k"] == int(np.argmax(expected)) + 1
+    assert big["predicted"] == pytest.approx(max(expected))
+    assert big["predicted_low"] <= big["predicted"] <= big["predicted_high"]
+    # prompt lookup keeps its measured host time against the other machine's target step
+    assert table.loc["lookup", "cost_ratio"] == pytest.approx(0.002 * STEP_S * 1e3 / 5.0)
+    assert table.loc["small", "cost_source"].startswith("measured c kept")
+
+
+# The decision
+
+
+def test_decision_recommends_the_formulas_best_draft_and_k(loaded):
+    results, fits, _ = loaded
+    decisions = decide_mod.decide(results.cells, results.prompts, fits, {"chat": 0.7, "code": 0.3}, n_resamples=1000)
+    d = next(d for d in decisions if d["sampling"] == "T=0")
+    predicted = {(name, k): formula_speedup(float(a), k, c) for name, (_, a, c, _) in DRAFTS.items() for k in KS}
+    best = max(predicted, key=predicted.get)
+    assert best == ("small", 3)
+    mix = d["mix"]
+    assert (mix["ship"], mix["k"]) == best
+    assert mix["best"]["low"] > 1 and mix["best"]["speedup"] == pytest.approx(predicted[best], rel=0.03)
+    assert (mix["runner_up"]["label"], mix["runner_up"]["k"]) == ("big", 3)
+    cmp = mix["comparison"]
+    assert cmp["significant"] and cmp["low"] > 1 and cmp["wilcoxon_p"] < 0.01 and cmp["prompts"] == 12
+    assert cmp["ratio"] == pytest.approx(predicted[best] / predicted[("big", 3)], rel=0.03)
+    assert mix["verdict"].startswith("Ship small with k=3")
+    for g in ("chat", "code"):
+        assert d["per_category"][g]["ship"] == "small" and d["per_category"][g]["prompts"] == 6
+    assert d["weights"] == {"chat": 0.7, "code": 0.3}
+    # What would change it: the fit's best k for "small" is above the measured ones.
+    k_fit = fits[(fits["label"] == "small") & (fits["sampling"] == "T=0")]["best_k"].iloc[0]
+    assert k_fit == 4 and any(f"run k={k_fit}" in line for line in mix["what_would_change"])
+
+
+def test_no_draft_beats_the_baseline_says_ship_no_speculation(tmp_path):
+    for name, alpha, c in (("slow", Fraction(3, 10), 0.8), ("slower", Fraction(1, 5), 0.9)):
+        for k in (1, 2):
+            write_cell(tmp_path, name, "model", alpha, k, c, 0.05, per_category=4)
+    results = load(tmp_path)
+    fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=200)
+    (d,) = decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=500)
+    assert d["mix"]["ship"] == decide_mod.NO_SPECULATION and d["mix"]["k"] is None
+    assert d["mix"]["verdict"].startswith("Ship no speculation")
+    assert all(c["ship"] == decide_mod.NO_SPECULATION for c in d["per_category"].values())
+    assert any("pays off" in line for line in d["mix"]["what_would_change"])
+
+
+def test_what_would_change_names_the_traffic_share_that_flips_the_choice(tmp_path):
+    # "chatty" drafts chat well and code badly, "coder" the reverse; chat is 80% of the traffic.
+    write_cell(tmp_path, "chatty", "model", Fraction(4, 5), 2, 0.05, 0.0, alphas={"code": Fraction(2, 5)})
+    write_cell(tmp_path, "coder", "model", Fraction(1, 2), 2, 0.05, 0.0, alphas={"code": Fraction(4, 5)})
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.8, "code": 0.2}, n_resamples=300)
+    assert d["mix"]["ship"] == "chatty" and d["per_category"]["code"]["ship"] == "coder"
+    (line,) = [x for x in d["mix"]["what_would_change"] if x.startswith("Traffic")]
+    assert "if code rises from 20% to" in line and "coder k=2 overtakes chatty" in line
+    share = float(line.split(" to ")[1].split("%")[0]) / 100
+    per_cat = {c["label"]: c["categories"] for c in d["candidates"]}
+    tau = {lab: {g: 1 / per_cat[lab][g]["speedup"] for g in ("chat", "code")} for lab in per_cat}  # base tau is equal
+    mix = lambda lab, w: 1 / ((1 - w) * tau[lab]["chat"] + w * tau[lab]["code"])  # noqa: E731
+    assert mix("coder", share + 0.01) > mix("chatty", share + 0.01) and mix("coder", share - 0.01) < mix("chatty", share - 0.01)
+
+
+def test_mix_speedup_is_baseline_time_over_speculative_time():
+    # One candidate, two categories: chat 2x faster, code 1.25x, code's baseline 3x slower per token.
+    table = decide_mod.Table(
+        candidates=[("a", 2)], kinds=["model"], prompt_keys=["p0", "p1", "p2", "p3"],
+        categories=["chat", "chat", "code", "code"],
+        spec_tokens=np.array([[10.0, 10, 10, 10]]), spec_time=np.array([[0.5, 0.5, 2.4, 2.4]]),
+        base_tokens=np.array([[10.0, 10, 10, 10]]), base_time=np.array([[1.0, 1.0, 3.0, 3.0]]))
+    names = ["chat", "code"]
+    w = np.array([0.75, 0.25])
+    per_cat, mix = decide_mod.speedups(decide_mod.category_sums(table, np.ones((1, 4)), names), w)
+    assert per_cat[0, 0] == pytest.approx([2.0, 1.25])
+    tau_base, tau_spec = np.array([0.1, 0.3]), np.array([0.05, 0.24])
+    assert mix[0, 0] == pytest.approx((w @ tau_base) / (w @ tau_spec))  # = 0.15 / 0.0975
+    u = w * tau_base / (w @ tau_base)
+    assert mix[0, 0] == pytest.approx(1 / (u / per_cat[0, 0]).sum())  # weighted harmonic mean
+    assert mix[0, 0] < w @ per_cat[0, 0]  # not the arithmetic mean
+
+
+def test_traffic_weights_are_normalised_over_measured_categories():
+    w, notes = decide_mod.resolve_weights({"chat": 2, "code": 1, "math": 1}, ["chat", "code", "qa"])
+    assert w == pytest.approx({"chat": 2 / 3, "code": 1 / 3, "qa": 0.0})
+    assert any("math" in n and "25%" in n for n in notes) and any("qa" in n for n in notes)
+    assert decide_mod.resolve_weights({}, ["a", "b"])[0] == {"a": 0.5, "b": 0.5}
+    with pytest.raises(HarnessError, match="no traffic weight"):
+        decide_mod.resolve_weights({"math": 1}, ["chat"])
+
+
+def test_pareto_front():
+    size = np.array([0.0, 20.0, 68.0, 100.0, 50.0])
+    speed = np.array([1.2, 1.8, 1.6, 2.0, 1.8])
+    assert pareto_front(size, speed).tolist() == [True, True, False, True, False]
+
+
+# Figures
+
+
+def test_figures_are_written_and_not_blank(loaded, tmp_path):
+    import matplotlib.image
+
+    results, fits, curves = loaded
+    made = make_figures(results.cells, results.prompts, fits, curves, tmp_path)
+    assert set(made) == {"speedup_vs_k", "acceptance_by_sampling", "acceptance_by_category", "position_acceptance",
+                         "tokens_per_cycle", "measured_vs_predicted", "speedup_vs_size", "fitted_model"}
+    for path in made.values():
+        assert path.stat().st_size > 10_000
+        pixels = matplotlib.image.imread(path)
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 300 and pixels[..., :3].std() > 0.05
+
+
+# Loading
+
+
+def test_loader_finds_cells_through_hydra_pointers_and_reports_unfinished(sweep, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(sweep / "small-k1-t0.0-synthetic", store / "small-k1-t0.0-synthetic")
+    multirun = tmp_path / "multirun"
+    (multirun / "0").mkdir(parents=True)
+    (multirun / "0" / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=1"],
+                                                          "cell_dir": str(store / "small-k1-t0.0-synthetic")}))
+    (multirun / "1").mkdir()
+    (multirun / "1" / "cell.json").write_text(json.dumps({"job": 1, "status": "failed", "overrides": ["k=9"],
+                                                          "error": "boom", "cell_dir": None}))
+    results = load(multirun)
+    assert results.cells["cell"].tolist() == ["small-k1-t0.0-synthetic"] and len(results.prompts) == 12
+    assert any("failed" in n and "boom" in n for n in results.notes)
+    (store / "half").mkdir()
+    (store / "half" / "status.json").write_text(json.dumps({"status": "interrupted", "done": 3, "total": 12}))
+    notes = load(store).notes
+    assert any("half not finished (interrupted, 3/12" in n for n in notes)
+    with pytest.raises(HarnessError, match="neither a results directory nor a W&B path"):
+        load(str(tmp_path / "nowhere" / "x" / "y" / "z"))
+    with pytest.raises(HarnessError, match="no finished cell"):
+        load(tmp_path / "multirun" / "1")
+
+
+class FakeArtifact:
+    type = "cell-results"
+
+    def __init__(self, cell_dir: Path):
+        self.cell_dir = cell_dir
+
+    def download(self, root: str) -> str:
+        for name in ("prompts.jsonl", "summary.json", "config.yaml"):
+            shutil.copy(self.cell_dir / name, Path(root) / name)
+        return root
+
+
+class FakeRun:
+    def __init__(self, run_id: str, config: dict, summary: dict, artifacts: list, state: str = "finished"):
+        self.id, self.name, self.state = run_id, run_id, state
+        self.config, self.summary_metrics, self._artifacts = config, summary, artifacts
+
+    def logged_artifacts(self):
+        return self._artifacts
+
+
+class FakeApi:
+    """wandb.Api's surface that the loader uses: sweep(path).runs, runs(path)."""
+
+    def __init__(self, runs: list[FakeRun]):
+        self._runs, self.asked = runs, []
+
+    def sweep(self, path: str):
+        self.asked.append(("sweep", path))
+        return type("Sweep", (), {"runs": self._runs})()
+
+    def runs(self, path: str):
+        self.asked.append(("runs", path))
+        return self._runs
+
+
+def fake_runs(sweep: Path, with_artifacts: bool = True) -> list[FakeRun]:
+    """The sweep's cells as harness.tracking logs them: config + conditions, summary + flat keys, the artifact."""
+    runs = []
+    for i, cell_dir in enumerate(sorted(p for p in sweep.iterdir() if (p / "summary.json").exists())):
+        summary = json.loads((cell_dir / "summary.json").read_text())
+        config = {**json.loads((cell_dir / "config.yaml").read_text()), "conditions": summary["conditions"], "_wandb": {}}
+        flat = {"speedup_ci_low": summary["speedup_ci"][0], "speedup_ci_high": summary["speedup_ci"][1]}
+        runs.append(FakeRun(f"run{i}", config, {**summary, **flat}, [FakeArtifact(cell_dir)] if with_artifacts else []))
+    runs.append(FakeRun("report", {"source": "x"}, {"status": "finished"}, []))  # an earlier report run: not a cell
+    broken = dict(runs[0].summary_metrics, status="failed", cell="broken")
+    runs.append(FakeRun("crashed", runs[0].config, broken, [], state="crashed"))
+    return runs
+
+
+def test_wandb_sweep_loads_into_the_same_frames_as_the_local_tree(sweep):
+    local = load(sweep)
+    api = FakeApi(fake_runs(sweep))
+    remote = load_wandb("me/specbench/abc123", api=api)
+    assert api.asked == [("sweep", "me/specbench/abc123")]
+    assert remote.kind == "wandb" and any("crashed" in n for n in remote.notes)
+    columns = ["cell", "label", "draft_kind", "dataset", "k", "sampling", "alpha", "speedup", "speedup_ci_low",
+               "cost_ratio", "accepted_total", "tested_total", "draft_params", "has_prompts"]
+    pd.testing.assert_frame_equal(remote.cells[columns], local.cells[columns])
+    key = ["cell", "prompt_key"]
+    pd.testing.assert_frame_equal(remote.prompts.sort_values(key).reset_index(drop=True),
+                                  local.prompts.sort_values(key).reset_index(drop=True))
+    # a project path reads every run; without artifacts the cells stay, cell-level only
+    bare = load_wandb("me/specbench", api=FakeApi(fake_runs(sweep, with_artifacts=False)))
+    assert len(bare.cells) == 18 and bare.prompts.empty and not bare.cells["has_prompts"].any()
+    fits, _ = fit_mod.fit(bare.cells, bare.prompts)
+    small = fits[(fits["label"] == "small") & (fits["sampling"] == "T=0")].iloc[0]
+    assert small["alpha"] == pytest.approx(0.6) and small["alpha_method"].startswith("Wilson")
+    d = next(d for d in decide_mod.decide(bare.cells, bare.prompts, fits) if d["sampling"] == "T=0")
+    assert (d["mix"]["ship"], d["mix"]["k"]) == ("small", 3) and "From cell summaries" in d["mix"]["verdict"]
+
+
+def test_report_from_wandb_logs_figures_back(sweep, tmp_path, monkeypatch):
+    import wandb
+
+    logged = {}
+
+    class Run:
+        dir, url = str(tmp_path), "https://wandb.example/run"
+
+        def log(self, data):
+            logged.update(data)
+
+        def log_artifact(self, artifact):
+            logged["artifact"] = artifact
+
+        def finish(self):
+            logged["finished"] = True
+
+    def fake_init(**kwargs):
+        logged["init"] = kwargs
+        return Run()
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(wandb, "init", fake_init)
+    document = report.build("me/specbench/abc123", tmp_path / "out", {"n_resamples": 200},
+                            api=FakeApi(fake_runs(sweep)))
+    assert logged["init"]["job_type"] == "report" and logged["init"]["group"] == "abc123"
+    assert {"report/speedup_vs_k", "report/decision", "report/fits"} <= set(logged) and logged["finished"]
+    assert isinstance(logged["report/speedup_vs_k"], wandb.Image)
+    assert (tmp_path / "out" / "report.md").exists() and document["kind"] == "wandb"
+
+
+# Draft sizes
+
+
+def test_draft_size_from_safetensors_headers_and_config(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["draft"])
+    true = sum(p.numel() for p in model.parameters())
+    size = draft_size("model", str(tiny_pair["draft"]), "bfloat16")
+    assert size == {"params": float(true), "bytes": 2.0 * true, "source": "weights"}
+    config = json.loads((tiny_pair["draft"] / "config.json").read_text())
+    assert rough_params(config) == true  # exact for a Llama without biases
+    assert draft_size("ngram", None, "float32") == {"params": 0.0, "bytes": 0.0, "source": "ngram"}
+    assert draft_size("model", "nobody/nothing-here", "float32")["source"] == "unknown"
+    assert draft_size("model", "x", "float16", {"draft_params": 10})["bytes"] == 20.0
+    (shapes,) = [safetensors_shapes(p) for p in tiny_pair["draft"].glob("*.safetensors")]
+    assert "model.embed_tokens.weight" in shapes
+
+
+# The command
+
+
+def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, capsys):
+    out = tmp_path / "rep"
+    code = report.main([str(sweep), "--out", str(out), "--weights", "chat=0.7,code=0.3", "--resamples", "300",
+                        "--cost-ratio", "big=0.02", "--whatif-name", "H100"])
+    assert code == 0
+    assert "Ship small with k=3" in capsys.readouterr().out
+    for name in ("report.md", "cells.csv", "fits.csv", "decision.json", "whatif.csv"):
+        assert (out / name).stat().st_size > 0
+    text = (out / "report.md").read_text()
+    for heading in ("## Decision", "## Fitted model", "## What-if", "## Cells", "## Figures", "## Definitions"):
+        assert heading in text
+    assert "**H100**" in text and "![speedup_vs_k](figures/speedup_vs_k.png)" in text
+    decision = json.loads((out / "decision.json").read_text())
+    assert {d["sampling"] for d in decision["decisions"]} == {"T=0", "T=1"}
+    assert len(pd.read_csv(out / "cells.csv")) == 18
+    assert report.main([str(tmp_path / "missing" / "a" / "b" / "c")]) == 2
+    assert report.main([str(sweep), "--weights", "chat"]) == 2
+    assert "expected NAME=NUMBER" in capsys.readouterr().err
+
+
+def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    sweep_dir = tmp_path / "multirun"
+    start = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-m", "harness", "-m", "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}",
+         f"pair.draft.id={tiny_pair['draft']}", "pair.draft.kind=model,ngram", "k=1,2", "dataset.num_prompts=3",
+         "max_new_tokens=8", f"out_dir={tmp_path / 'results'}", f"hydra.sweep.dir={sweep_dir}"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    sweep_s = time.perf_counter() - start
+    # `python -m analysis.report` is report.main; called in-process it skips a second torch import (seconds here)
+    assert report.main([str(sweep_dir), "--resamples", "300"]) == 0
+    folder = sweep_dir / "report"
+    assert f"report: {folder / 'report.md'}" in capsys.readouterr().out
+    cells = pd.read_csv(folder / "cells.csv")
+    assert len(cells) == 4 and set(cells["draft_kind"]) == {"model", "ngram"}
+    assert set(cells["label"]) == {"llama_7b_68m/draft", "llama_7b_68m/ngram"}
+    assert cells.loc[cells["draft_kind"] == "ngram", "draft_params"].eq(0).all()
+    assert cells.loc[cells["draft_kind"] == "model", "draft_size_source"].eq("weights").all()
+    assert len(pd.read_csv(folder / "fits.csv")) == 2
+    (decision,) = json.loads((folder / "decision.json").read_text())["decisions"]
+    assert decision["mix"]["verdict"].startswith("Ship")
+    assert decision["mix"]["runner_up"] is not None  # two drafts compared
+    pngs = sorted((folder / "figures").glob("*.png"))
+    assert len(pngs) == 8 and all(p.stat().st_size > 5_000 for p in pngs)
+    text = (folder / "report.md").read_text()
+    assert "## Decision" in text and "llama_7b_68m/ngram" in text
+    print(f"tiny multirun {sweep_s:.1f}s")
