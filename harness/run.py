@@ -80,6 +80,7 @@ def validate(cfg: DictConfig) -> None:
         (cfg.dataset.num_prompts is None or (isinstance(cfg.dataset.num_prompts, int) and cfg.dataset.num_prompts >= 1),
          f"dataset.num_prompts={cfg.dataset.num_prompts} must be a positive integer or null (all)"),
         (cfg.cache in ("dynamic", "static"), f"cache={cfg.cache} must be dynamic or static"),
+        (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
     ]
@@ -91,8 +92,11 @@ def validate(cfg: DictConfig) -> None:
 def cell_key(cfg: DictConfig) -> str:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     keyed = {k: v for k, v in resolved.items() if k not in NOT_IN_KEY}
+    for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
+        if isinstance(keyed.get(name), (int, float)):
+            keyed[name] = float(keyed[name])
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
-    return f"{cfg.pair.name}-k{cfg.k}-t{cfg.temperature}-{digest}"
+    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}-{digest}"
 
 
 def _compiled(model, enabled: bool):
@@ -109,6 +113,7 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     if key in _loaded:
         return _loaded[key]
     _loaded.clear()  # free the previous pair before loading the next
+    print(f"[harness] loading pair {pair_cfg.name}: target {pair_cfg.target.id}, draft {pair_cfg.draft.get('id', pair_cfg.draft.kind)}", file=sys.stderr)
     target_spec = ModelSpec.from_config(pair_cfg.target)
     tokenizer = load_tokenizer(target_spec, "target")
     target_model = load_model(target_spec, device, "target")
@@ -304,6 +309,12 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         cell_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise HarnessError(f"cannot write results to {cell_dir}: {err.strerror}; set out_dir=<a writable directory>") from None
+    with tracking.claim(cell_dir, quiet=quiet):  # agents or SLURM tasks sharing out_dir may pick the same cell
+        return _run_claimed(cfg, cell_dir, device, quiet)
+
+
+def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: bool) -> dict:
+    """The body of run_cell, run while this process holds the cell's claim."""
     summary_path, lines_path = cell_dir / "summary.json", cell_dir / "prompts.jsonl"
     if summary_path.exists() and not cfg.force:
         summary = json.loads(summary_path.read_text())

@@ -1,16 +1,379 @@
-"""Experiment tracking (W&B). Placeholder interface: the loop of run_cell calls
-`start(cfg, cell_dir)` before the first prompt and `finish(...)` at the end."""
+"""Experiment tracking: one W&B run per benchmark cell, and claims on cells.
+
+A cell's W&B run carries
+  config    the full resolved Hydra config (Hydra is the one source of truth:
+            nothing is configured twice), plus `conditions` at the end;
+  summary   the harness summary verbatim (summary.json), plus the flat keys in
+            METRICS and `status` (finished | interrupted | failed), so a
+            sweep's `metric.name` is any of those keys;
+  history   prompt/* per prompt while the cell runs (live progress);
+  media     tables/prompts, tables/categories, charts/position_acceptance,
+            charts/accept_hist; and the cell's prompts.jsonl, summary.json and
+            config.yaml as an artifact (type "cell-results").
+docs/tracking.md lists every key.
+
+Mode `auto` is online with an API key and offline without one (upload later
+with `wandb sync`), so nothing needs a network; `disabled` turns W&B off. A
+W&B failure never fails a benchmark: one warning line, and the results stay in
+the cell directory.
+
+`claim(cell_dir)` keeps two processes that share a results store (one W&B
+agent per GPU, SLURM array tasks) from running the same cell at once.
+"""
 
 from __future__ import annotations
 
+import atexit
+import json
+import math
+import netrc
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.errors import HarnessError
+
+MODES = ("auto", "online", "offline", "disabled")
+
+# Top-level scalar summary keys: what dashboards plot and sweeps optimise.
+METRICS = (
+    "acceptance_rate", "alpha", "expected_alpha", "tokens_per_cycle", "accepted_per_cycle",
+    "theoretical_tokens_per_cycle", "speedup", "speedup_ci_low", "speedup_ci_high", "speedup_geomean",
+    "speedup_geomean_ci_low", "speedup_geomean_ci_high", "predicted_speedup", "efficiency", "cost_ratio",
+    "verify_cost", "spec_tpot_s", "base_tpot_s", "spec_ttft_s", "base_ttft_s", "num_prompts", "new_tokens",
+    "cycles", "target_passes", "draft_passes", "spec_time_s", "base_time_s", "peak_rss_mb",
+)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: W&B: {message}", file=sys.stderr)
+
 
 class NoTracking:
+    """W&B off: every call does nothing."""
+
     def log_prompt(self, record: dict) -> None:
         pass
 
     def finish(self, summary: dict, records: list[dict], status: str = "finished") -> None:
         pass
 
+    def __enter__(self) -> NoTracking:
+        return self
 
-def start(cfg, cell_dir) -> NoTracking:
-    return NoTracking()
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+_active: WandbTracker | None = None  # the run this process has open (one at a time)
+_online_failed = False  # an online init failed: this process's later cells go straight to offline
+
+
+class WandbTracker:
+    """One cell's W&B run. As a context manager, an exception finishes the run
+    as failed, Ctrl-C (and SIGTERM, which run_cell turns into it) as interrupted."""
+
+    def __init__(self, run, cell_dir: Path):
+        self.run, self.cell_dir, self.done = run, cell_dir, 0
+        self.closed = self.broken = False
+        run.define_metric("prompt/n")
+        run.define_metric("prompt/*", step_metric="prompt/n", summary="none")  # curves, not summary keys
+        run.summary["status"] = "running"
+        atexit.register(self._abandoned)  # before wandb's own exit hook: runs are finished in LIFO order
+
+    def log_prompt(self, record: dict) -> None:
+        if self.closed or self.broken:
+            return
+        self.done += 1
+        spec = record["spec"]
+        try:
+            self.run.log({
+                "prompt/n": self.done,
+                "prompt/speedup": record["speedup"],
+                "prompt/acceptance_rate": _ratio(spec["accepted"], spec["drafted"]),
+                "prompt/tokens_per_cycle": _ratio(spec["committed"], spec["cycles"]),
+                "prompt/new_tokens": spec["new_tokens"],
+            })
+        except Exception as err:  # noqa: BLE001 - tracking must never stop a benchmark
+            self.broken = True
+            _warn(f"stopped logging prompts of {self.cell_dir.name} ({_first_line(err)}); results stay in {self.cell_dir}")
+
+    def finish(self, summary: dict, records: list[dict], status: str = "finished") -> None:
+        """Log the summary, tables, charts and results artifact, then finish the run."""
+        global _active
+        if self.closed:
+            return
+        self.closed = True
+        if _active is self:
+            _active = None
+        atexit.unregister(self._abandoned)
+        try:
+            if records:
+                self.run.log(media(summary, records))
+            self.run.summary.update({**summary, **flat_metrics(summary), "status": status})
+            if "conditions" in summary:
+                self.run.config.update({"conditions": summary["conditions"]}, allow_val_change=True)
+            self.run.log_artifact(results_artifact(self.cell_dir, summary, status))
+        except Exception as err:  # noqa: BLE001
+            _warn(f"could not log the results of {self.cell_dir.name} ({_first_line(err)}); they are in {self.cell_dir}")
+        try:
+            self.run.finish(exit_code=0 if status == "finished" else 1)
+        except Exception as err:  # noqa: BLE001
+            _warn(f"could not finish the run of {self.cell_dir.name} ({_first_line(err)})")
+
+    def __enter__(self) -> WandbTracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not self.closed:
+            interrupted = issubclass(exc_type, (KeyboardInterrupt, SystemExit))
+            self.finish({}, [], status="interrupted" if interrupted else "failed")
+
+    def _abandoned(self) -> None:
+        self.finish({}, [], status="interrupted")  # the process ends with this cell unfinished
+
+
+def start(cfg: DictConfig, cell_dir: str | Path) -> WandbTracker | NoTracking:
+    """Open the W&B run of one cell (or a no-op tracker when W&B is off or fails)."""
+    global _active, _online_failed
+    cell_dir = Path(cell_dir)
+    if _active is not None:  # the previous cell raised and the launcher went on to this one
+        _active.finish({}, [], status="failed")
+    mode = resolve_mode(cfg.wandb.mode)
+    if mode == "disabled":
+        return NoTracking()
+    w, sweep = cfg.wandb, bool(os.environ.get("WANDB_SWEEP_ID"))
+    run_dir = Path(w.dir) if w.dir else cell_dir.parent
+    kwargs = dict(
+        # Under `wandb agent` the run must land in the sweep's project: the agent's environment decides.
+        project=(sweep and os.environ.get("WANDB_PROJECT")) or w.project,
+        entity=(sweep and os.environ.get("WANDB_ENTITY")) or w.entity,
+        group=w.group if w.group else (None if sweep else sweep_name()),
+        job_type=w.job_type,
+        tags=list(w.tags or []) or None,
+        name=w.name or cell_dir.name,
+        dir=str(run_dir),  # runs land in <dir>/wandb/
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    if mode == "online" and _online_failed and not sweep:
+        mode = "offline"
+    try:
+        import wandb
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run = wandb.init(**kwargs, mode=mode, settings=wandb.Settings(silent=True))
+        except Exception as err:
+            if mode != "online" or sweep:  # a sweep's run must be online
+                raise
+            # A key but no network (a compute node): keep the run, offline, and
+            # do not wait for the server again in this process.
+            _online_failed, mode = True, "offline"
+            _warn(f"online init failed ({_first_line(err)}); logging offline from now on (upload later: wandb sync)")
+            run = wandb.init(**kwargs, mode=mode, settings=wandb.Settings(silent=True))
+    except Exception as err:  # noqa: BLE001 - bad key, full disk, ...: the benchmark goes on
+        _warn(f"no run for {cell_dir.name} ({_first_line(err)}); results stay in {cell_dir}")
+        return NoTracking()
+    if sweep:  # a swept config group (dataset=...) shows as its option name: keep its resolved fields too
+        shadowed = {f"{k}_config": v for k, v in kwargs["config"].items() if isinstance(v, dict) and run.config.get(k) != v}
+        run.config.update(shadowed)
+    where = run.url if mode == "online" else f"{Path(run.dir).parent} (upload: wandb sync <that dir>)"
+    print(f"[harness] W&B {mode} run {run.name}: {where}", file=sys.stderr)
+    _active = WandbTracker(run, cell_dir)
+    return _active
+
+
+def resolve_mode(mode: str) -> str:
+    """online / offline / disabled from `wandb.mode`; see the module docstring."""
+    if mode not in MODES:
+        raise HarnessError(f"wandb.mode={mode} must be one of {', '.join(MODES)}")
+    if mode == "auto":
+        env = {"dryrun": "offline", "run": "online"}.get(os.environ.get("WANDB_MODE", ""), os.environ.get("WANDB_MODE"))
+        if env in ("online", "offline", "disabled"):  # the environment may pin it (CI: disabled)
+            return env
+        return "online" if has_api_key() else "offline"
+    if mode == "online" and not has_api_key():
+        _warn("wandb.mode=online but no API key (WANDB_API_KEY or `wandb login`): logging offline instead")
+        return "offline"
+    return mode
+
+
+def has_api_key() -> bool:
+    """Whether W&B credentials are configured, without asking the server."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
+    try:
+        return path.is_file() and netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def sweep_name() -> str | None:
+    """The Hydra sweep directory of a multirun (the default W&B group), else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return str(HydraConfig.get().sweep.dir)
+    except Exception:  # noqa: BLE001 - outside Hydra there is no sweep
+        pass
+    return None
+
+
+def flat_metrics(summary: dict) -> dict:
+    """The CI bounds as scalar keys (a W&B sweep metric or a panel needs a scalar)."""
+    flat = {}
+    for key in ("speedup", "speedup_geomean"):
+        if f"{key}_ci" in summary:
+            flat[f"{key}_ci_low"], flat[f"{key}_ci_high"] = summary[f"{key}_ci"]
+    return flat
+
+
+def media(summary: dict, records: list[dict]) -> dict:
+    """Tables and charts of a finished cell, keyed as they appear in W&B."""
+    import wandb
+
+    columns = ["index", "id", "category", "prompt_tokens", "new_tokens", "base_new_tokens", "acceptance_rate",
+               "tokens_per_cycle", "speedup", "spec_time_s", "base_time_s"]
+    rows = [[r["index"], r["id"], r["category"], r["prompt_tokens"], r["spec"]["new_tokens"], r["base"]["new_tokens"],
+             _ratio(r["spec"]["accepted"], r["spec"]["drafted"]), _ratio(r["spec"]["committed"], r["spec"]["cycles"]),
+             r["speedup"], r["spec"]["time_s"], r["base"]["time_s"]] for r in records]
+    logged = {"tables/prompts": wandb.Table(columns=columns, data=rows)}
+    categories = summary.get("categories") or {}
+    if categories:
+        logged["tables/categories"] = wandb.Table(
+            columns=["category", "num_prompts", "acceptance_rate", "tokens_per_cycle", "speedup", "speedup_ci_low", "speedup_ci_high"],
+            data=[[name, m["num_prompts"], m["acceptance_rate"], m["tokens_per_cycle"], m["speedup"], *m["speedup_ci"]]
+                  for name, m in categories.items()],
+        )
+    if "position_acceptance" in summary:
+        positions = wandb.Table(columns=["position", "acceptance"],
+                                data=[[i + 1, a] for i, a in enumerate(summary["position_acceptance"])])
+        logged["charts/position_acceptance"] = wandb.plot.line(
+            positions, "position", "acceptance", title="P(draft position accepted | earlier ones accepted)")
+    if "accept_hist" in summary:
+        hist = wandb.Table(columns=["accepted", "cycles"], data=[[str(n), c] for n, c in enumerate(summary["accept_hist"])])
+        logged["charts/accept_hist"] = wandb.plot.bar(hist, "accepted", "cycles", title="cycles by accepted drafts (0..k)")
+    return logged
+
+
+def results_artifact(cell_dir: Path, summary: dict, status: str):
+    """The cell's own files (prompts.jsonl, summary.json, config.yaml) as one artifact."""
+    import wandb
+
+    name = re.sub(r"[^\w.-]", "_", f"cell-{cell_dir.name}")[:128]
+    artifact = wandb.Artifact(name, type="cell-results", metadata={"status": status, "cell_dir": str(cell_dir)})
+    for file in ("prompts.jsonl", "summary.json", "config.yaml"):
+        if (cell_dir / file).exists():
+            artifact.add_file(str(cell_dir / file))
+    return artifact
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+# Claims on cells. The cell key is deterministic, so two processes sharing a
+# results store can pick the same cell; the second waits for the first, then
+# finds the cell complete and skips it.
+
+
+CLAIM_POLL_S = 5.0  # how often a waiting process looks at a claim again
+
+
+@contextmanager
+def claim(cell_dir: str | Path, poll_s: float | None = None, stale_s: float = 300.0, quiet: bool = False) -> Iterator[Path]:
+    """Hold `<cell_dir>/.claim` (created with O_EXCL, holding host and pid) while running a cell.
+
+    A claim whose holder is gone is taken over: on the same host when its pid
+    is dead, on any host when its heartbeat (the file's mtime, touched every
+    stale_s / 4 seconds) is older than stale_s.
+    """
+    path = Path(cell_dir) / ".claim"
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    waiting = False
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_claim(path)
+            if _is_stale(path, holder, stale_s):
+                if not quiet:
+                    print(f"[harness] taking over a stale claim on {path.parent.name} ({_who(holder)})", file=sys.stderr)
+                if _read_claim(path) == holder:  # nobody took it over meanwhile
+                    path.unlink(missing_ok=True)
+                continue
+            if not waiting and not quiet:
+                print(f"[harness] cell {path.parent.name} is being run by {_who(holder)}; waiting for it", file=sys.stderr)
+            waiting = True
+            time.sleep(CLAIM_POLL_S if poll_s is None else poll_s)
+            continue
+        with os.fdopen(fd, "w") as out:
+            json.dump(mine, out)
+        break
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(path, stop, stale_s / 4), daemon=True)
+    beat.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        beat.join()
+        if _read_claim(path) == mine:
+            path.unlink(missing_ok=True)
+
+
+def _read_claim(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # gone, or being written: look again on the next poll
+
+
+def _who(holder: dict | None) -> str:
+    return f"{holder.get('host')}:{holder.get('pid')}" if holder else "another process"
+
+
+def _is_stale(path: Path, holder: dict | None, stale_s: float) -> bool:
+    try:
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return False  # released meanwhile: the next O_EXCL try takes it
+    if holder is None:
+        return age > 10  # empty or torn: its writer died between creating and writing it
+    if age > stale_s:
+        return True
+    if holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, ValueError, TypeError):
+        return False
+    return False
+
+
+def _heartbeat(path: Path, stop: threading.Event, every_s: float) -> None:
+    while not stop.wait(every_s):
+        try:
+            os.utime(path)
+        except OSError:
+            return

@@ -1,0 +1,183 @@
+"""Hydra callbacks: the table over the cells of a multirun.
+
+Each job writes `cell.json` into its Hydra output directory (`record_job`,
+called by harness.__main__): its overrides, status and results directory. The
+callback finds this sweep's cells from those pointers, not by listing the
+results store, so cells of other sweeps sharing the store stay out and cells
+this sweep skipped as already complete stay in. After each job it rewrites
+aggregate.csv and aggregate.md in the sweep directory (an interrupted sweep
+still has its table); at the end of the multirun it prints the table, and
+exits 1 if a cell failed.
+
+Registered in conf/config.yaml under `hydra.callbacks`, or for one command:
+  +hydra.callbacks.aggregate._target_=harness.callbacks.AggregateCallback
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+POINTER = "cell.json"
+
+# (csv column, markdown header or None for csv only, markdown format)
+COLUMNS = [
+    ("job", "job", ""),
+    ("pair", "pair", ""),
+    ("k", "k", ""),
+    ("temperature", "T", ""),
+    ("dataset", "dataset", ""),
+    ("num_prompts", "prompts", ""),
+    ("acceptance_rate", "accept ↑", ".3f"),
+    ("tokens_per_cycle", "tok/cycle ↑", ".2f"),
+    ("speedup", "speedup ↑", ".3f"),
+    ("speedup_ci_low", None, ""),
+    ("speedup_ci_high", None, ""),
+    ("speedup_ci", "95% CI", ""),
+    ("predicted_speedup", "predicted", ".3f"),
+    ("efficiency", "efficiency", ".2f"),
+    ("cost_ratio", "c ↓", ".3f"),
+    ("spec_tpot_ms", "TPOT ms ↓", ".2f"),
+    ("base_tpot_ms", "base TPOT ms", ".2f"),
+    ("status", "status", ""),
+    ("cell", None, ""),
+    ("cell_dir", None, ""),
+    ("overrides", None, ""),
+    ("error", None, ""),
+]
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def record_job(summary: dict | None = None, error: str | None = None) -> None:
+    """Write this Hydra job's pointer to its cell (no-op outside Hydra)."""
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    pointer = {
+        "job": OmegaConf.select(hydra_cfg, "job.num", default=None),
+        "overrides": list(hydra_cfg.overrides.task),
+        "status": "failed" if error else "finished",
+        "error": error,
+        "cell": (summary or {}).get("cell"),
+        "cell_dir": (summary or {}).get("cell_dir"),
+    }
+    _write_atomic(Path(hydra_cfg.runtime.output_dir) / POINTER, json.dumps(pointer, indent=2) + "\n")
+
+
+def collect(sweep_dir: str | Path) -> list[dict]:
+    """One row per job of the sweep that recorded a pointer, in job order."""
+    rows = []
+    for path in Path(sweep_dir).rglob(POINTER):
+        pointer = json.loads(path.read_text())
+        rows.append(_row(pointer))
+    return sorted(rows, key=lambda r: (r["job"] is None, r["job"] if r["job"] is not None else 0, r["cell"] or ""))
+
+
+def _row(pointer: dict) -> dict[str, Any]:
+    row: dict[str, Any] = {name: None for name, _, _ in COLUMNS}
+    row.update(job=pointer.get("job"), status=pointer["status"], cell=pointer.get("cell"), cell_dir=pointer.get("cell_dir"),
+               overrides=" ".join(pointer.get("overrides") or []), error=pointer.get("error"))
+    cell_dir = Path(pointer["cell_dir"]) if pointer.get("cell_dir") else None
+    if cell_dir is None or not (cell_dir / "summary.json").exists():
+        if row["status"] == "finished":
+            row["status"] = "missing"  # the results store moved or was cleaned
+        return row
+    s = json.loads((cell_dir / "summary.json").read_text())
+    for key in ("pair", "k", "temperature", "num_prompts", "acceptance_rate", "tokens_per_cycle", "speedup",
+                "predicted_speedup", "efficiency", "cost_ratio"):
+        row[key] = s.get(key)
+    row["speedup_ci_low"], row["speedup_ci_high"] = s["speedup_ci"]
+    row["spec_tpot_ms"], row["base_tpot_ms"] = 1e3 * s["spec_tpot_s"], 1e3 * s["base_tpot_s"]
+    row["dataset"] = s.get("dataset")
+    if row["dataset"] is None and (cell_dir / "config.yaml").exists():
+        row["dataset"] = OmegaConf.select(OmegaConf.load(cell_dir / "config.yaml"), "dataset.name", default=None)
+    return row
+
+
+def _f(value: Any, fmt: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return format(value, fmt) if fmt else str(value)
+
+
+def to_markdown(rows: list[dict]) -> str:
+    shown = [(name, header, fmt) for name, header, fmt in COLUMNS if header]
+    lines = ["| " + " | ".join(h for _, h, _ in shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]
+    for row in rows:
+        cells = []
+        for name, _, fmt in shown:
+            if name == "speedup_ci":
+                low, high = row["speedup_ci_low"], row["speedup_ci_high"]
+                cells.append(f"[{_f(low, '.3f')}, {_f(high, '.3f')}]" if low is not None else "")
+            else:
+                cells.append(_f(row[name], fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_csv(rows: list[dict]) -> str:
+    names = [name for name, _, _ in COLUMNS if name != "speedup_ci"]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=names, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def write_aggregate(sweep_dir: str | Path) -> tuple[list[dict], str]:
+    """Collect the sweep's cells and write aggregate.csv and aggregate.md; returns (rows, markdown)."""
+    sweep_dir = Path(sweep_dir)
+    rows = collect(sweep_dir)
+    table = to_markdown(rows)
+    _write_atomic(sweep_dir / "aggregate.csv", to_csv(rows))
+    _write_atomic(sweep_dir / "aggregate.md", table + "\n")
+    return rows, table
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # parallel jobs (submitit) may write at once
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class AggregateCallback(Callback):
+    """Print and save the table over the cells of a multirun."""
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        output_dir = Path(config.hydra.runtime.output_dir)
+        if job_return.status == JobStatus.FAILED and not (output_dir / POINTER).exists():
+            error = getattr(job_return, "_return_value", None)  # an exception other than HarnessError
+            pointer = {"job": config.hydra.job.num, "overrides": list(config.hydra.overrides.task), "status": "failed",
+                       "error": f"{type(error).__name__}: {error}", "cell": None, "cell_dir": None}
+            _write_atomic(output_dir / POINTER, json.dumps(pointer, indent=2) + "\n")
+        write_aggregate(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.exists():
+            return
+        rows, table = write_aggregate(sweep_dir)
+        print(f"\n{len(rows)} cells in {sweep_dir}\n{table}\nsaved: {sweep_dir / 'aggregate.csv'}, {sweep_dir / 'aggregate.md'}")
+        failed = [r for r in rows if r["status"] != "finished"]
+        if failed:
+            print(f"error: {len(failed)} of {len(rows)} cells did not finish (status column of {sweep_dir / 'aggregate.md'})", file=sys.stderr)
+            sys.exit(1)

@@ -1,0 +1,412 @@
+"""W&B tracking, multirun, resume, claims and the SLURM launcher config.
+
+Real offline W&B runs are read back from their `.wandb` transaction log and
+compared with the harness's own JSON results. Every W&B directory (runs,
+cache, staging, settings) is under a temporary folder, no API key is visible,
+and nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from harness import tracking
+from harness.errors import HarnessError
+from harness.run import CONF_DIR
+
+ROOT = Path(__file__).parent.parent
+
+
+# Reading a run back. A `.wandb` file is W&B's record log: a 7-byte header
+# (":W&B", magic 0xBEE1, version 0), then 32 KiB blocks of chunks, each with a
+# 7-byte header (CRC-32 of type byte + data, length, type: 1 full, 2 first,
+# 3 middle, 4 last) followed by its data; a record is one protobuf `Record`.
+
+
+def read_records(path: Path) -> list:
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), "not a W&B transaction log"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            continue
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"corrupt chunk at {pos}"
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def _apply(target: dict, items, removes=()) -> None:
+    for item in items:
+        keys = list(item.nested_key) or [item.key]
+        node = target
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = json.loads(item.value_json)
+    for item in removes:
+        keys = list(item.nested_key) or [item.key]
+        node = target
+        for key in keys[:-1]:
+            node = node.get(key, {})
+        node.pop(keys[-1], None)
+
+
+def read_run(run_dir: Path, timeout_s: float = 30) -> dict:
+    """A run's final state, replayed from its log: run, config, summary, history, artifacts, exit code."""
+    (log,) = run_dir.glob("*.wandb")
+    deadline = time.monotonic() + timeout_s
+    # run.finish() returns before W&B's service has flushed the log: wait for its exit record.
+    while not (records := read_records(log)) or records[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, f"{log} has no exit record"
+        time.sleep(0.1)
+    run = {"run": None, "config": {}, "summary": {}, "history": [], "artifacts": [], "exit_code": None}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run["run"] = record.run
+            _apply(run["config"], record.run.config.update)
+        elif kind == "config":
+            _apply(run["config"], record.config.update, record.config.remove)
+        elif kind == "summary":
+            _apply(run["summary"], record.summary.update, record.summary.remove)
+        elif kind == "history":
+            row: dict = {}
+            _apply(row, record.history.item)
+            run["history"].append(row)
+        elif kind == "artifact":
+            run["artifacts"].append((record.artifact.name, record.artifact.type, [e.path for e in record.artifact.manifest.contents]))
+        elif kind == "exit":
+            run["exit_code"] = record.exit.exit_code
+    return run
+
+
+def runs_in(wandb_dir: Path) -> list[dict]:
+    return [read_run(d) for d in sorted(wandb_dir.glob("*run-*")) if d.is_dir()]
+
+
+def plain(value):
+    """A result as W&B gives it back: tuples as lists, NaN as null (W&B keeps NaN only inside nested values)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+@pytest.fixture(scope="session")
+def wandb_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("wandb-home")
+
+
+@pytest.fixture
+def offline(wandb_home, monkeypatch) -> dict:
+    """No API key, no WANDB_MODE: wandb.mode=auto must choose offline. Every W&B folder is temporary."""
+    env = {"WANDB_DIR": wandb_home / "default", "WANDB_CACHE_DIR": wandb_home / "cache", "WANDB_DATA_DIR": wandb_home / "data",
+           "WANDB_CONFIG_DIR": wandb_home / "config", "WANDB_ARTIFACT_DIR": wandb_home / "artifacts", "NETRC": wandb_home / "netrc"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_SWEEP_ID", "WANDB_BASE_URL",
+                 "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    return {k: str(v) for k, v in env.items()}
+
+
+def composed(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def tiny(tiny_pair, *extra: str) -> list[str]:
+    return ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
+            "dataset.num_prompts=3", "max_new_tokens=8", *extra]
+
+
+# One cell, in process.
+
+
+def test_offline_run_matches_the_harness_results(tiny_pair, tmp_path, offline):
+    from harness.run import run_cell
+
+    cfg = composed(tiny(tiny_pair, "k=3", "temperature=0.7", "wandb.tags=[ci,tiny]", "wandb.group=g1"))
+    summary = run_cell(cfg, out_dir=tmp_path, quiet=True)
+    cell = Path(summary["cell_dir"])
+    (run,) = runs_in(tmp_path / "wandb")  # default dir: <out_dir>/wandb/
+
+    assert (run["run"].project, run["run"].run_group, run["run"].job_type) == ("specbench-harness", "g1", "benchmark")
+    assert (run["run"].display_name, list(run["run"].tags)) == (cell.name, ["ci", "tiny"])
+    config = {k: v for k, v in run["config"].items() if k not in ("_wandb", "conditions")}
+    assert config == OmegaConf.to_container(OmegaConf.load(cell / "config.yaml"))  # the resolved Hydra config
+    on_disk = json.loads((cell / "summary.json").read_text())
+    for key, value in on_disk.items():
+        assert plain(run["summary"][key]) == plain(value), key
+    assert run["config"]["conditions"] == on_disk["conditions"]
+    assert run["summary"]["status"] == "finished" and run["exit_code"] == 0
+    assert [run["summary"]["speedup_ci_low"], run["summary"]["speedup_ci_high"]] == plain(on_disk["speedup_ci"])
+    assert set(tracking.METRICS) <= set(run["summary"])  # every documented metric is a summary key
+
+    media = run["summary"]
+    assert media["tables/prompts"]["_type"] == "table-file" and media["tables/prompts"]["nrows"] == 3
+    assert media["tables/categories"]["nrows"] == len(on_disk["categories"])
+    position_chart = run["config"]["_wandb"]["visualize"]["charts/position_acceptance"]
+    assert position_chart["panel_config"]["panelDefId"] == "wandb/line/v0"
+    assert run["config"]["_wandb"]["visualize"]["charts/accept_hist"]["panel_config"]["panelDefId"] == "wandb/bar/v0"
+    per_prompt = [row for row in run["history"] if "prompt/speedup" in row]
+    records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    assert [row["prompt/speedup"] for row in per_prompt] == [r["speedup"] for r in records]
+    (results,) = [a for a in run["artifacts"] if a[1] == "cell-results"]
+    assert results[0] == f"cell-{cell.name}" and set(results[2]) == {"prompts.jsonl", "summary.json", "config.yaml"}
+
+
+def test_exceptions_mark_the_run_interrupted_or_failed(tmp_path, offline):
+    cfg = composed(["wandb.mode=offline"])
+    for exc, status in ((KeyboardInterrupt, "interrupted"), (RuntimeError, "failed")):
+        cell = tmp_path / f"cell-{status}"
+        cell.mkdir()
+        with pytest.raises(exc):
+            with tracking.start(cfg, cell):
+                raise exc()
+    dangling = tracking.start(cfg, tmp_path / "cell-dangling")  # never finished: the next start closes it
+    tracking.start(cfg, tmp_path / "cell-next").finish({"speedup": 1.0}, [])
+    runs = {r["run"].display_name: r for r in runs_in(tmp_path / "wandb")}
+    assert dangling.closed
+    assert {name: (r["summary"]["status"], r["exit_code"]) for name, r in runs.items()} == {
+        "cell-interrupted": ("interrupted", 1), "cell-failed": ("failed", 1),
+        "cell-dangling": ("failed", 1), "cell-next": ("finished", 0)}
+
+
+def test_modes(monkeypatch, offline, tmp_path, capsys):
+    assert tracking.resolve_mode("auto") == "offline"  # no key
+    assert tracking.resolve_mode("online") == "offline" and "no API key" in capsys.readouterr().err
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "x" * 40 + "\n")
+    assert tracking.resolve_mode("auto") == "online"
+    monkeypatch.delenv("NETRC")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert tracking.resolve_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment pins auto (CI)
+    assert tracking.resolve_mode("auto") == "disabled" and tracking.resolve_mode("offline") == "offline"
+    assert isinstance(tracking.start(composed(["wandb.mode=disabled"]), tmp_path / "c"), tracking.NoTracking)
+    assert not (tmp_path / "wandb").exists()
+    with pytest.raises(HarnessError, match="wandb.mode=sometimes must be one of auto, online, offline, disabled"):
+        tracking.resolve_mode("sometimes")
+
+
+def test_init_failure_is_one_warning_and_the_cell_goes_on(monkeypatch, offline, tmp_path, capsys):
+    import wandb
+
+    def broken(**kwargs):
+        raise wandb.errors.CommError("network is unreachable")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    tracker = tracking.start(composed(["wandb.mode=offline"]), tmp_path / "cell")
+    assert isinstance(tracker, tracking.NoTracking)
+    tracker.log_prompt({})
+    tracker.finish({}, [])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: W&B:") and "network is unreachable" in err[0]
+
+
+def test_online_without_network_falls_back_to_offline(monkeypatch, offline, tmp_path, capsys):
+    import wandb
+
+    real, modes = wandb.init, []
+
+    def no_network(**kwargs):
+        modes.append(kwargs["mode"])
+        if kwargs["mode"] == "online":
+            raise wandb.errors.CommError("run initialization has timed out after 90.0 sec")
+        return real(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", no_network)
+    monkeypatch.setattr(tracking, "_online_failed", False)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    cfg = composed(["wandb.mode=online"])
+    for name in ("first", "second"):
+        tracking.start(cfg, tmp_path / name).finish({"speedup": 1.0}, [])
+    assert modes == ["online", "offline", "offline"]  # the server is not waited for twice
+    err = capsys.readouterr().err
+    assert err.count("warning: W&B") == 1 and "logging offline" in err
+    assert [r["summary"]["status"] for r in runs_in(tmp_path / "wandb")] == ["finished", "finished"]
+
+
+# Models load once per process.
+
+
+def test_twelve_cells_of_one_pair_load_each_model_once(tiny_pair, tmp_path, monkeypatch):
+    import harness.run as run
+
+    loads = []
+    real = run.load_model
+    monkeypatch.setattr(run, "load_model", lambda spec, *a, **kw: loads.append(a[1]) or real(spec, *a, **kw))
+    monkeypatch.setattr(run, "_loaded", {})
+    # Timing the cost ratio is beside the point here and is most of a tiny cell's time.
+    monkeypatch.setattr(run, "measure_costs", lambda pair, ids, k, sampling: {
+        "target_step_s": 1.0, "draft_step_s": 0.1, "cost_ratio": 0.1, "verify_s": [1.0] * (k + 1), "verify_cost": [1.0] * (k + 1)})
+    cells = set()
+    for k in (1, 2, 4, 8):
+        for temperature in (0.0, 0.7, 1.0):
+            cfg = composed(tiny(tiny_pair, f"k={k}", f"temperature={temperature}", "dataset.num_prompts=1", "max_new_tokens=4", "wandb.mode=disabled"))
+            cells.add(run.run_cell(cfg, out_dir=tmp_path, quiet=True)["cell"])
+    assert len(cells) == 12
+    assert loads == ["target", "draft"]
+
+
+# A real multirun: one W&B run per cell, models loaded once, aggregate, resume.
+
+# Runs the CLI with load_model wrapped to print a line per load (harness.run
+# binds load_model at import, after this patch).
+COUNTING_CLI = """
+import sys
+import harness.models as models
+real = models.load_model
+def counted(spec, device, role="target", *args, **kwargs):
+    print(f"[load] {role} {spec.id}", file=sys.stderr, flush=True)
+    return real(spec, device, role, *args, **kwargs)
+models.load_model = counted
+import runpy
+runpy.run_module("harness", run_name="__main__", alter_sys=True)  # as `python -m harness`
+"""
+
+
+def multirun(tiny_pair, out: Path, sweep_dir: Path, *overrides: str, env: dict) -> subprocess.CompletedProcess:
+    args = ["-m", *tiny(tiny_pair, "dataset.num_prompts=2", "max_new_tokens=6"), *overrides, f"out_dir={out}",
+            f"hydra.sweep.dir={sweep_dir}"]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | env | {"HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", COUNTING_CLI, *args], capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=120)
+
+
+def test_multirun_logs_one_run_per_cell_loads_once_aggregates_and_resumes(tiny_pair, tmp_path, offline):
+    out, first_sweep = tmp_path / "results", tmp_path / "sweep1"
+    first = multirun(tiny_pair, out, first_sweep, "k=1,2", "temperature=0.0,1.0", env=offline)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count("[load] target") == 1 and first.stderr.count("[load] draft") == 1  # 4 cells, one load
+    runs = runs_in(out / "wandb")
+    assert len(runs) == 4
+    cells = {json.loads(p.read_text())["cell"] for p in first_sweep.glob("*/cell.json")}
+    assert {r["run"].display_name for r in runs} == cells and len(cells) == 4  # named by cell key
+    assert {r["run"].run_group for r in runs} == {str(first_sweep)}  # grouped by sweep
+    assert all(r["summary"]["status"] == "finished" and r["exit_code"] == 0 for r in runs)
+    table = (first_sweep / "aggregate.md").read_text()
+    assert table in first.stdout and table.count("| finished |") == 4
+    assert len((first_sweep / "aggregate.csv").read_text().splitlines()) == 5
+
+    # Interrupt one cell after its first prompt, then run a larger sweep over the same store:
+    # finished cells are skipped, the interrupted one resumes, the new cells (k=0: invalid) fail alone.
+    cut = out / sorted(cells)[0]
+    kept = (cut / "prompts.jsonl").read_text().splitlines()[:1]
+    (cut / "prompts.jsonl").write_text(kept[0] + "\n")
+    (cut / "summary.json").unlink()
+    second_sweep = tmp_path / "sweep2"
+    second = multirun(tiny_pair, out, second_sweep, "k=1,2,0", "temperature=0.0,1.0", env=offline)
+    assert second.returncode == 1  # a cell failed: the sweep says so after its table
+    assert second.stderr.count("already complete") == 3 and second.stderr.count("error: k=0 must be a positive integer") == 2
+    lines = (cut / "prompts.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and lines[0] == kept[0]
+    assert len(runs_in(out / "wandb")) == 5  # one new run: the resumed cell
+    rows = (second_sweep / "aggregate.md").read_text()
+    assert rows.count("| finished |") == 4 and rows.count("| failed |") == 2
+
+
+# Claims on cells.
+
+
+def test_a_claimed_cell_waits_for_its_holder(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from harness.tracking import claim\n"
+         "with claim(sys.argv[1]):\n    print('held', flush=True); time.sleep(1.5)", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    claim_file = json.loads((tmp_path / ".claim").read_text())
+    assert claim_file["pid"] == holder.pid
+    start = time.monotonic()
+    with tracking.claim(tmp_path, poll_s=0.1, quiet=True):
+        waited = time.monotonic() - start
+        assert json.loads((tmp_path / ".claim").read_text())["pid"] == os.getpid()
+    assert waited > 1.0 and not (tmp_path / ".claim").exists()  # got in only once the holder let go
+    holder.wait()
+
+
+def test_two_processes_never_run_one_cell_at_once(tiny_pair, tmp_path, monkeypatch):
+    import inspect
+    import threading
+
+    import harness.run as run
+
+    if "tracking.claim(" not in inspect.getsource(run):
+        pytest.skip("harness.run.run_cell does not hold tracking.claim yet (docs/tracking.md, 'Many GPUs')")
+    monkeypatch.setattr(tracking, "CLAIM_POLL_S", 0.1)
+    cfg = composed(tiny(tiny_pair, "k=2", "wandb.mode=disabled"))
+    summaries = []
+    workers = [threading.Thread(target=lambda: summaries.append(run.run_cell(cfg.copy(), out_dir=tmp_path, quiet=True)))
+               for _ in range(2)]  # the claim records host and pid, so two threads contend like two agents
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    cell = Path(summaries[0]["cell_dir"])
+    assert len(summaries) == 2 and plain(summaries[0]) == plain(summaries[1])  # the second found the first's results
+    assert len((cell / "prompts.jsonl").read_text().splitlines()) == 3  # each prompt ran once
+    assert not (cell / ".claim").exists()
+
+
+def test_stale_claims_are_taken_over(tmp_path):
+    import socket
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for name, holder, age in (("dead-pid", {"host": socket.gethostname(), "pid": int(gone.stdout)}, 0),
+                              ("silent-host", {"host": "elsewhere", "pid": 1}, 1000), ("torn", None, 60)):
+        cell = tmp_path / name
+        cell.mkdir()
+        (cell / ".claim").write_text(json.dumps(holder) if holder else "")
+        os.utime(cell / ".claim", (time.time() - age,) * 2)
+        start = time.monotonic()
+        with tracking.claim(cell, poll_s=5, stale_s=300, quiet=True):
+            assert json.loads((cell / ".claim").read_text())["pid"] == os.getpid()
+        assert time.monotonic() - start < 1, name
+    live = tmp_path / "live"  # a live holder elsewhere, heartbeat fresh: not stale
+    live.mkdir()
+    (live / ".claim").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    assert not tracking._is_stale(live / ".claim", {"host": "elsewhere", "pid": 1}, 300)
+
+
+# Hydra configs.
+
+
+def test_slurm_launcher_and_aggregate_callback_compose():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[slurm]'")
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True, overrides=[
+            "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "+pair=llama_7b_68m", "pair.target.device_map=auto"])
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+    assert (launcher.gpus_per_node, launcher.max_num_timeout) == (1, 3)
+    assert type(instantiate(launcher)).__name__ == "SlurmLauncher"
+    assert type(instantiate(cfg.hydra.callbacks.aggregate)).__name__ == "AggregateCallback"
+    assert cfg.pair.target.device_map == "auto"
