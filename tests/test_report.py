@@ -497,7 +497,8 @@ def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
     assert len(cells) == 4 and set(cells["draft_kind"]) == {"model", "ngram"}
     assert set(cells["label"]) == {"llama_7b_68m/draft", "llama_7b_68m/ngram"}
     assert cells.loc[cells["draft_kind"] == "ngram", "draft_params"].eq(0).all()
-    assert cells.loc[cells["draft_kind"] == "model", "draft_size_source"].eq("weights").all()
+    assert cells.loc[cells["draft_kind"] == "model", "draft_size_source"].eq("run").all()  # recorded by the run itself
+    assert cells.loc[cells["draft_kind"] == "model", "draft_params"].gt(0).all()
     assert len(pd.read_csv(folder / "fits.csv")) == 2
     (decision,) = json.loads((folder / "decision.json").read_text())["decisions"]
     assert decision["mix"]["verdict"].startswith("Ship")
