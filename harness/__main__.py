@@ -1,13 +1,16 @@
 """`python -m harness`: the Hydra entry point, thin over harness.run.run_cell.
 
-In a multirun (-m) a cell that fails with a HarnessError is recorded and the
-sweep goes on; harness.callbacks.AggregateCallback lists it and exits 1.
+In a multirun (-m) a cell that fails (a HarnessError, out of memory, any
+runtime error) is recorded as failed and the sweep goes on;
+harness.callbacks.AggregateCallback lists it and exits 1. Ctrl-C or SIGTERM
+leaves the finished prompts on disk and exits 130; re-running resumes.
 """
 
 import json
 import sys
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from harness.callbacks import in_multirun, record_job
@@ -25,17 +28,42 @@ def main(cfg: DictConfig) -> float:
 
     try:
         summary = run_cell(cfg)
-    except HarnessError as err:
-        print(f"error: {err}", file=sys.stderr)
-        record_job(error=str(err))
+    except KeyboardInterrupt:
+        print("interrupted: finished prompts are saved; run the same command again to resume", file=sys.stderr)
+        record_job(error="interrupted")
+        sys.exit(130)
+    except (HarnessError, torch.OutOfMemoryError) as err:
+        message = str(err).splitlines()[0] if isinstance(err, HarnessError) else f"out of memory: {str(err).splitlines()[0]}"
+        print(f"error: {message}", file=sys.stderr)
+        record_job(error=message)
         if in_multirun():
             return float("nan")
-        sys.exit(err.exit_code)
+        sys.exit(getattr(err, "exit_code", 1))
+    except Exception as err:
+        if not in_multirun():
+            raise  # a bug, not a user mistake: keep the traceback
+        # One failing cell (a model that will not load, a runtime error) must not end the sweep.
+        print(f"error: cell failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
+        record_job(error=f"{type(err).__name__}: {err}")
+        return float("nan")
     record_job(summary)
     print(format_summary(summary))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("categories", "prompt_ids")}))
     return summary["speedup"]
 
 
+def check_choices(argv: list[str]) -> None:
+    """Unknown `+pair=`/`dataset=` names get one line with "did you mean" before
+    Hydra composes (Hydra's own message is a multi-line listing)."""
+    from harness.run import unknown_choice
+
+    for arg in argv:
+        message = unknown_choice(arg)
+        if message:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
+
+
 if __name__ == "__main__":
+    check_choices(sys.argv[1:])
     main()

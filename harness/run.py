@@ -15,6 +15,7 @@ finished cell is not run again unless `force=true`.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import json
 import os
@@ -68,6 +69,21 @@ def with_default_pair(cfg: DictConfig) -> DictConfig:
         OmegaConf.set_struct(cfg, False)
         cfg.pair = OmegaConf.load(path)
     return cfg
+
+
+def unknown_choice(override: str) -> str | None:
+    """A message if a command-line override picks a pair or dataset config that does not exist."""
+    prefix = override[: len(override) - len(override.lstrip("+~"))]
+    name, _, value = override[len(prefix):].partition("=")
+    if name not in ("pair", "dataset") or not value:
+        return None
+    known = sorted(p.stem for p in (CONF_DIR / name).glob("*.yaml"))
+    for choice in value.split(","):  # multirun: pair=a,b
+        if choice and choice not in known:
+            close = difflib.get_close_matches(choice, known, n=1)
+            hint = f"did you mean {prefix}{name}={close[0]}? " if close else ""
+            return f"unknown {name} '{choice}': {hint}available: {', '.join(known)} (conf/{name}/)"
+    return None
 
 
 def validate(cfg: DictConfig) -> None:

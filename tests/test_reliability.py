@@ -1,0 +1,91 @@
+"""Bad input fails in one line; an interrupted sweep loses nothing and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_cli import ROOT, harness, tiny_args
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["+pair=llama_7b_86m"], "did you mean +pair=llama_7b_68m?"),
+        (["-m", "+pair=smollm2,smollm_ngram"], "did you mean +pair=smollm2_ngram?"),
+        (["dataset=gsm9k"], "did you mean dataset=gsm8k?"),
+    ],
+)
+def test_unknown_names_suggest_the_closest(args, message):
+    out = harness(*args)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("dataset.num_prompts=0", "must be a positive integer or null"),
+        ("k=2.5", "k=2.5 must be a positive integer"),
+        ("max_new_tokens=600", "leave no room for a prompt"),
+        ("wandb.mode=sometimes", "wandb.mode=sometimes must be one of"),
+    ],
+)
+def test_more_bad_values(tiny_pair, tmp_path, override, message):
+    out = harness(*tiny_args(tiny_pair, tmp_path, override))
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_every_prompt_too_long_and_unwritable_out_dir(tiny_pair, tmp_path):
+    out = harness(*tiny_args(tiny_pair, tmp_path, "max_new_tokens=495", "prompts.overlong=skip"))
+    assert out.returncode != 0 and "every prompt is longer than the context budget" in out.stderr
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    out = harness(*tiny_args(tiny_pair, blocked))
+    assert out.returncode != 0 and "cannot write results" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_dataset_file(tiny_pair, tmp_path):
+    out = harness(*tiny_args(tiny_pair, tmp_path, "dataset=local", f"dataset.path={tmp_path / 'nope.jsonl'}"))
+    assert out.returncode != 0 and "nope.jsonl" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigterm_mid_sweep_then_resume_completes_without_duplicates(tiny_pair, tmp_path):
+    args = ["-m", *tiny_args(tiny_pair, tmp_path, "k=1,2", "temperature=1.0", "max_new_tokens=48"),
+            "dataset.num_prompts=30", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    lines: list[Path] = []
+    while time.time() < deadline:  # wait until the first cell has a few prompts on disk
+        lines = list(tmp_path.glob("*/prompts.jsonl"))
+        if lines and len(lines[0].read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    cell = lines[0].parent
+    status = json.loads((cell / "status.json").read_text())
+    assert status["status"] == "interrupted" and 3 <= status["done"] < 30
+    assert not (cell / "summary.json").exists()
+    kept = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
+
+    rerun = harness(*args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    cells = sorted(tmp_path.glob("*/summary.json"))
+    assert len(cells) == 2  # both cells of the sweep are complete
+    for summary_path in cells:
+        ids = [json.loads(line)["id"] for line in (summary_path.parent / "prompts.jsonl").read_text().splitlines()]
+        assert len(ids) == 30 == len(set(ids))  # complete, no duplicated rows
+        assert json.loads((summary_path.parent / "status.json").read_text())["status"] == "finished"
+    resumed = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    assert resumed[: len(kept)] == kept  # prompts finished before the interruption were not redone
