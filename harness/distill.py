@@ -18,8 +18,8 @@ Method, step by step:
    sequence with them. Prompts are formatted with the target's chat
    template, generation prompt included.
 2. Data: continuations sampled from the target itself (batched
-   `generate`, left padding; temperature 1.0 and 0.7 by default, up to
-   128 new tokens each), so the draft learns the target's own text.
+   `generate`, left padding; one per prompt at each of `--temperatures`,
+   up to 128 new tokens each), so the draft learns the target's own text.
 3. Teacher: one full forward of the target over each prompt+continuation;
    at every training position (from the first user-message token on: the
    fixed system preamble is skipped) its next-token distribution at
@@ -27,9 +27,9 @@ Method, step by step:
    fp16/int32. Continuation positions have weight 1, prompt positions
    `--prompt-weight`.
 4. Head subset: the S tokens with the most target probability mass over
-   the training positions (full distributions, weighted as in the loss),
-   always including the chat special tokens and every whitespace token
-   holding a newline.
+   the training positions (summed over the stored top-k, weighted as in the
+   loss), always including the chat special tokens and every whitespace
+   token holding a newline.
 5. Student: `--layers` layers initialised from target layers (default: the
    first half and the last half of the stack, e.g. 0, 1, 28, 29), trained
    with AdamW, warmup then cosine decay, on
@@ -64,6 +64,7 @@ import platform
 import random
 import re
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -538,18 +539,25 @@ def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
 
 @torch.inference_mode()
 def generate(model, prompt_ids: list[list[int]], temperature: float, max_new: int, batch_size: int,
-             seed: int, eos: int, log_every: int = 1) -> list[list[int]]:
+             seed: int, eos: int, log_every: int = 1, partial_dir: Path | None = None) -> list[list[int]]:
     """Continuations (each cut after the first EOS, which is kept) of every prompt.
 
     Prompts are batched by length (left padding, attention mask); the batch b
     is sampled after torch.manual_seed(seed + b), so the result depends only
-    on the prompts, the seed and the batch size.
+    on the prompts, the seed and the batch size. With `partial_dir`, every
+    batch is saved there as it is done, and an interrupted run resumes.
     """
     order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
     out: list[list[int] | None] = [None] * len(prompt_ids)
     started, produced = time.time(), 0
     for b, first in enumerate(range(0, len(order), batch_size)):
         idx = order[first:first + batch_size]
+        part = partial_dir / f"T{temperature}-seed{seed}-b{b}.pt" if partial_dir else None
+        if part is not None and part.exists():
+            for i, cont in zip(idx, torch.load(part)):
+                out[i] = cont
+                produced += len(cont)
+            continue
         width = max(len(prompt_ids[i]) for i in idx)
         ids = torch.full((len(idx), width), eos, dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)
@@ -566,6 +574,10 @@ def generate(model, prompt_ids: list[list[int]], temperature: float, max_new: in
                 cont = cont[:cont.index(eos) + 1]
             out[i] = cont
             produced += len(cont)
+        if part is not None:
+            part.parent.mkdir(parents=True, exist_ok=True)
+            torch.save([out[i] for i in idx], part.with_suffix(".tmp"))
+            part.with_suffix(".tmp").rename(part)
         if log_every and (b + 1) % log_every == 0:
             print(f"  generate T={temperature}: {first + len(idx)}/{len(order)} prompts, {produced} tokens, "
                   f"{time.time() - started:.0f}s", flush=True)
@@ -578,13 +590,11 @@ def batches_by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def teacher_topk(model, seqs: list[list[int]], starts: list[int], weights: list[torch.Tensor], k: int,
-                 batch_size: int, pad: int):
-    """Per sequence: top-k probabilities [n, k] (fp16) and ids [n, k] (int32) of the target's next-token
-    distribution at positions starts[i] .. len-2, and the weighted total probability mass per token [V]."""
+def teacher_topk(model, seqs: list[list[int]], starts: list[int], k: int, batch_size: int, pad: int):
+    """Per sequence: top-k probabilities [n, k] (fp16) and ids [n, k] (int32) of the target's
+    next-token distribution (temperature 1) at positions starts[i] .. len-2."""
     probs_out: list[torch.Tensor | None] = [None] * len(seqs)
     ids_out: list[torch.Tensor | None] = [None] * len(seqs)
-    mass = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     started = time.time()
     for bi, idx in enumerate(batches_by_length([len(s) for s in seqs], batch_size)):
         width = max(len(seqs[i]) for i in idx)
@@ -593,14 +603,12 @@ def teacher_topk(model, seqs: list[list[int]], starts: list[int], weights: list[
             ids[row, :len(seqs[i])] = torch.tensor(seqs[i])
         logits = model(input_ids=ids, use_cache=False).logits  # right padding: causal, no mask needed
         for row, i in enumerate(idx):
-            p = logits[row, starts[i]:len(seqs[i]) - 1].float().softmax(-1)
-            top = p.topk(k, dim=-1)
+            top = logits[row, starts[i]:len(seqs[i]) - 1].float().softmax(-1).topk(k, dim=-1)
             probs_out[i] = top.values.half()
             ids_out[i] = top.indices.int()
-            mass += (p * weights[i][:, None]).sum(0).double()
         if (bi + 1) % 20 == 0:
             print(f"  teacher: batch {bi + 1}, {time.time() - started:.0f}s", flush=True)
-    return probs_out, ids_out, mass
+    return probs_out, ids_out
 
 
 def position_weights(prompt_len: int, start: int, seq_len: int, prompt_weight: float) -> torch.Tensor:
@@ -613,52 +621,68 @@ def data_key(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def training_job(args, model, prompts: list[tuple[str, str]], prompt_ids: list[list[int]], common: int,
+                 t_index: int, temperature: float, eos: int, model_dir: Path) -> dict:
+    """One continuation of every prompt at `temperature`, with the teacher's top-k; cached on disk."""
+    seed = args.seed * 1000 + t_index * 100_000
+    payload = {
+        "format": DATA_FORMAT, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "temperature": temperature, "seed": seed, "max_new_tokens": args.max_new_tokens,
+        "gen_batch_size": args.gen_batch_size, "teacher_batch_size": args.teacher_batch_size, "topk": args.topk,
+        "prompt_weight": args.prompt_weight, "model": str(model_dir), "torch": str(torch.__version__),
+        "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+    }
+    path = cache_root() / "distill" / f"train-{data_key(payload)}.pt"
+    if path.exists() and not args.no_cache:
+        print(f"[distill] T={temperature}: cached {path}", flush=True)
+        return torch.load(path)
+    started = time.time()
+    conts = generate(model, prompt_ids, temperature, args.max_new_tokens, args.gen_batch_size, seed, eos,
+                     log_every=1, partial_dir=path.with_suffix(".partial"))
+    gen_time = time.time() - started
+    seqs = [p + c for p, c in zip(prompt_ids, conts)]
+    prompt_lens = [len(p) for p in prompt_ids]
+    starts = [common - 1] * len(seqs)
+    weights = [position_weights(pl, st, len(s), args.prompt_weight) for pl, st, s in zip(prompt_lens, starts, seqs)]
+    started = time.time()
+    probs, ids = teacher_topk(model, seqs, starts, args.topk, args.teacher_batch_size, eos)
+    job = {
+        "payload": payload, "seqs": seqs, "prompt_lens": prompt_lens, "starts": starts, "weights": weights,
+        "categories": [c for c, _ in prompts], "probs": probs, "ids": ids,
+        "gen_time_s": gen_time, "teacher_time_s": time.time() - started,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(job, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    shutil.rmtree(path.with_suffix(".partial"), ignore_errors=True)
+    return job
+
+
 def build_training_data(args, model, tok, model_dir: Path) -> dict:
+    """All training sequences (one per prompt and temperature), teacher top-k and token masses."""
     prompts = training_prompts(args.seed)
     check_disjoint(prompts, load_eval_prompts())
     if args.max_prompts:
         prompts = prompts[:: max(1, len(prompts) // args.max_prompts)][: args.max_prompts]
-    payload = {
-        "format": DATA_FORMAT, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "seed": args.seed, "temperatures": args.temperatures, "max_new_tokens": args.max_new_tokens,
-        "gen_batch_size": args.gen_batch_size, "topk": args.topk, "prompt_weight": args.prompt_weight,
-        "model": str(model_dir), "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-    }
-    path = cache_root() / "distill" / f"train-{data_key(payload)}.pt"
-    if path.exists() and not args.no_cache:
-        print(f"[distill] training data from cache {path}", flush=True)
-        return torch.load(path)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompt_ids = encode_prompts(tok, [p for _, p in prompts])
     # Skip the fixed system preamble: losses start where the prompts start to differ.
     common = 0
     while all(len(p) > common + 1 for p in prompt_ids) and len({p[common] for p in prompt_ids}) == 1:
         common += 1
-    started = time.time()
-    seqs, prompt_lens, categories = [], [], []
-    for t_index, temperature in enumerate(args.temperatures):
-        conts = generate(model, prompt_ids, temperature, args.max_new_tokens, args.gen_batch_size,
-                         args.seed * 1000 + t_index * 100_000, eos, log_every=5)
-        for (category, _), p, c in zip(prompts, prompt_ids, conts):
-            seqs.append(p + c)
-            prompt_lens.append(len(p))
-            categories.append(category)
-    gen_time = time.time() - started
-    starts = [common - 1] * len(seqs)
-    weights = [position_weights(pl, st, len(s), args.prompt_weight) for pl, st, s in zip(prompt_lens, starts, seqs)]
-    started = time.time()
-    probs, ids, mass = teacher_topk(model, seqs, starts, weights, args.topk, args.teacher_batch_size, eos)
-    data = {
-        "payload": payload, "seqs": seqs, "prompt_lens": prompt_lens, "starts": starts, "weights": weights,
-        "categories": categories, "probs": probs, "ids": ids, "mass": mass, "num_prompts": len(prompts),
-        "generated_tokens": sum(len(s) - pl for s, pl in zip(seqs, prompt_lens)),
-        "gen_time_s": gen_time, "teacher_time_s": time.time() - started,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(data, tmp)
-    tmp.rename(path)
+    jobs = [training_job(args, model, prompts, prompt_ids, common, t_index, temperature, eos, model_dir)
+            for t_index, temperature in enumerate(args.temperatures)]
+    data = {key: [x for job in jobs for x in job[key]]
+            for key in ("seqs", "prompt_lens", "starts", "weights", "categories", "probs", "ids")}
+    # Target probability mass per token over the training positions (from the top-k, loss-weighted).
+    mass = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+    for p, i, w in zip(data["probs"], data["ids"], data["weights"]):
+        mass.index_add_(0, i.flatten().long(), (p.double() * w.double()[:, None]).flatten())
+    data.update(
+        mass=mass, num_prompts=len(prompts),
+        generated_tokens=sum(len(s) - pl for s, pl in zip(data["seqs"], data["prompt_lens"])),
+        gen_time_s=sum(job["gen_time_s"] for job in jobs), teacher_time_s=sum(job["teacher_time_s"] for job in jobs),
+    )
     return data
 
 
@@ -668,7 +692,7 @@ def build_eval_data(args, model, tok, model_dir: Path) -> dict:
         prompts = prompts[:: max(1, len(prompts) // args.eval_prompts)][: args.eval_prompts]
     payload = {"format": DATA_FORMAT, "ids": [p["id"] for p in prompts], "seed": args.eval_seed,
                "new_tokens": args.eval_new_tokens, "batch": args.gen_batch_size, "model": str(model_dir),
-               "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
+               "torch": str(torch.__version__), "transformers": transformers.__version__, "threads": torch.get_num_threads()}
     path = cache_root() / "distill" / f"eval-{data_key(payload)}.pt"
     if path.exists() and not args.no_cache:
         return torch.load(path)
@@ -722,6 +746,8 @@ def train(args, draft, data: dict, head_ids: torch.Tensor) -> dict:
     seqs = data["seqs"]
     steps_per_epoch = math.ceil(len(seqs) / args.batch_size)
     total = steps_per_epoch * args.epochs
+    if args.max_steps:
+        total = min(total, args.max_steps)
     warmup = min(args.warmup, total // 10 + 1)
 
     def lr_at(step: int) -> float:
@@ -734,9 +760,13 @@ def train(args, draft, data: dict, head_ids: torch.Tensor) -> dict:
     draft.train()
     step, started, history = 0, time.time(), []
     for epoch in range(args.epochs):
+        if step == total:
+            break
         order = torch.randperm(len(seqs), generator=gen).tolist()
         run_loss = run_w = run_agree = 0.0
         for first in range(0, len(order), args.batch_size):
+            if step == total:
+                break
             idx = order[first:first + args.batch_size]
             width = max(len(seqs[i]) for i in idx)
             B, k = len(idx), args.topk
@@ -771,11 +801,11 @@ def train(args, draft, data: dict, head_ids: torch.Tensor) -> dict:
                 run_agree += (agree * cont).sum().item()
                 run_w += cont.sum().item()
                 run_loss += loss.item()
-            if step % args.log_every == 0 or first + args.batch_size >= len(order):
+            if step % args.log_every == 0 or first + args.batch_size >= len(order) or step == total:
                 print(f"  epoch {epoch + 1}/{args.epochs} step {step}/{total} lr {lr_at(step - 1):.2e} "
                       f"loss {loss.item():.3f} train top-1 agree (cont.) {run_agree / max(run_w, 1):.3f} "
                       f"{time.time() - started:.0f}s", flush=True)
-        history.append({"epoch": epoch + 1, "mean_loss": run_loss / steps_per_epoch,
+        history.append({"epoch": epoch + 1, "mean_loss": run_loss / max(1, step - epoch * steps_per_epoch),
                         "train_top1_agreement": run_agree / max(run_w, 1)})
     draft.eval()
     for p in params:
@@ -838,6 +868,7 @@ def parse_args(argv=None):
     ap.add_argument("--topk", type=int, default=64, help="teacher probabilities kept per position")
     ap.add_argument("--prompt-weight", type=float, default=0.5, help="loss weight of prompt positions")
     ap.add_argument("--no-cache", action="store_true", help="regenerate the data even if cached")
+    ap.add_argument("--data-only", action="store_true", help="only generate (and cache) the data")
     # training
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -847,6 +878,7 @@ def parse_args(argv=None):
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--top1-weight", type=float, default=0.2)
+    ap.add_argument("--max-steps", type=int, default=0, help="stop training after this many steps (0: no limit)")
     ap.add_argument("--log-every", type=int, default=25)
     # evaluation
     ap.add_argument("--eval-new-tokens", type=int, default=64)
@@ -879,6 +911,9 @@ def main(argv=None) -> None:
           f"teacher {data['teacher_time_s']:.0f}s)", flush=True)
     print("[distill] evaluation data ...", flush=True)
     eval_data = build_eval_data(args, target, tok, model_dir)
+    if args.data_only:
+        print(f"[distill] data ready ({time.time() - started:.0f}s); --data-only: stopping here", flush=True)
+        return
 
     head_ids = choose_head(tok, data["mass"], args.head_tokens)
     weighted = sum(w.sum().item() for w in data["weights"])
@@ -926,7 +961,7 @@ def main(argv=None) -> None:
         "eval": {"prompts": len(eval_data["prompt_ids"]), "new_tokens": args.eval_new_tokens,
                  "seed": args.eval_seed, **result, "untrained": baseline},
         "total_time_s": round(time.time() - started, 1),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+        "versions": {"torch": str(torch.__version__), "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "threads": args.threads,
     }
