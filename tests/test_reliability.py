@@ -89,3 +89,18 @@ def test_sigterm_mid_sweep_then_resume_completes_without_duplicates(tiny_pair, t
         assert json.loads((summary_path.parent / "status.json").read_text())["status"] == "finished"
     resumed = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
     assert resumed[: len(kept)] == kept  # prompts finished before the interruption were not redone
+
+
+def test_directory_that_is_not_a_model_and_bad_dataset_files(tiny_pair, tmp_path):
+    empty_dir = tmp_path / "not_a_model"
+    empty_dir.mkdir()
+    out = harness(*tiny_args(tiny_pair, tmp_path, f"pair.draft.id={empty_dir}"))
+    assert out.returncode != 0 and "not a saved model" in out.stderr and "Traceback" not in out.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = harness(*tiny_args(tiny_pair, tmp_path, "dataset=local", f"dataset.path={empty}"))
+    assert out.returncode != 0 and "empty.jsonl" in out.stderr and "Traceback" not in out.stderr
+    no_field = tmp_path / "nofield.jsonl"
+    no_field.write_text('{"question": "hi", "category": "qa"}\n')
+    out = harness(*tiny_args(tiny_pair, tmp_path, "dataset=local", f"dataset.path={no_field}", "dataset.text_field=prompt"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "prompt" in out.stderr
