@@ -4,12 +4,23 @@ Both are generators: the benchmark times each `next()` from outside, so the
 algorithm carries no timing code. Both drive the same CachedLM wrapper and
 the same sampler, so the only difference between them is speculation.
 
-Cache invariant (both models): the cache holds every committed token but
-the last; the next forward feeds that last token, whose logits give the
-distribution of the token after it. A cycle therefore feeds the target
-[last committed, x_1..x_k] and gets k + 1 rows: row i scores x_{i+1}, and
-row k is the bonus row. Rolling back is cropping both caches to the
-committed length minus one.
+Cache invariant (both models): after a cycle the cache holds every
+committed token but the last; the next forward feeds that last token, whose
+logits give the distribution of the token after it. A cycle therefore feeds
+the target [last committed, x_1..x_k] and gets k + 1 rows: row i scores
+x_{i+1}, and row k is the bonus row. The first cycle feeds the whole prompt
+before x_1..x_k, so the prompt's prefill and the first verify are one pass
+(as in HF's assisted generation). Rolling back is cropping both caches to
+the committed length minus one.
+
+Host synchronisation (what a CUDA device waits for): drafting, shaping,
+sampling and verifying are all device ops, so the draft's k forwards are
+queued without waiting. Per cycle the host reads back two things it must
+branch on: the number of accepted tokens (in the rule: it decides the
+rollback lengths) and the committed token ids (below: EOS and the token
+budget decide whether to stop). The baseline reads back each token for the
+same stop check. `python -m harness.bench` on CUDA counts the syncs per
+cycle by source line (torch.cuda.set_sync_debug_mode).
 """
 
 from __future__ import annotations
@@ -46,8 +57,7 @@ def speculative_decode(
     generator: torch.Generator,
     rule=verify,  # tests swap in deliberately broken rules; users cannot
 ) -> Iterator[Cycle]:
-    target.reset()
-    target.prefill(prompt_ids[:-1])
+    target.reset()  # the first cycle's verify pass is also the prompt's prefill
     drafter.start(prompt_ids)
     ids = prompt_ids  # [L] committed so far
     generated = 0
@@ -56,8 +66,8 @@ def speculative_decode(
         k_cycle = min(k, max_new_tokens - generated - 1)
         draft_tokens, draft_probs = drafter.propose(ids, k_cycle, sampling, generator)  # [k'], [k', V]
         k_cycle = draft_tokens.shape[0]
-        cached = target.length  # == len(ids) - 1
-        logits = target.forward(torch.cat([ids[-1:], draft_tokens]), num_logits=k_cycle + 1)  # [k'+1, V]
+        unseen = ids[target.length :]  # the whole prompt in the first cycle, then the last committed token
+        logits = target.forward(torch.cat([unseen, draft_tokens]), num_logits=k_cycle + 1)  # [k'+1, V]
         if sampling.greedy:
             verdict: Verdict = verify_greedy(draft_tokens, logits.argmax(-1))
         else:
@@ -66,7 +76,7 @@ def speculative_decode(
                 draft_probs = target_probs[:0]
             verdict = rule(draft_tokens, draft_probs, target_probs, generator)
         n = verdict.num_accepted
-        target.rollback(cached + 1 + n)
+        target.rollback(ids.shape[0] + n)  # keep ids and the n accepted drafts; the next token is fed next cycle
         drafter.rollback(ids.shape[0] + n)
         committed = torch.cat([draft_tokens[:n], verdict.next_token[None]])  # [n + 1]
         kept, stop = _apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated)
@@ -85,18 +95,18 @@ def autoregressive_decode(
     eos_ids: set[int],
     generator: torch.Generator,
 ) -> Iterator[int]:
-    """Target-only decoding, one token per step: the baseline."""
+    """Target-only decoding, one token per step: the baseline. Like HF's
+    generate(), the prompt's forward pass also gives the first token's row,
+    so n tokens cost one prefill and n - 1 one-token steps."""
     target.reset()
-    target.prefill(prompt_ids[:-1])
-    last = prompt_ids[-1:]  # [1]
-    for _ in range(max_new_tokens):
-        logits = target.forward(last, num_logits=1)[0]  # [V]
+    logits = target.prefill(prompt_ids)  # [V] the row after the whole prompt
+    for step in range(max_new_tokens):
         token = logits.argmax() if sampling.greedy else sample(shape_probs(logits, sampling), generator)
         token_id = int(token)  # host sync: the stop check needs it
         yield token_id
-        if token_id in eos_ids:
+        if token_id in eos_ids or step == max_new_tokens - 1:
             return
-        last = token[None]
+        logits = target.forward(token[None], num_logits=1)[0]  # [V]
 
 
 def _apply_stops(tokens: list[int], eos_ids: set[int], budget: int) -> tuple[list[int], bool]:

@@ -210,10 +210,11 @@ class CachedLM:
         self.length += input_ids.shape[0]
         return out.logits[0, -num_logits:, : self.vocab_size]
 
-    def prefill(self, input_ids: torch.Tensor) -> None:
-        """Cache input_ids [T] without keeping their logits (T may be 0)."""
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Cache input_ids [T] (T may be 0); the logits [vocab] after the last one, if any."""
         if input_ids.shape[0] > 0:
-            self.forward(input_ids, num_logits=1)
+            return self.forward(input_ids, num_logits=1)[0]
+        return None
 
     def rollback(self, length: int) -> None:
         """Drop cached positions at and beyond `length` (rejected tokens)."""

@@ -113,16 +113,31 @@ class NextRowDrafter(ModelDrafter):
 
 
 class NoRollback:
-    """A target whose cache keeps rejected tokens: rollback does nothing."""
+    """A target whose cache keeps rejected tokens: rollback only updates the
+    length the loop is told, the cached entries stay (stale keys and shifted
+    positions in a transformer, a stale context token in the trigram model)."""
 
     def __init__(self, lm):
         self.lm = lm
+        self.length = lm.length
 
     def __getattr__(self, name):
         return getattr(self.lm, name)
 
+    def reset(self) -> None:
+        self.lm.reset()
+        self.length = 0
+
+    def forward(self, input_ids, num_logits=1):
+        self.length += input_ids.shape[0]
+        return self.lm.forward(input_ids, num_logits)
+
+    def prefill(self, input_ids):
+        self.length += input_ids.shape[0]
+        return self.lm.prefill(input_ids)
+
     def rollback(self, length: int) -> None:
-        pass
+        self.length = length
 
 
 def _target_unshaped(logits, sampling: Sampling):

@@ -46,9 +46,9 @@ class MarkovLM:
         rows = [self._rows[(tokens[i - 1] if i > 0 else v) * v + tokens[i]] for i in range(end - num_logits, end)]
         return torch.stack(rows)  # a copy: callers may not write into the table
 
-    def prefill(self, input_ids: torch.Tensor) -> None:
-        """Append input_ids [T] without logits."""
-        self.tokens.extend(input_ids.tolist())
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Append input_ids [T]; the logits [V] after the last one, if any."""
+        return self.forward(input_ids, 1)[0] if input_ids.shape[0] else None
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` tokens."""
