@@ -1,20 +1,33 @@
 """Performance benchmark: our loop against HF transformers, and against its own limit.
 
-    python -m harness.bench [--reps 5] [--prompts 8] [--ks 1 2 4] [--max-new-tokens 64] [-- HYDRA OVERRIDES]
+    python -m harness.bench [--reps 5] [--prompts 6] [--ks 1 2 4] [--max-new-tokens 64]
+                            [--memory-prompts 100] [--out results/bench/bench.json] [HYDRA OVERRIDES]
 
-Greedy decoding on one pair (default: the embedded SmolLM2 pair), each
-measurement interleaved prompt by prompt within a repetition, medians over
-repetitions:
-  * target-only: our baseline loop vs HF `generate()` (the baseline must not be slow);
-  * speculative, model draft: our loop vs HF `generate(assistant_model=...)` with
-    `num_assistant_tokens=k`, a constant schedule and the confidence threshold off;
-  * speculative, prompt lookup: our n-gram drafter vs HF `prompt_lookup_num_tokens=k`;
-  * efficiency: our decode speedup / the speedup predicted from measured alpha,
-    cost ratio c and verify cost v(k+1);
-  * overhead: the share of speculative wall time spent outside model forwards.
-Every pair of compared outputs must be token-identical (greedy), or the
-benchmark stops. Figures and conditions go to JSON (`--out`), and the last
-stdout line is that JSON.
+Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
+
+  1. throughput, every contender on every prompt, interleaved prompt by prompt
+     (order alternating), medians over repetitions of total tokens / total time:
+       ours_base      vs hf_base          target only: our baseline must not be slow;
+       ours_spec_kK   vs hf_assisted_kK   HF `generate(assistant_model=...)` with the
+                                          assistant's generation config set to
+                                          num_assistant_tokens=K, a constant schedule and
+                                          the confidence threshold off (HF reads these
+                                          from the assistant, not from generate's kwargs);
+       ours_ngram_kK  vs hf_lookup_kK     prompt lookup, `prompt_lookup_num_tokens=K`.
+     Compared outputs must be token-identical, or the benchmark stops. The target's
+     forward passes per contender are counted: equal counts show that HF verified
+     the same number of drafted tokens per cycle as we did.
+  2. limit, per k: decode-phase speedup (prefill excluded) against the speedup
+     predicted from the measured acceptance, draft cost ratio c and verify-cost
+     curve v(n), both by Leviathan et al.'s formula from alpha and by accounting
+     for the cycles actually run; efficiency = measured / predicted.
+  3. overhead, per k: the share of decode time spent outside model forward
+     passes, and where it goes (the rule, cache rollback, stop handling, the rest).
+  4. memory: resident memory (and CUDA allocated memory) after each of
+     --memory-prompts prompts of a full baseline + speculative run, with the
+     fitted growth per prompt (scipy.stats.linregress).
+
+Figures and conditions go to JSON (--out); the last stdout line is that JSON.
 """
 
 from __future__ import annotations
@@ -25,30 +38,36 @@ import resource
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from scipy import stats
 from transformers.utils import logging as hf_logging
 
-from harness import metrics
+from harness import loop, metrics
+from harness.datasets import load_prompts
 from harness.drafters import ModelDrafter, NgramDrafter
+from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
-from harness.datasets import load_prompts
 from harness.prompts import as_tensor, encode, select
-from harness.run import CONF_DIR, _sync, conditions, load_pair, measure_costs, with_default_pair
+from harness.run import CONF_DIR, _current_rss_mb, _sync, conditions, load_pair, measure_costs, run_prompt, with_default_pair
 from harness.sampling import Sampling
 
 GREEDY = Sampling(0.0)
 
 
 class TimedLM(CachedLM):
-    """A CachedLM that accumulates the wall time of its forwards (device-synchronised)."""
+    """A CachedLM that accumulates the device-synchronised wall time of its
+    forwards and of its rollbacks. Shares the wrapped model."""
 
     def __init__(self, lm: CachedLM):
         self.__dict__.update(lm.__dict__)
-        self.forward_s = 0.0
+        self.forward_s = self.rollback_s = 0.0
+        self.forwards = 0
 
     def forward(self, input_ids, num_logits=1):
         _sync(self.device)
@@ -56,7 +75,30 @@ class TimedLM(CachedLM):
         out = super().forward(input_ids, num_logits)
         _sync(self.device)
         self.forward_s += time.perf_counter() - start
+        self.forwards += 1
         return out
+
+    def rollback(self, length):
+        start = time.perf_counter()
+        super().rollback(length)
+        _sync(self.device)
+        self.rollback_s += time.perf_counter() - start
+
+
+class Stopwatch:
+    """Wraps functions of the loop module so their time is accounted for."""
+
+    def __init__(self, device):
+        self.device, self.seconds = device, defaultdict(float)
+
+    def wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(self.device)
+            self.seconds[name] += time.perf_counter() - start
+            return out
+        return timed
 
 
 def _timed(fn, device) -> tuple[list[int], float]:
@@ -75,121 +117,304 @@ def _hf_generate(model, ids: torch.Tensor, max_new: int, eos: list[int], **kwarg
     return out[0, ids.shape[0]:].tolist()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("results/bench/bench.json"))
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +pair=smollm2 device=cuda")
-    args = parser.parse_args(argv)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+def _hf_assisted(target_model, draft_model, k: int):
+    def run(ids, max_new, eos):
+        # HF's candidate generator reads these from the assistant's own generation config.
+        draft_model.generation_config.num_assistant_tokens = k
+        draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+        draft_model.generation_config.assistant_confidence_threshold = 0.0  # 0: no early stop
+        return _hf_generate(target_model, ids, max_new, eos, assistant_model=draft_model)
+    return run
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = with_default_pair(compose(config_name="config", overrides=args.overrides))
-    device = resolve_device(cfg.device)
-    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
-    target, eos = pair.target, sorted(pair.eos_ids)
+
+class ForwardCounter:
+    """Counts forward passes of a module (pre-hook), to compare cycles across implementations."""
+
+    def __init__(self, module):
+        self.count = 0
+        module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+
+def throughput(pair, encoded, args, device) -> tuple[dict, dict]:
+    target, eos, n = pair.target, sorted(pair.eos_ids), args.max_new_tokens
     draft_model = pair.drafter.lm.model if isinstance(pair.drafter, ModelDrafter) else None
     ngram = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)
-    prompts = select(load_prompts(cfg.dataset), args.prompts, cfg.seed, shuffle=False)
-    encoded = [as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device) for p in prompts]
-    n = args.max_new_tokens
 
     def ours_base(ids):
         return list(autoregressive_decode(target, ids, GREEDY, n, pair.eos_ids, None))
 
-    def ours_spec(drafter, k, lm=target):
-        def run(ids):
-            return [t for c in speculative_decode(lm, drafter, ids, k, GREEDY, n, pair.eos_ids, None) for t in c.tokens]
-        return run
+    def ours_spec(drafter, k):
+        return lambda ids: [t for c in speculative_decode(target, drafter, ids, k, GREEDY, n, pair.eos_ids, None) for t in c.tokens]
 
     contenders = {"ours_base": ours_base, "hf_base": lambda ids: _hf_generate(target.model, ids, n, eos)}
     for k in args.ks:
         if draft_model is not None:
             contenders[f"ours_spec_k{k}"] = ours_spec(pair.drafter, k)
-            contenders[f"hf_assisted_k{k}"] = lambda ids, k=k: _hf_generate(
-                target.model, ids, n, eos, assistant_model=draft_model, num_assistant_tokens=k,
-                num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+            contenders[f"hf_assisted_k{k}"] = lambda ids, run=_hf_assisted(target.model, draft_model, k): run(ids, n, eos)
         contenders[f"ours_ngram_k{k}"] = ours_spec(ngram, k)
         contenders[f"hf_lookup_k{k}"] = lambda ids, k=k: _hf_generate(
             target.model, ids, n, eos, prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
 
     for ids in encoded[:2]:  # warm-up, excluded
         for fn in contenders.values():
-            fn(ids[:16])
+            fn(ids[-16:])
 
-    throughput: dict[str, list[float]] = {name: [] for name in contenders}
+    counter = ForwardCounter(target.model)
+    tokens_per_s: dict[str, list[float]] = {name: [] for name in contenders}
+    forwards: dict[str, int] = {}
     for rep in range(args.reps):
-        totals = {name: [0, 0.0] for name in contenders}
+        totals = {name: [0, 0.0, 0] for name in contenders}
         for i, ids in enumerate(encoded):
             names = list(contenders) if (rep + i) % 2 == 0 else list(reversed(contenders))
             outputs = {}
             for name in names:
+                before = counter.count
                 tokens, seconds = _timed(lambda: contenders[name](ids), device)
                 outputs[name] = tokens
                 totals[name][0] += len(tokens)
                 totals[name][1] += seconds
-            reference = outputs["ours_base"]
+                totals[name][2] += counter.count - before
             for name, tokens in outputs.items():
-                if tokens != reference:
-                    sys.exit(f"error: {name} output differs from the target's greedy output on prompt {i}: not comparable")
-        for name, (tokens, seconds) in totals.items():
-            throughput[name].append(tokens / seconds)
-        print(f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in throughput.items()), file=sys.stderr)
-    tps = {name: statistics.median(v) for name, v in throughput.items()}
+                if tokens != outputs["ours_base"]:
+                    raise HarnessError(f"{name} output differs from the target's greedy output on prompt {i}: not comparable")
+        for name, (tokens, seconds, passes) in totals.items():
+            tokens_per_s[name].append(tokens / seconds)
+            forwards[name] = passes
+        print(f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tokens_per_s.items()), file=sys.stderr)
+    return {
+        "tokens_per_s": {name: statistics.median(v) for name, v in tokens_per_s.items()},
+        "tokens_per_s_all_reps": tokens_per_s,
+        "target_forwards_per_rep": forwards,
+    }, contenders
 
-    # Efficiency and overhead: one more pass per k with timed forwards and cycle counts.
-    limits = {}
-    for k in args.ks:
-        if draft_model is None:
-            break
-        costs = measure_costs(pair, encoded[0], k, GREEDY)
-        timed_target, timed_draft = TimedLM(target), TimedLM(pair.drafter.lm)
-        drafter = ModelDrafter(timed_draft)
-        cycles, spec_s, base_s = [], 0.0, 0.0
-        for ids in encoded:
-            _, seconds = _timed(lambda: cycles.extend(speculative_decode(timed_target, drafter, ids, k, GREEDY, n, pair.eos_ids, None)), device)
-            spec_s += seconds
-            base_s += _timed(lambda: ours_base(ids), device)[1]
-        counts = metrics.cycle_counts(cycles, k)
-        alpha = counts["accepted"] / counts["tested"]
-        predicted = metrics.predicted_speedup(alpha, k, costs["cost_ratio"], costs["verify_cost"][k])
-        forward_s = timed_target.forward_s + timed_draft.forward_s
-        limits[k] = {
-            "alpha": alpha, "cost_ratio": costs["cost_ratio"], "verify_cost": costs["verify_cost"][k],
-            "measured_speedup": base_s / spec_s, "predicted_speedup": predicted,
-            "efficiency": (base_s / spec_s) / predicted,
-            "overhead_fraction": 1 - forward_s / spec_s,
-        }
 
-    result = {
-        "tokens_per_s": tps,
-        "ratios": {
+def _decode_phase(generator, device, lms: list[TimedLM], watch: Stopwatch) -> dict:
+    """Run a decode generator; time and forward/rule/rollback time after its first
+    yield (prefill and first cycle apart), and every item it yields."""
+    def spent():
+        return {"forward": sum(lm.forward_s for lm in lms), "rollback": sum(lm.rollback_s for lm in lms), **watch.seconds,
+                **{f"forward_{i}": lm.forward_s for i, lm in enumerate(lms)}, **{f"forwards_{i}": lm.forwards for i, lm in enumerate(lms)}}
+
+    items, first_at, first_spent = [], None, None
+    _sync(device)
+    start = time.perf_counter()
+    for item in generator:
+        items.append(item)
+        if first_at is None:
+            _sync(device)
+            first_at, first_spent = time.perf_counter(), spent()
+    _sync(device)
+    end = time.perf_counter()
+    after = spent()
+    return {"items": items, "total_s": end - start, "decode_s": end - first_at,
+            "decode_spent": {key: after.get(key, 0.0) - first_spent.get(key, 0.0) for key in after}}
+
+
+def limit(pair, encoded, k: int, n: int, device) -> dict:
+    """Decode-phase speedup against the speedup the measured costs and acceptance allow.
+
+    The decode phase starts after the first yield: the baseline's prompt pass
+    gives its first token, and speculative decoding's first cycle is the
+    prompt's pass plus k drafts; both are left out, with the tokens they yield.
+    """
+    costs = measure_costs(pair, encoded[0], k, GREEDY)
+    c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
+    spec_target, draft, base_target = TimedLM(pair.target), TimedLM(pair.drafter.lm), TimedLM(pair.target)
+    drafter = ModelDrafter(draft)
+    watch = Stopwatch(device)
+    saved = loop.verify_greedy, loop._apply_stops
+    loop.verify_greedy, loop._apply_stops = watch.wrap("rule", loop.verify_greedy), watch.wrap("stops", loop._apply_stops)
+    decode_cycles, spec_s, base_s, base_tokens, spent = [], 0.0, 0.0, 0, defaultdict(float)
+    all_cycles = []
+    try:
+        for i, ids in enumerate(encoded):
+            order = ("spec", "base") if i % 2 == 0 else ("base", "spec")
+            for which in order:
+                if which == "spec":
+                    run = _decode_phase(speculative_decode(spec_target, drafter, ids, k, GREEDY, n, pair.eos_ids, None),
+                                        device, [spec_target, draft], watch)
+                    decode_cycles += run["items"][1:]
+                    all_cycles += run["items"]
+                    spec_s += run["decode_s"]
+                    for key, value in run["decode_spent"].items():
+                        spent[key] += value
+                else:
+                    run = _decode_phase(autoregressive_decode(base_target, ids, GREEDY, n, pair.eos_ids, None),
+                                        device, [base_target], Stopwatch(device))
+                    base_tokens += len(run["items"]) - 1
+                    base_s += run["decode_s"]
+                    spent["base_forward"] += run["decode_spent"]["forward_0"]
+                    spent["base_forwards"] += run["decode_spent"]["forwards_0"]
+    finally:
+        loop.verify_greedy, loop._apply_stops = saved
+    spec_tokens = sum(len(cy.tokens) for cy in decode_cycles)
+    measured = (spec_tokens / spec_s) / (base_tokens / base_s)
+    counts = metrics.cycle_counts(all_cycles, k)
+    alpha = counts["accepted"] / counts["tested"]
+    by_formula = metrics.predicted_speedup(alpha, k, c, v[k])
+    # Cycle accounting: each cycle costs k' draft steps and one verify of k'+1 positions,
+    # in units of one target step; the baseline costs one step per token.
+    cycle_cost = sum(cy.num_drafted * c + v[cy.num_drafted] for cy in decode_cycles)
+    by_cycles = spec_tokens / cycle_cost
+    # The same prediction from what the forwards cost inside the loop: on a CPU the two
+    # models evict each other's weights from the caches, so a step costs more in the
+    # loop than in measure_costs' isolated repetitions.
+    step_in_loop = spent["base_forward"] / spent["base_forwards"]
+    drafted = sum(cy.num_drafted for cy in decode_cycles)
+    c_loop = spent["forward_1"] / spent["forwards_1"] / step_in_loop
+    v_loop = spent["forward_0"] / spent["forwards_0"] / step_in_loop  # mean over cycles (k' = k but near the end)
+    by_formula_loop = metrics.predicted_speedup(alpha, k, c_loop, v_loop)
+    outside = {"rule": spent["rule"], "rollback": spent["rollback"], "stops": spent["stops"]}
+    outside["rest (tensor glue, python)"] = spec_s - spent["forward"] - sum(outside.values())
+    return {
+        "alpha": alpha, "tokens_per_cycle": sum(len(cy.tokens) for cy in all_cycles) / len(all_cycles),
+        "theoretical_tokens_per_cycle": metrics.expected_tokens_per_cycle(alpha, k),
+        "cost_ratio": c, "verify_cost": v[k], "target_step_s": costs["target_step_s"],
+        "measured_speedup": measured,
+        "predicted_speedup": by_formula, "efficiency": measured / by_formula,
+        "predicted_speedup_cycles": by_cycles, "efficiency_cycles": measured / by_cycles,
+        "in_loop": {"target_step_s": step_in_loop, "cost_ratio": c_loop, "verify_cost": v_loop,
+                    "draft_forwards_per_drafted_token": spent["forwards_1"] / max(drafted, 1),
+                    "predicted_speedup": by_formula_loop, "efficiency": measured / by_formula_loop},
+        "spec_decode_s": spec_s, "base_decode_s": base_s, "spec_decode_tokens": spec_tokens, "base_decode_tokens": base_tokens,
+        "overhead_fraction": 1 - spent["forward"] / spec_s,
+        "overhead_s": outside,
+        "overhead_per_cycle_ms": 1000 * (spec_s - spent["forward"]) / len(decode_cycles),
+        "decode_cycles": len(decode_cycles),
+    }
+
+
+def memory(pair, cfg, prompts, args, device) -> dict:
+    """RSS (and CUDA allocated memory) after each prompt of a full baseline + speculative run."""
+    cell = OmegaConf.merge(cfg, {"max_new_tokens": args.memory_new_tokens})
+    sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+    rss, cuda = [], []
+    for i in range(args.memory_prompts):
+        p = prompts[i % len(prompts)]
+        ids = as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device)
+        run_prompt(pair, p, ids, i, cell, sampling)
+        rss.append(_current_rss_mb())
+        if device.type == "cuda":
+            cuda.append(torch.cuda.memory_allocated(device) / 2**20)
+    index = list(range(len(rss)))
+    half = len(rss) // 2
+    fit = stats.linregress(index[half:], rss[half:])  # after the allocator has settled
+    out = {
+        "prompts": len(rss), "distinct_prompts": min(len(prompts), len(rss)), "new_tokens": args.memory_new_tokens,
+        "temperature": cell.temperature, "rss_mb": rss,
+        "rss_first_mb": rss[0], "rss_last_mb": rss[-1], "rss_max_mb": max(rss),
+        "rss_growth_mb_per_prompt_second_half": fit.slope, "rss_growth_stderr": fit.stderr,
+    }
+    if cuda:
+        out.update(cuda_allocated_mb=cuda, cuda_allocated_growth_mb=cuda[-1] - cuda[0])
+    return out
+
+
+def sync_audit(pair, ids, k: int, n: int, device) -> dict:
+    """CUDA only: every host synchronisation during speculative decoding of one
+    prompt, greedy and sampled, counted by the source line that caused it
+    (torch.cuda.set_sync_debug_mode). The loop's own are the accept count
+    (rule.py) and the committed tokens (loop.py), once per cycle each."""
+    import warnings
+    from collections import Counter
+
+    out = {}
+    for name, sampling in (("greedy", GREEDY), ("T=1", Sampling(1.0))):
+        generator = torch.Generator(device).manual_seed(0)
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, sampling, n, pair.eos_ids, generator))  # warm
+        torch.cuda.synchronize(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, sampling, n, pair.eos_ids, generator))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        drafted = sum(c.num_drafted for c in cycles)
+        out[name] = {"cycles": len(cycles), "drafted": drafted, "syncs": sum(where.values()),
+                     "syncs_per_cycle": sum(where.values()) / len(cycles), "by_line": dict(where.most_common())}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--memory-prompts", type=int, default=100, help="0: skip the memory part")
+    parser.add_argument("--memory-new-tokens", type=int, default=16)
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/bench/bench.json"))
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +pair=smollm2 device=cuda")
+    args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    started = time.time()
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = with_default_pair(compose(config_name="config", overrides=args.overrides))
+    device = resolve_device(cfg.device)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
+    all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
+    prompts = all_prompts[: args.prompts]
+    encoded = [as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device) for p in prompts]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    result: dict = {}
+    if not args.skip_throughput:
+        result.update(throughput(pair, encoded, args, device)[0])
+        tps = result["tokens_per_s"]
+        result["ratios"] = {
             "ours_base / hf_base": tps["ours_base"] / tps["hf_base"],
             **{f"ours_spec_k{k} / hf_assisted_k{k}": tps[f"ours_spec_k{k}"] / tps[f"hf_assisted_k{k}"]
-               for k in args.ks if draft_model is not None},
+               for k in args.ks if f"ours_spec_k{k}" in tps},
             **{f"ours_ngram_k{k} / hf_lookup_k{k}": tps[f"ours_ngram_k{k}"] / tps[f"hf_lookup_k{k}"] for k in args.ks},
-        },
-        "limits": limits,
-        "setup": {"pair": cfg.pair.name, "prompts": len(encoded), "max_new_tokens": n, "reps": args.reps, "statistic": "median over reps of tokens/s"},
-        "conditions": conditions(cfg, device, str(next(target.model.parameters()).dtype).removeprefix("torch.")),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+    if isinstance(pair.drafter, ModelDrafter):
+        result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device) for k in args.ks}
+    if args.memory_prompts > 0:
+        result["memory"] = memory(pair, cfg, all_prompts, args, device)
+    if device.type == "cuda" and isinstance(pair.drafter, ModelDrafter):
+        result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
+    result["setup"] = {
+        "pair": cfg.pair.name, "prompts": len(encoded), "prompt_ids": [p["id"] for p in prompts],
+        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "ks": args.ks, "cache": cfg.cache, "compile": cfg.compile,
+        "statistic": "median over reps of total tokens / total time; limits and overhead from one more pass",
+        "command": "python -m harness.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
+    result["conditions"] = conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."))
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         result["max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    result["wall_s"] = time.time() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for name, value in result["ratios"].items():
+
+    for name, value in result.get("ratios", {}).items():
         print(f"{name:<36}{value:8.3f}")
-    for k, lim in limits.items():
-        print(f"k={k}: alpha {lim['alpha']:.3f}  speedup {lim['measured_speedup']:.3f}  predicted {lim['predicted_speedup']:.3f}  "
-              f"efficiency {lim['efficiency']:.3f}  overhead {100 * lim['overhead_fraction']:.1f}%")
-    print(json.dumps(result))
+    for k, lim in result.get("limits", {}).items():
+        print(f"k={k}: alpha {lim['alpha']:.3f}  decode speedup {lim['measured_speedup']:.3f}  "
+              f"predicted {lim['predicted_speedup']:.3f} (cycles {lim['predicted_speedup_cycles']:.3f})  "
+              f"efficiency {lim['efficiency']:.3f} (cycles {lim['efficiency_cycles']:.3f}; in-loop costs {lim['in_loop']['efficiency']:.3f})  "
+              f"overhead {100 * lim['overhead_fraction']:.1f}% ({lim['overhead_per_cycle_ms']:.2f} ms/cycle)")
+    for name, audit in result.get("sync_audit", {}).items():
+        print(f"host syncs ({name}): {audit['syncs_per_cycle']:.2f} per cycle over {audit['cycles']} cycles; by line: {audit['by_line']}")
+    if "memory" in result:
+        mem = result["memory"]
+        print(f"memory: {mem['prompts']} prompts, RSS {mem['rss_first_mb']:.0f} -> {mem['rss_last_mb']:.0f} MB, "
+              f"growth {mem['rss_growth_mb_per_prompt_second_half']:+.3f} MB/prompt over the second half")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("tokens_per_s_all_reps",)}, default=str))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except HarnessError as err:
+        sys.exit(f"error: {err}")
