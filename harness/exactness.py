@@ -80,6 +80,7 @@ from omegaconf import DictConfig, OmegaConf
 from scipy import stats
 from scipy.optimize import brentq
 
+from harness import tracking
 from harness.errors import HarnessError
 from harness.loop import speculative_decode
 from harness.rule import verify
@@ -615,6 +616,9 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
         for c in p["worst_cells"]:
             c["text"] = pair.tokenizer.decode(c["prefix"])
     _write_json_atomic(report_path, report)
+    tracker = tracking.start(cfg, run_dir, job_type="exactness")
+    tracker.finish(tracking.exactness_summary(report), [], extra=tracking.exactness_media(report)
+                   if isinstance(tracker, tracking.WandbTracker) else None)
     return report
 
 

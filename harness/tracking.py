@@ -64,7 +64,7 @@ class NoTracking:
     def log_prompt(self, record: dict) -> None:
         pass
 
-    def finish(self, summary: dict, records: list[dict], status: str = "finished") -> None:
+    def finish(self, summary: dict, records: list[dict], status: str = "finished", extra: dict | None = None) -> None:
         pass
 
     def __enter__(self) -> NoTracking:
@@ -107,8 +107,8 @@ class WandbTracker:
             self.broken = True
             _warn(f"stopped logging prompts of {self.cell_dir.name} ({_first_line(err)}); results stay in {self.cell_dir}")
 
-    def finish(self, summary: dict, records: list[dict], status: str = "finished") -> None:
-        """Log the summary, tables, charts and results artifact, then finish the run."""
+    def finish(self, summary: dict, records: list[dict], status: str = "finished", extra: dict | None = None) -> None:
+        """Log the summary, tables, charts (and any `extra` media) and the results artifact, then finish the run."""
         global _active
         if self.closed:
             return
@@ -119,6 +119,8 @@ class WandbTracker:
         try:
             if records:
                 self.run.log(media(summary, records))
+            if extra:
+                self.run.log(extra)
             self.run.summary.update({**summary, **flat_metrics(summary), "status": status})
             if "conditions" in summary:
                 self.run.config.update({"conditions": summary["conditions"]}, allow_val_change=True)
@@ -142,8 +144,9 @@ class WandbTracker:
         self.finish({}, [], status="interrupted")  # the process ends with this cell unfinished
 
 
-def start(cfg: DictConfig, cell_dir: str | Path) -> WandbTracker | NoTracking:
-    """Open the W&B run of one cell (or a no-op tracker when W&B is off or fails)."""
+def start(cfg: DictConfig, cell_dir: str | Path, job_type: str | None = None) -> WandbTracker | NoTracking:
+    """Open the W&B run of one cell (or a no-op tracker when W&B is off or fails).
+    `job_type` overrides wandb.job_type (the exactness check logs as "exactness")."""
     global _active, _online_failed
     cell_dir = Path(cell_dir)
     if _active is not None:  # the previous cell raised and the launcher went on to this one
@@ -158,7 +161,7 @@ def start(cfg: DictConfig, cell_dir: str | Path) -> WandbTracker | NoTracking:
         project=(sweep and os.environ.get("WANDB_PROJECT")) or w.project,
         entity=(sweep and os.environ.get("WANDB_ENTITY")) or w.entity,
         group=w.group if w.group else (None if sweep else sweep_name()),
-        job_type=w.job_type,
+        job_type=job_type or w.job_type,
         tags=list(w.tags or []) or None,
         name=w.name or cell_dir.name,
         dir=str(run_dir),  # runs land in <dir>/wandb/
@@ -269,13 +272,36 @@ def media(summary: dict, records: list[dict]) -> dict:
     return logged
 
 
+def exactness_summary(report: dict) -> dict:
+    """An exactness report as W&B summary keys: the report without its per-prompt
+    detail, plus exactness/* scalars a dashboard can plot."""
+    tvs = [p["tv"]["tv"] for p in report["prompts"].values()]
+    return {
+        **{k: v for k, v in report.items() if k != "prompts"},
+        "exactness/passed": int(report["passed"]), "exactness/family_p": report["family_p"],
+        "exactness/detectable_tv": report["detectable_tv"], "exactness/tv_max": max(tvs, default=math.nan),
+        "exactness/samples": report["samples"],
+    }
+
+
+def exactness_media(report: dict) -> dict:
+    """Every test of an exactness report (prompt x test) as one W&B table."""
+    import wandb
+
+    columns = ["prompt", "test", "cells", "df", "statistic", "p_value", "p_holm", "detectable_tv", "tv", "tv_ci_low", "tv_ci_high"]
+    rows = [[name, test, t["cells"], t["df"], t["statistic"], t["p_value"], t["p_holm"], t["detectable_tv"], *(
+             [p["tv"]["tv"], *p["tv"]["ci95"]] if test == "joint" else [None, None, None])]
+            for name, p in report["prompts"].items() for test, t in p["tests"].items()]
+    return {"tables/exactness": wandb.Table(columns=columns, data=rows)}
+
+
 def results_artifact(cell_dir: Path, summary: dict, status: str):
-    """The cell's own files (prompts.jsonl, summary.json, config.yaml) as one artifact."""
+    """The cell's own files (prompts.jsonl, summary.json or exactness.json, config.yaml) as one artifact."""
     import wandb
 
     name = re.sub(r"[^\w.-]", "_", f"cell-{cell_dir.name}")[:128]
     artifact = wandb.Artifact(name, type="cell-results", metadata={"status": status, "cell_dir": str(cell_dir)})
-    for file in ("prompts.jsonl", "summary.json", "config.yaml"):
+    for file in ("prompts.jsonl", "summary.json", "exactness.json", "config.yaml"):
         if (cell_dir / file).exists():
             artifact.add_file(str(cell_dir / file))
     return artifact

@@ -410,3 +410,22 @@ def test_slurm_launcher_and_aggregate_callback_compose():
     assert type(instantiate(launcher)).__name__ == "SlurmLauncher"
     assert type(instantiate(cfg.hydra.callbacks.aggregate)).__name__ == "AggregateCallback"
     assert cfg.pair.target.device_map == "auto"
+
+
+def test_exactness_check_is_logged_as_its_own_run(tiny_pair, tmp_path, offline):
+    from harness.exactness import run_check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="exactness_check", overrides=[
+            *tiny(tiny_pair), "k=2", "temperature=1.0", "top_k=5", f"out_dir={tmp_path}", "device=cpu",
+            "exactness.samples=200", "exactness.num_prompts=1", "exactness.length=4"])
+    report = run_check(cfg, quiet=True)
+    (run,) = runs_in(tmp_path / "wandb")
+    assert run["run"].job_type == "exactness" and run["run"].display_name == Path(report["run_dir"]).name
+    on_disk = json.loads((Path(report["run_dir"]) / "exactness.json").read_text())
+    for key in ("passed", "family_p", "detectable_tv", "samples", "k", "temperature", "length"):
+        assert plain(run["summary"][key]) == plain(on_disk[key]), key
+    assert run["summary"]["exactness/passed"] == int(on_disk["passed"]) and run["exit_code"] == 0
+    assert run["summary"]["tables/exactness"]["nrows"] == 3  # one prompt x (joint, first, bonus)
+    (results,) = [a for a in run["artifacts"] if a[1] == "cell-results"]
+    assert set(results[2]) == {"exactness.json", "config.yaml"}
