@@ -36,9 +36,13 @@ def main(cfg: DictConfig) -> float:
         message = str(err).splitlines()[0] if isinstance(err, HarnessError) else f"out of memory: {str(err).splitlines()[0]}"
         print(f"error: {message}", file=sys.stderr)
         record_job(error=message)
+        exit_code = getattr(err, "exit_code", 1)
+        del err
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the next cell of a sweep the memory this one held
         if in_multirun():
             return float("nan")
-        sys.exit(getattr(err, "exit_code", 1))
+        sys.exit(exit_code)
     except Exception as err:
         if not in_multirun():
             raise  # a bug, not a user mistake: keep the traceback

@@ -104,3 +104,40 @@ def test_directory_that_is_not_a_model_and_bad_dataset_files(tiny_pair, tmp_path
     no_field.write_text('{"question": "hi", "category": "qa"}\n')
     out = harness(*tiny_args(tiny_pair, tmp_path, "dataset=local", f"dataset.path={no_field}", "dataset.text_field=prompt"))
     assert out.returncode != 0 and "Traceback" not in out.stderr and "prompt" in out.stderr
+
+
+OOM_CLI = """
+import torch
+import harness.run as run
+real = run.run_prompt
+def run_prompt(pair, prompt, ids, index, cfg, sampling):
+    if cfg.k == 2 and index == 1:  # this cell runs out of memory on its second prompt
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+    return real(pair, prompt, ids, index, cfg, sampling)
+run.run_prompt = run_prompt
+import runpy
+runpy.run_module("harness", run_name="__main__", alter_sys=True)  # as `python -m harness`
+"""
+
+
+def test_a_cell_out_of_memory_is_recorded_and_the_sweep_goes_on(tiny_pair, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *tiny_args(tiny_pair, tmp_path, "k=1,2,3", "dataset.num_prompts=3", "max_new_tokens=8"),
+            f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", OOM_CLI, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]  # the sweep ran to its end, then says a cell failed
+    assert "error: out of memory: CUDA out of memory" in out.stderr and "Traceback" not in out.stderr
+    rows = (sweep / "aggregate.md").read_text()
+    assert rows.count("| finished |") == 2 and rows.count("| failed |") == 1
+    assert "out of memory: CUDA out of memory" in (sweep / "aggregate.csv").read_text()  # the error, per failed cell
+    cells = {}
+    for status in tmp_path.glob("*/status.json"):
+        config = (status.parent / "config.yaml").read_text()
+        k = next(int(line.split(":")[1]) for line in config.splitlines() if line.startswith("k:"))
+        cells[k] = (status.parent, json.loads(status.read_text()))
+    assert cells[1][1]["status"] == cells[3][1]["status"] == "finished"
+    failed_dir, failed = cells[2]
+    assert failed["status"] == "failed" and "OutOfMemoryError" in failed["error"] and failed["done"] == 1
+    assert len((failed_dir / "prompts.jsonl").read_text().splitlines()) == 1  # the prompt before the failure is kept
+    assert not (failed_dir / "summary.json").exists()
