@@ -36,6 +36,11 @@ def format_summary(s: dict) -> str:
         f"{'per-position acceptance':<34}  " + " ".join(_f(a, ".2f") for a in s["position_acceptance"]),
         f"{'accepted per cycle histogram 0..k':<34}  " + " ".join(str(n) for n in s["accept_hist"]),
     ]
+    if s.get("max_memory_allocated_mb") is not None:
+        lines.append(f"{'peak CUDA memory allocated MB':<34}{_f(s['max_memory_allocated_mb'], '.0f'):>12}")
+    if "peak_rss_mb" in s:
+        growth = f"  (growth {_f(s['rss_growth_mb_per_prompt'], '+.2f')} MB/prompt)" if "rss_growth_mb_per_prompt" in s else ""
+        lines.append(f"{'peak RSS MB':<34}{_f(s['peak_rss_mb'], '.0f'):>12}{growth}")
     cats = s.get("categories") or {}
     if cats:
         lines += ["", f"{'category':<16}{'prompts':>8}{'accept':>9}{'tok/cycle':>11}{'speedup':>9}"]

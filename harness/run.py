@@ -296,6 +296,18 @@ def _current_rss_mb() -> float:
         return float("nan")
 
 
+def memory_growth(records: list[dict]) -> dict:
+    """Resident memory after the first and last prompt, and its fitted growth
+    per prompt (scipy.stats.linregress over the prompts run in this process)."""
+    rss = [r["rss_mb"] for r in records if r.get("rss_mb") is not None]
+    if len(rss) < 3:
+        return {}
+    from scipy import stats
+
+    return {"rss_first_mb": rss[0], "rss_last_mb": rss[-1],
+            "rss_growth_mb_per_prompt": float(stats.linregress(range(len(rss)), rss).slope)}
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
@@ -377,6 +389,8 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
                 record = run_prompt(pair, p, ids, i, cfg, sampling)
                 record["rss_mb"] = _current_rss_mb()
+                if device.type == "cuda":
+                    record["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
                 out.write(json.dumps(record) + "\n")
                 out.flush()  # append-only and flushed per prompt: an interruption loses at most the prompt in flight
                 records.append(record)
@@ -399,6 +413,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        **memory_growth(records),
         cell=cell_dir.name, cell_dir=str(cell_dir),
     )
     summary["status"] = "finished"
