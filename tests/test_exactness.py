@@ -517,8 +517,23 @@ def test_samples_sized_from_detectable_tv(markov):
 _default_pair_samples: dict = {}
 
 
+# Bugs whose effect on this pair's law is below the check's detectable TV of 0.05
+# at T = 1 (measured on 2 CPU cores, docs/exactness.md): with this draft all 4
+# drafts survive in ~2% of cycles, so a wrong bonus token barely moves the law,
+# and at T = 1 an unshaped q differs from the shaped one only by the top-p tail.
+# The trigram suite above rejects all three at p < 1e-100.
+BELOW_DETECTABLE_ON_DEFAULT_PAIR = {"unshaped_draft_q", "bonus_from_draft", "bonus_wrong_row"}
+
+
+def _default_pair_param(variant):
+    if variant is not None and variant.name in BELOW_DETECTABLE_ON_DEFAULT_PAIR:
+        return pytest.param(variant, marks=pytest.mark.xfail(reason="effect below the detectable TV of 0.05 here", strict=False))
+    return variant
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [None, *VARIANTS], ids=lambda v: "real_loop" if v is None else v.name)
+@pytest.mark.parametrize("variant", [_default_pair_param(v) for v in [None, *VARIANTS]],
+                         ids=lambda v: "real_loop" if v is None else v.name)
 def test_default_pair_at_detectable_tv_005(variant, capsys):
     """On the embedded default pair at T=1 (top-p 0.9 where a bug needs shaped
     rows to exist), with N sized to detect a TV of 0.05: the real loop passes,
