@@ -138,7 +138,7 @@ class ForwardCounter:
         self.count += 1
 
 
-def throughput(pair, encoded, args, device) -> tuple[dict, dict]:
+def throughput(pair, encoded, args, device) -> dict:
     target, eos, n = pair.target, sorted(pair.eos_ids), args.max_new_tokens
     draft_model = pair.drafter.lm.model if isinstance(pair.drafter, ModelDrafter) else None
     ngram = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)
@@ -188,7 +188,7 @@ def throughput(pair, encoded, args, device) -> tuple[dict, dict]:
         "tokens_per_s": {name: statistics.median(v) for name, v in tokens_per_s.items()},
         "tokens_per_s_all_reps": tokens_per_s,
         "target_forwards_per_rep": forwards,
-    }, contenders
+    }
 
 
 def _decode_phase(generator, device, lms: list[TimedLM], watch: Stopwatch) -> dict:
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result: dict = {}
     if not args.skip_throughput:
-        result.update(throughput(pair, encoded, args, device)[0])
+        result.update(throughput(pair, encoded, args, device))
         tps = result["tokens_per_s"]
         result["ratios"] = {
             "ours_base / hf_base": tps["ours_base"] / tps["hf_base"],
