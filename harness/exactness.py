@@ -68,6 +68,7 @@ import math
 import sys
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -83,6 +84,7 @@ from scipy.optimize import brentq
 from harness import tracking
 from harness.errors import HarnessError
 from harness.loop import speculative_decode
+from harness.models import CachedLM
 from harness.rule import verify
 from harness.sampling import Sampling, shape_probs
 
@@ -102,6 +104,62 @@ class Draw(NamedTuple):
     bonus: int | None  # and the bonus token it then committed
 
 
+class PromptKept:
+    """A model's cache that keeps one prompt's prefix between continuations.
+
+    Every continuation of a prompt starts from the same cache state: the
+    prompt minus its last token (the loop's cache invariant). Instead of
+    emptying the cache and prefilling the prompt again for each of N
+    continuations, `reset()` rolls back to that prefix (the same `rollback`
+    the loop uses after a rejection) and a prefill of exactly that prefix is
+    skipped. The loop itself is unchanged: it feeds `ids[length:]`, now the
+    prompt's last token and the drafts. The first continuation runs from an
+    empty cache, as in a run.
+    """
+
+    def __init__(self, lm: CachedLM, prompt_ids: torch.Tensor):
+        self.lm, self.keep = lm, prompt_ids.shape[0] - 1
+        self.warm = False  # the cache holds the prompt's first `keep` tokens
+
+    def __getattr__(self, name):
+        return getattr(self.lm, name)
+
+    def reset(self) -> None:
+        if self.warm:
+            self.lm.rollback(self.keep)
+        else:
+            self.lm.reset()
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        if self.warm and self.lm.length == self.keep == input_ids.shape[0]:
+            return None  # the kept prefix (callers that prefill it ignore its logits)
+        out = self.lm.prefill(input_ids)
+        self.warm = self.lm.length >= self.keep
+        return out
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        out = self.lm.forward(input_ids, num_logits)
+        self.warm = self.lm.length >= self.keep
+        return out
+
+
+@contextmanager
+def prompt_kept(target, drafter, prompt_ids: torch.Tensor):
+    """(target, drafter) whose CachedLM caches keep the prompt between continuations.
+
+    Only plain CachedLMs are wrapped: a test's deliberately broken target
+    wrapper (one that does not roll back, say) keeps its own reset.
+    """
+    lm = getattr(drafter, "lm", None)
+    if isinstance(lm, CachedLM):
+        drafter.lm = PromptKept(lm, prompt_ids)
+    try:
+        yield (PromptKept(target, prompt_ids) if isinstance(target, CachedLM) else target), drafter
+    finally:
+        if isinstance(lm, CachedLM):
+            drafter.lm = lm
+
+
 def draw_continuations(
     target, drafter, prompt_ids: torch.Tensor, k: int, sampling: Sampling, length: int,
     eos_ids: set[int], samples: int, seed: int | Sequence[int], rule=verify, progress=None,
@@ -111,24 +169,25 @@ def draw_continuations(
     Per-sample seeds are drawn without replacement from [0, 2^32) by a numpy
     generator seeded with `seed`: torch's CPU generator (mt19937) keeps only
     32 bits of a seed, so distinct 32-bit seeds are what keeps two samples
-    from replaying the same stream.
+    from replaying the same stream. The prompt is prefilled once (`PromptKept`).
     """
     seeds = np.random.default_rng(np.random.SeedSequence(seed)).choice(2**32, size=samples, replace=False)
     generator = torch.Generator(target.device)
     draws = []
-    for s in seeds:
-        generator.manual_seed(int(s))
-        cycles = list(speculative_decode(target, drafter, prompt_ids, k, sampling, length, eos_ids, generator, rule=rule))
-        first = cycles[0]
-        # The bonus is observed when every draft was accepted and no EOS among them cut it off.
-        has_bonus = 0 < first.num_drafted == first.num_accepted and len(first.tokens) == first.num_drafted + 1
-        draws.append(Draw(
-            tuple(t for c in cycles for t in c.tokens),
-            tuple(first.tokens[:-1]) if has_bonus else None,
-            first.tokens[-1] if has_bonus else None,
-        ))
-        if progress is not None:
-            progress.update(1)
+    with prompt_kept(target, drafter, prompt_ids) as (target, drafter):
+        for s in seeds:
+            generator.manual_seed(int(s))
+            cycles = list(speculative_decode(target, drafter, prompt_ids, k, sampling, length, eos_ids, generator, rule=rule))
+            first = cycles[0]
+            # The bonus is observed when every draft was accepted and no EOS among them cut it off.
+            has_bonus = 0 < first.num_drafted == first.num_accepted and len(first.tokens) == first.num_drafted + 1
+            draws.append(Draw(
+                tuple(t for c in cycles for t in c.tokens),
+                tuple(first.tokens[:-1]) if has_bonus else None,
+                first.tokens[-1] if has_bonus else None,
+            ))
+            if progress is not None:
+                progress.update(1)
     return draws
 
 
