@@ -288,9 +288,9 @@ def exactness_media(report: dict) -> dict:
     """Every test of an exactness report (prompt x test) as one W&B table."""
     import wandb
 
-    columns = ["prompt", "test", "cells", "df", "statistic", "p_value", "p_holm", "detectable_tv", "tv", "tv_ci_low", "tv_ci_high"]
+    columns = ["prompt", "test", "cells", "df", "statistic", "p_value", "p_holm", "detectable_tv", "tv", "tv_upper95"]
     rows = [[name, test, t["cells"], t["df"], t["statistic"], t["p_value"], t["p_holm"], t["detectable_tv"], *(
-             [p["tv"]["tv"], *p["tv"]["ci95"]] if test == "joint" else [None, None, None])]
+             [p["tv"]["tv"], p["tv"]["upper95"]] if test == "joint" else [None, None])]
             for name, p in report["prompts"].items() for test, t in p["tests"].items()]
     return {"tables/exactness": wandb.Table(columns=columns, data=rows)}
 
