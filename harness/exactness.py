@@ -91,6 +91,7 @@ from harness.sampling import Sampling, shape_probs
 TESTS = ("joint", "first", "bonus")
 MIN_EXPECTED = 20.0  # smallest expected count of a cell: the chi-square approximation holds above it
 POWER = 0.8  # the detectable TV is the one caught this often
+FEW_CELLS = 8  # a joint test with fewer cells than this gets a note: the prompt's continuations hardly vary
 
 
 # ---------------------------------------------------------------- drawing
@@ -584,6 +585,11 @@ def format_report(report: dict) -> str:
         ci = "-" if tv["upper95"] is None else f"{tv['upper95']:.4f}"
         exact = "{:.4f}, {:.4f}".format(tv["exact_median"], tv["exact_95"])
         lines.append(f"{name[:21]:<22}{tv['tv']:>17.4f}{ci:>17}{exact:>29}{p['zero_probability_samples']:>11}")
+    few = [name for name, p in r["prompts"].items() if p["tests"]["joint"]["cells"] < FEW_CELLS]
+    if few:
+        lines += ["", f"note: {', '.join(few)}: fewer than {FEW_CELLS} joint cells. The target's continuations of "
+                      "such a prompt hardly vary (often it ends at EOS at once), so the check sees little there: "
+                      "prefer prompts whose continuations vary (e.g. the chat template rather than raw text)."]
     if not r["passed"]:
         lines += ["", "cells furthest from their expected counts (joint test):"]
         for name, p in r["prompts"].items():

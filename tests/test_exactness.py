@@ -368,6 +368,14 @@ def test_tv_upper_bound_covers_the_true_tv(delta):
         assert np.median(bounds) < 0.05
 
 
+def test_report_notes_a_prompt_whose_continuations_hardly_vary(markov):
+    target, draft = markov
+    report = check(target, ModelDrafter(draft), [("prompt", PROMPT)], k=1, sampling=Sampling(1.0), length=3, samples=2000)
+    assert report["prompts"]["prompt"]["tests"]["joint"]["cells"] >= 8 and "note:" not in format_report(report)
+    report["prompts"]["prompt"]["tests"]["joint"]["cells"] = 3
+    assert "note: prompt: fewer than 8 joint cells" in format_report(report)
+
+
 def test_holm_and_g_test():
     assert holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
     statistic, df, p = g_test(np.array([30.0, 70.0]), np.array([0.3, 0.7]))
