@@ -477,16 +477,20 @@ def test_check_passes_on_tiny_transformer_pair(tiny_pair, tmp_path):
     assert run_check(cfg, quiet=True) == saved  # a finished check is read back, not redone
 
 
-def test_missing_rollback_is_caught_on_tiny_transformer_pair(tiny_pair):
-    """The real DynamicCache, not rolled back: stale keys and shifted positions, at the N above."""
+def tiny_cached_pair(tiny_pair):
+    """(target CachedLM, ModelDrafter, prompt [6]) on the tiny transformer pair."""
     from harness.models import CachedLM, ModelSpec, load_model
 
     device = torch.device("cpu")
     target_model = load_model(ModelSpec(str(tiny_pair["target"])), device)
     draft_model = load_model(ModelSpec(str(tiny_pair["draft"])), device, "draft")
     vocab = target_model.config.vocab_size
-    target, drafter = CachedLM(target_model, vocab), ModelDrafter(CachedLM(draft_model, vocab))
-    prompt = torch.tensor([1, 40, 60, 70, 80, 90])
+    return CachedLM(target_model, vocab), ModelDrafter(CachedLM(draft_model, vocab)), torch.tensor([1, 40, 60, 70, 80, 90])
+
+
+def test_missing_rollback_is_caught_on_tiny_transformer_pair(tiny_pair):
+    """The real DynamicCache, not rolled back: stale keys and shifted positions, at the N above."""
+    target, drafter, prompt = tiny_cached_pair(tiny_pair)
     variant = next(v for v in BROKEN if v.name == "no_rollback")
     with plugged(variant, target, drafter) as (t, d, rule):
         report = check(t, d, [("prompt", prompt)], k=TINY_K, sampling=TINY_SAMPLING, length=TINY_LENGTH,
@@ -498,14 +502,9 @@ def test_kept_prompt_draws_what_fresh_caches_draw(tiny_pair):
     """The check prefills each prompt once (PromptKept); with the same seeds it
     commits exactly the tokens that runs from empty caches commit."""
     from harness.exactness import PromptKept, draw_continuations
-    from harness.models import CachedLM, ModelSpec, load_model
+    from harness.models import CachedLM
 
-    device = torch.device("cpu")
-    target_model = load_model(ModelSpec(str(tiny_pair["target"])), device)
-    draft_model = load_model(ModelSpec(str(tiny_pair["draft"])), device, "draft")
-    vocab = target_model.config.vocab_size
-    target, drafter = CachedLM(target_model, vocab), ModelDrafter(CachedLM(draft_model, vocab))
-    prompt = torch.tensor([1, 40, 60, 70, 80, 90])
+    target, drafter, prompt = tiny_cached_pair(tiny_pair)
     kept = draw_continuations(target, drafter, prompt, TINY_K, TINY_SAMPLING, TINY_LENGTH, set(), 40, 0)
     assert isinstance(drafter.lm, CachedLM)  # unwrapped afterwards
 
