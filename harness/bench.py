@@ -14,6 +14,8 @@ Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
                                           the confidence threshold off (HF reads these
                                           from the assistant, not from generate's kwargs);
        ours_ngram_kK  vs hf_lookup_kK     prompt lookup, `prompt_lookup_num_tokens=K`.
+     With cache=static compile=true, HF's contenders get generate()'s own compiled
+     path (static cache, compile_config) so that both sides are compiled.
      Compared outputs must be token-identical, or the benchmark stops. The target's
      forward passes per contender are counted: equal counts show that HF verified
      the same number of drafted tokens per cycle as we did.
@@ -45,6 +47,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from scipy import stats
+from transformers import CompileConfig
 from transformers.utils import logging as hf_logging
 
 from harness import loop, metrics
@@ -53,7 +56,7 @@ from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
-from harness.prompts import as_tensor, encode, select
+from harness.prompts import as_tensor, encode, fit_context, select
 from harness.run import CONF_DIR, _current_rss_mb, _sync, conditions, load_pair, measure_costs, run_prompt, with_default_pair
 from harness.sampling import Sampling
 
@@ -117,13 +120,22 @@ def _hf_generate(model, ids: torch.Tensor, max_new: int, eos: list[int], **kwarg
     return out[0, ids.shape[0]:].tolist()
 
 
-def _hf_assisted(target_model, draft_model, k: int):
+def _hf_compiled(lm: CachedLM) -> dict:
+    """generate()'s own compiled path, so that compile=true compares like with like:
+    a static cache of our capacity (one compiled shape across prompts) and
+    torch.compile of the target's steps. HF leaves the assistant eager."""
+    config = CompileConfig(dynamic=False, mode="reduce-overhead" if lm.device.type == "cuda" else "default")
+    config._compile_all_devices = True  # HF compiles on accelerators only, unless told
+    return {"cache_implementation": "static", "max_cache_len": lm.capacity, "compile_config": config}
+
+
+def _hf_assisted(target_model, draft_model, k: int, **hf):
     def run(ids, max_new, eos):
         # HF's candidate generator reads these from the assistant's own generation config.
         draft_model.generation_config.num_assistant_tokens = k
         draft_model.generation_config.num_assistant_tokens_schedule = "constant"
         draft_model.generation_config.assistant_confidence_threshold = 0.0  # 0: no early stop
-        return _hf_generate(target_model, ids, max_new, eos, assistant_model=draft_model)
+        return _hf_generate(target_model, ids, max_new, eos, assistant_model=draft_model, **hf)
     return run
 
 
@@ -149,14 +161,15 @@ def throughput(pair, encoded, args, device) -> dict:
     def ours_spec(drafter, k):
         return lambda ids: [t for c in speculative_decode(target, drafter, ids, k, GREEDY, n, pair.eos_ids, None) for t in c.tokens]
 
-    contenders = {"ours_base": ours_base, "hf_base": lambda ids: _hf_generate(target.model, ids, n, eos)}
+    hf = _hf_compiled(target) if target.compiled is not None else {}
+    contenders = {"ours_base": ours_base, "hf_base": lambda ids: _hf_generate(target.model, ids, n, eos, **hf)}
     for k in args.ks:
         if draft_model is not None:
             contenders[f"ours_spec_k{k}"] = ours_spec(pair.drafter, k)
-            contenders[f"hf_assisted_k{k}"] = lambda ids, run=_hf_assisted(target.model, draft_model, k): run(ids, n, eos)
+            contenders[f"hf_assisted_k{k}"] = lambda ids, run=_hf_assisted(target.model, draft_model, k, **hf): run(ids, n, eos)
         contenders[f"ours_ngram_k{k}"] = ours_spec(ngram, k)
         contenders[f"hf_lookup_k{k}"] = lambda ids, k=k: _hf_generate(
-            target.model, ids, n, eos, prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
+            target.model, ids, n, eos, prompt_lookup_num_tokens=k, max_matching_ngram_size=3, **hf)
 
     for ids in encoded[:2]:  # warm-up, excluded
         for fn in contenders.values():
@@ -287,15 +300,13 @@ def limit(pair, encoded, k: int, n: int, device) -> dict:
     }
 
 
-def memory(pair, cfg, prompts, args, device) -> dict:
+def memory(pair, cfg, prompts, encoded, args, device) -> dict:
     """RSS (and CUDA allocated memory) after each prompt of a full baseline + speculative run."""
     cell = OmegaConf.merge(cfg, {"max_new_tokens": args.memory_new_tokens})
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     rss, cuda = [], []
     for i in range(args.memory_prompts):
-        p = prompts[i % len(prompts)]
-        ids = as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device)
-        run_prompt(pair, p, ids, i, cell, sampling)
+        run_prompt(pair, prompts[i % len(prompts)], encoded[i % len(prompts)], i, cell, sampling)
         rss.append(_current_rss_mb())
         if device.type == "cuda":
             cuda.append(torch.cuda.memory_allocated(device) / 2**20)
@@ -362,7 +373,13 @@ def main(argv: list[str] | None = None) -> dict:
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
     prompts = all_prompts[: args.prompts]
-    encoded = [as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device) for p in prompts]
+    # As `python -m harness` does: prompts cut from the left to leave room for the new tokens and drafts.
+    room = max(args.max_new_tokens, args.memory_new_tokens) + max(args.ks) + 1
+    budget = pair.target.context - room
+    all_encoded = [as_tensor(fit_context(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), budget, "truncate"), device)
+                   for p in all_prompts]
+    encoded = all_encoded[: args.prompts]
+    pair.reserve(max(ids.shape[0] for ids in all_encoded) + room)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -379,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     if isinstance(pair.drafter, ModelDrafter):
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device) for k in args.ks}
     if args.memory_prompts > 0:
-        result["memory"] = memory(pair, cfg, all_prompts, args, device)
+        result["memory"] = memory(pair, cfg, all_prompts, all_encoded, args, device)
     if device.type == "cuda" and isinstance(pair.drafter, ModelDrafter):
         result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
     result["setup"] = {

@@ -682,6 +682,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     length = e.length if e.length is not None else cfg.k + 2
     prompts = encode_prompts(cfg, pair, length)
+    pair.reserve(max(ids.shape[0] for _, ids in prompts) + length + cfg.k + 1)
 
     started = time.perf_counter()
     samples = e.samples

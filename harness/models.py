@@ -174,20 +174,43 @@ class CachedLM:
     committed token is fed with the next forward, which yields its logits.
 
     Two caches: `dynamic` (HF DynamicCache; rollback crops the tensors) and
-    `static` (HF StaticCache of `max_len` slots, allocated once; positions
+    `static` (HF StaticCache of `capacity` slots, allocated once; positions
     are written by index and rollback only moves `length` back, the causal
-    mask hiding the stale slots beyond it, as gpt-fast does). The static cache
-    keeps shapes fixed, which is what `torch.compile` needs.
+    mask hiding the stale slots beyond it, as gpt-fast does). Attention reads
+    every slot of a static cache, so `reserve` sizes it to the longest
+    sequence a run needs rather than the model's whole context.
+
+    `compile=True` (with the static cache: fixed shapes) runs the forwards of
+    decoding, drafting and verifying (after the prompt, at most
+    COMPILED_MAX_TOKENS tokens) through `torch.compile`; a prompt's forward,
+    whose length varies, runs eagerly so that each new prompt length does not
+    cost a recompilation.
     """
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int, cache: str = "dynamic", max_len: int | None = None):
+    COMPILED_MAX_TOKENS = 16  # k + 1 for any k a sweep uses
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int, cache: str = "dynamic", max_len: int | None = None,
+                 compile: bool = False):
         self.model = model
         self.vocab_size = vocab_size  # rows beyond it (padding) are dropped
         self.device = next(model.parameters()).device
         self.static = cache == "static"
+        self.context = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.capacity = min(max_len or self.context, self.context)
         if self.static:
-            self.cache = StaticCache(config=model.config, max_cache_len=max_len or model.config.max_position_embeddings)
+            self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
+        self.compiled = _compile(model) if compile else None
         self.reset()
+
+    def reserve(self, max_len: int) -> None:
+        """Size a static cache for sequences of up to max_len tokens, rounded up
+        to a multiple of 256 so that runs with similar lengths share one compiled
+        shape. No-op for the dynamic cache."""
+        capacity = min(-(-max_len // 256) * 256, self.context)
+        if self.static and capacity != self.capacity:
+            self.capacity = capacity
+            self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
+            self.reset()
 
     def reset(self) -> None:
         """Empty the cache: a new sequence starts."""
@@ -206,7 +229,11 @@ class CachedLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
         """Append input_ids [T] to the cache; logits [num_logits, vocab] of the last positions."""
-        out = self.model(input_ids=input_ids.unsqueeze(0), cache=self.cache, use_cache=True, logits_to_keep=num_logits)
+        if self.static and self.length + input_ids.shape[0] > self.capacity:
+            raise HarnessError(f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence")
+        step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
+        step = self.compiled if self.compiled is not None and step_not_prompt else self.model
+        out = step(input_ids=input_ids.unsqueeze(0), cache=self.cache, use_cache=True, logits_to_keep=num_logits)
         self.length += input_ids.shape[0]
         return out.logits[0, -num_logits:, : self.vocab_size]
 
@@ -224,3 +251,12 @@ class CachedLM:
             else:
                 self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove
             self.length = length
+
+
+def _compile(model: PreTrainedModel):
+    """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
+    Hooks registered on the model still run."""
+    # Input lengths 1..k+1 each compile once: allow more than dynamo's default of 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * CachedLM.COMPILED_MAX_TOKENS)
+    mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+    return torch.compile(model, mode=mode, dynamic=False)

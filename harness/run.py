@@ -56,6 +56,12 @@ class Pair:
     eos_ids: set[int]
     device: torch.device
 
+    def reserve(self, max_len: int) -> None:
+        """Size static KV caches for sequences of up to max_len tokens (prompt, new tokens and drafts)."""
+        self.target.reserve(max_len)
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.lm.reserve(max_len)
+
 
 _loaded: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun
 
@@ -96,6 +102,7 @@ def validate(cfg: DictConfig) -> None:
         (cfg.dataset.num_prompts is None or (isinstance(cfg.dataset.num_prompts, int) and cfg.dataset.num_prompts >= 1),
          f"dataset.num_prompts={cfg.dataset.num_prompts} must be a positive integer or null (all)"),
         (cfg.cache in ("dynamic", "static"), f"cache={cfg.cache} must be dynamic or static"),
+        (not cfg.compile or cfg.cache == "static", "compile=true needs fixed shapes: add cache=static"),
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
@@ -113,14 +120,6 @@ def cell_key(cfg: DictConfig) -> str:
             keyed[name] = float(keyed[name])
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
     return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}-{digest}"
-
-
-def _compiled(model, enabled: bool):
-    """torch.compile the forward (static shapes per input length; CUDA graphs on GPU)."""
-    if enabled:
-        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-        model.forward = torch.compile(model.forward, mode=mode, dynamic=False)
-    return model
 
 
 def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False) -> Pair:
@@ -145,14 +144,14 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
         if not getattr(draft_model, "shares_target_weights", False):
             shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
             vocab_size = min(vocab_size, shared, draft_model.get_output_embeddings().weight.shape[0])
-        drafter = ModelDrafter(CachedLM(_compiled(draft_model, compile), vocab_size, cache))
+        drafter = ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile))
     else:
         raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use model or ngram")
     eos = target_model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    pair = Pair(pair_cfg.name, CachedLM(_compiled(target_model, compile), vocab_size, cache), drafter, tokenizer, eos_ids, device)
+    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device)
     _loaded[key] = pair
     return pair
 
@@ -381,6 +380,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
+    pair.reserve(max(ids.shape[0] for _, ids in encoded) + cfg.max_new_tokens + cfg.k + 1)
 
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
     run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, OmegaConf.merge(cfg, {"max_new_tokens": 8}), sampling)

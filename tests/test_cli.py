@@ -72,6 +72,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("top_k=-2", "must be an integer >= 0"),
         ("max_new_tokens=0", "must be a positive integer"),
         ("device=cuda", "CUDA is not available"),
+        ("compile=true", "compile=true needs fixed shapes: add cache=static"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tiny_pair, tmp_path, override, message):

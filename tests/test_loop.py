@@ -80,6 +80,44 @@ def test_static_cache_gives_the_same_tokens(models, k):
                 assert spec_tokens(target, static_drafter, prompt, k, sampling, 30, set(), cache="static")[0] == dynamic
 
 
+def test_static_cache_is_sized_by_reserve(models):
+    """A static cache holds what the run reserves (rounded up to 256 slots, at most the
+    model's context), and a sequence that outgrows it stops with a clear error."""
+    from harness.errors import HarnessError
+
+    target, _ = models
+    lm = CachedLM(target, 98, "static")
+    assert lm.capacity == target.config.max_position_embeddings
+    lm.reserve(300)
+    assert lm.capacity == 512 and lm.cache.layers[0].max_cache_len == 512
+    lm.reserve(10**6)
+    assert lm.capacity == target.config.max_position_embeddings
+    lm.reserve(1)
+    lm.forward(torch.arange(250) % 90 + 5)
+    with pytest.raises(HarnessError, match="static KV cache holds 256 tokens"):
+        lm.forward(torch.arange(5, 15))  # 250 + 10 > 256
+    dynamic = CachedLM(target, 98)
+    dynamic.reserve(1)
+    dynamic.forward(torch.arange(295) % 90 + 5)  # the dynamic cache grows: reserve does nothing
+    assert dynamic.length == 295
+
+
+def test_compiled_forwards_give_the_same_tokens(models):
+    """compile=true (static cache; prompts eager, decode and verify steps compiled) commits
+    the tokens the eager dynamic cache commits, greedy and at T=1 for the same seed."""
+    target, draft = models
+    compiled_target = CachedLM(target, 98, "static", 256, compile=True)
+    compiled_drafter = ModelDrafter(CachedLM(draft, 98, "static", 256, compile=True))
+    for sampling in (GREEDY, Sampling(1.0)):
+        for text in PROMPTS[:2]:
+            prompt = ids_of(text)
+            eager = spec_tokens(target, ModelDrafter(CachedLM(draft, 98)), prompt, 2, sampling, 20, set())[0]
+            gen = torch.Generator().manual_seed(0)
+            cycles = speculative_decode(compiled_target, compiled_drafter, prompt, 2, sampling, 20, set(), gen)
+            assert [t for c in cycles for t in c.tokens] == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled path really ran
+
+
 def test_prompt_lookup_greedy_equals_target_greedy(models):
     target, _ = models
     for text in PROMPTS:

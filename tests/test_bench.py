@@ -1,0 +1,45 @@
+"""The benchmark on the tiny pair: it runs end to end, compares like with like, and writes its figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import bench
+
+
+def run_bench(tiny_pair, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "bench.json"
+    args = ["--reps", "2", "--prompts", "2", "--ks", "1", "2", "--max-new-tokens", "12",
+            "--memory-prompts", "4", "--memory-new-tokens", "4", "--out", str(out),
+            "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
+            "wandb.mode=disabled", *extra]
+    result = bench.main(args)
+    assert json.loads(out.read_text())["tokens_per_s"] == result["tokens_per_s"]  # what it printed is what it wrote
+    return result
+
+
+def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
+    result = run_bench(tiny_pair, tmp_path)
+    forwards = result["target_forwards_per_rep"]
+    for k in (1, 2):  # same drafts verified per cycle: the same number of target passes
+        assert forwards[f"ours_spec_k{k}"] == forwards[f"hf_assisted_k{k}"]
+    assert forwards["ours_base"] == forwards["hf_base"]
+    assert set(result["ratios"]) >= {"ours_base / hf_base", "ours_spec_k1 / hf_assisted_k1", "ours_ngram_k2 / hf_lookup_k2"}
+    assert all(v > 0 for v in result["ratios"].values())
+    for limit in (result["limits"][1], result["limits"][2]):
+        assert 0 < limit["alpha"] <= 1 and limit["efficiency"] > 0 and 0 <= limit["overhead_fraction"] < 1
+    assert result["memory"]["prompts"] == 4
+    assert result["setup"]["cache"] == "dynamic" and result["conditions"]["device"] == "cpu"
+
+
+def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monkeypatch):
+    """cache=static compile=true: HF's contenders run generate() with a static cache and
+    compile_config too, and their outputs still match ours token for token."""
+    asked = []
+    real = bench._hf_generate
+    monkeypatch.setattr(bench, "_hf_generate", lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    result = run_bench(tiny_pair, tmp_path, "cache=static", "compile=true")
+    assert asked and all(kw["cache_implementation"] == "static" and kw["compile_config"] is not None for kw in asked)
+    assert result["setup"]["compile"] is True and result["ratios"]["ours_base / hf_base"] > 0
