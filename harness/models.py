@@ -235,7 +235,10 @@ class CachedLM:
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
         out = step(input_ids=input_ids.unsqueeze(0), cache=self.cache, use_cache=True, logits_to_keep=num_logits)
         self.length += input_ids.shape[0]
-        return out.logits[0, -num_logits:, : self.vocab_size]
+        logits = out.logits[0, -num_logits:, : self.vocab_size]
+        if step is self.compiled and self.device.type == "cuda":
+            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+        return logits
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Cache input_ids [T] (T may be 0); the logits [vocab] after the last one, if any."""
