@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
                    for p in all_prompts]
     encoded = all_encoded[: args.prompts]
     pair.reserve(max(ids.shape[0] for ids in all_encoded) + room)
+    pair.warm_up(max(args.ks))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

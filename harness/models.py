@@ -212,6 +212,19 @@ class CachedLM:
             self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
             self.reset()
 
+    def warm_up(self, shapes: list[tuple[int, int]]) -> None:
+        """Compile the steps a run will take now, outside any timing: each
+        (input tokens, logits kept) pair after a one-token prompt. No-op when
+        not compiled."""
+        if self.compiled is None:
+            return
+        ids = torch.zeros(1 + max(t for t, _ in shapes), dtype=torch.long, device=self.device)
+        for tokens, num_logits in shapes:
+            self.reset()
+            self.forward(ids[:1])  # the prompt: eager, and it initialises the static cache
+            self.forward(ids[1 : 1 + tokens], num_logits=num_logits)
+        self.reset()
+
     def reset(self) -> None:
         """Empty the cache: a new sequence starts."""
         if self.static:

@@ -62,6 +62,14 @@ class Pair:
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.lm.reserve(max_len)
 
+    def warm_up(self, k: int) -> None:
+        """With compile=true, compile every step shape of a k-draft run before anything is
+        timed: verifies of 1..k+1 tokens (k' < k near the token budget) and the draft's
+        one-token steps and two-token catch-up (last draft + bonus)."""
+        self.target.warm_up([(n, n) for n in range(1, k + 2)])
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.lm.warm_up([(1, 1), (2, 1)])
+
 
 _loaded: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun
 
@@ -381,6 +389,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
     pair.reserve(max(ids.shape[0] for _, ids in encoded) + cfg.max_new_tokens + cfg.k + 1)
+    pair.warm_up(cfg.k)
 
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
     run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, OmegaConf.merge(cfg, {"max_new_tokens": 8}), sampling)
