@@ -374,13 +374,13 @@ def main(argv: list[str] | None = None) -> dict:
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
     prompts = all_prompts[: args.prompts]
     # As `python -m harness` does: prompts cut from the left to leave room for the new tokens and drafts.
-    room = max(args.max_new_tokens, args.memory_new_tokens) + max(args.ks) + 1
-    budget = pair.target.context - room
+    new_tokens, k_max = max(args.max_new_tokens, args.memory_new_tokens), max(args.ks)
+    budget = pair.prompt_budget(new_tokens, k_max)
     all_encoded = [as_tensor(fit_context(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), budget, "truncate"), device)
                    for p in all_prompts]
     encoded = all_encoded[: args.prompts]
-    pair.reserve(max(ids.shape[0] for ids in all_encoded) + room)
-    pair.warm_up(max(args.ks))
+    pair.reserve(max(ids.shape[0] for ids in all_encoded), new_tokens, k_max)
+    pair.warm_up(k_max)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -646,7 +646,7 @@ def encode_prompts(cfg: DictConfig, pair, length: int) -> list[tuple[str, torch.
     from harness.datasets import load_prompts
     from harness.prompts import as_tensor, encode, fit_context, select
 
-    budget = pair.target.model.config.max_position_embeddings - length - cfg.k - 1
+    budget = pair.prompt_budget(length, cfg.k)
     chosen = select(load_prompts(cfg.dataset), cfg.exactness.num_prompts, cfg.seed, cfg.prompts.shuffle)
     return [(p["id"], as_tensor(fit_context(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), budget, "truncate"), pair.device))
             for p in chosen]
@@ -682,7 +682,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     length = e.length if e.length is not None else cfg.k + 2
     prompts = encode_prompts(cfg, pair, length)
-    pair.reserve(max(ids.shape[0] for _, ids in prompts) + length + cfg.k + 1)
+    pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k)
 
     started = time.perf_counter()
     samples = e.samples

@@ -56,11 +56,16 @@ class Pair:
     eos_ids: set[int]
     device: torch.device
 
-    def reserve(self, max_len: int) -> None:
-        """Size static KV caches for sequences of up to max_len tokens (prompt, new tokens and drafts)."""
-        self.target.reserve(max_len)
+    def prompt_budget(self, new_tokens: int, k: int) -> int:
+        """The longest prompt that leaves room in the target's context for new_tokens
+        and the k drafts (+ 1) of a last cycle."""
+        return self.target.context - new_tokens - k - 1
+
+    def reserve(self, longest_prompt: int, new_tokens: int, k: int) -> None:
+        """Size static KV caches for that prompt, new_tokens and a last cycle's k drafts (+ 1)."""
+        self.target.reserve(longest_prompt + new_tokens + k + 1)
         if isinstance(self.drafter, ModelDrafter):
-            self.drafter.lm.reserve(max_len)
+            self.drafter.lm.reserve(longest_prompt + new_tokens + k + 1)
 
     def warm_up(self, k: int) -> None:
         """With compile=true, compile every step shape of a k-draft run before anything is
@@ -373,10 +378,9 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
-    context = getattr(pair.target.model.config, "max_position_embeddings", None) or pair.tokenizer.model_max_length
-    budget = context - cfg.max_new_tokens - cfg.k - 1
+    budget = pair.prompt_budget(cfg.max_new_tokens, cfg.k)
     if budget < 1:
-        raise HarnessError(f"max_new_tokens={cfg.max_new_tokens} and k={cfg.k} leave no room for a prompt in the target's {context}-token context: lower max_new_tokens")
+        raise HarnessError(f"max_new_tokens={cfg.max_new_tokens} and k={cfg.k} leave no room for a prompt in the target's {pair.target.context}-token context: lower max_new_tokens")
     encoded, skipped, truncated = [], 0, 0
     for p in prompts:
         full = encode(pair.tokenizer, p["prompt"], cfg.prompts.template)
@@ -388,7 +392,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
-    pair.reserve(max(ids.shape[0] for _, ids in encoded) + cfg.max_new_tokens + cfg.k + 1)
+    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k)
     pair.warm_up(cfg.k)
 
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
