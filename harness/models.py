@@ -12,6 +12,7 @@ Two ids are special:
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import socket
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ class CachedLM:
         if self.static:
             self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
         self.compiled = _compile(model) if compile else None
+        self.cache_kwarg = cache_kwarg(model)
         self.reset()
 
     def reserve(self, max_len: int) -> None:
@@ -246,7 +248,10 @@ class CachedLM:
             raise HarnessError(f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence")
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
-        out = step(input_ids=input_ids.unsqueeze(0), cache=self.cache, use_cache=True, logits_to_keep=num_logits)
+        out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
+        if self.length == 0 and self.cache.get_seq_length() != input_ids.shape[0]:
+            raise HarnessError(f"{type(self.model).__name__}.forward did not fill the KV cache passed as `{self.cache_kwarg}`: "
+                               "its forward must take the cache as `cache` or `past_key_values` and fill it (HF causal LMs do)")
         self.length += input_ids.shape[0]
         logits = out.logits[0, -num_logits:, : self.vocab_size]
         if step is self.compiled and self.device.type == "cuda":
@@ -267,6 +272,13 @@ class CachedLM:
             else:
                 self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove
             self.length = length
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name under which the model's forward takes its KV cache: `cache` in recent
+    transformers 5.x (5.24), `past_key_values` in earlier ones (5.17) and in classes not yet renamed.
+    A wrong name is swallowed by **kwargs and the model silently runs without its past."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _compile(model: PreTrainedModel):

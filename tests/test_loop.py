@@ -80,6 +80,45 @@ def test_static_cache_gives_the_same_tokens(models, k):
                 assert spec_tokens(target, static_drafter, prompt, k, sampling, 30, set(), cache="static")[0] == dynamic
 
 
+class OlderSignature(torch.nn.Module):
+    """A model whose forward takes its KV cache as `past_key_values`, as transformers
+    before the `cache` rename (5.17) and classes not yet renamed do."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    def forward(self, input_ids, past_key_values=None, **kwargs):
+        kwargs.pop("cache", None)  # as there: a `cache` keyword falls into **kwargs, unused
+        return self.inner(input_ids=input_ids, cache=past_key_values, **kwargs)
+
+
+class DropsTheCache(OlderSignature):
+    def forward(self, input_ids, **kwargs):  # a cache it does not name lands in kwargs and is lost
+        kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_the_cache_reaches_models_that_call_it_past_key_values(models, cache):
+    target, draft = models
+    prompt = ids_of(PROMPTS[1])
+    expected = base_tokens(target, prompt, 20, set())
+    older = CachedLM(OlderSignature(target), 98, cache, 256)
+    gen = torch.Generator().manual_seed(0)
+    assert list(autoregressive_decode(older, prompt, GREEDY, 20, set(), gen)) == expected
+    assert older.cache_kwarg == "past_key_values" and CachedLM(target, 98).cache_kwarg == "cache"
+
+
+def test_a_model_that_drops_the_cache_is_an_error_not_wrong_tokens(models):
+    from harness.errors import HarnessError
+
+    target, _ = models
+    lm = CachedLM(DropsTheCache(target), 98)
+    with pytest.raises(HarnessError, match="did not fill the KV cache"):
+        lm.prefill(ids_of(PROMPTS[0]))
+
+
 def test_static_cache_is_sized_by_reserve(models):
     """A static cache holds what the run reserves (rounded up to 256 slots, at most the
     model's context), and a sequence that outgrows it stops with a clear error."""
