@@ -113,10 +113,17 @@ def _timed(fn, device) -> tuple[list[int], float]:
 
 
 def _hf_generate(model, ids: torch.Tensor, max_new: int, eos: list[int], **kwargs) -> list[int]:
-    out = model.generate(
-        ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=max_new, do_sample=False,
-        eos_token_id=eos, pad_token_id=eos[0], **kwargs,
-    )
+    try:
+        out = model.generate(
+            ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=max_new, do_sample=False,
+            eos_token_id=eos, pad_token_id=eos[0], **kwargs,
+        )
+    except ValueError as err:
+        if "static cache" in str(err).lower() and kwargs.get("cache_implementation") == "static":
+            import transformers
+            raise HarnessError(f"HF generate() in transformers {transformers.__version__} refuses the static cache that compile=true "
+                               f"gives it ({err}): upgrade transformers (5.24 does it), or bench without compile=true") from None
+        raise
     return out[0, ids.shape[0]:].tolist()
 
 

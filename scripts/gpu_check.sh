@@ -6,11 +6,72 @@
 #      overhead, memory over 100 prompts, and the host syncs per cycle;
 #   2. static cache + torch.compile of both models, against HF generate's own compiled
 #      path (static cache + compile_config): throughput, efficiency and overhead.
+#
+# On a lent machine with no network (see scripts/gpu_payload.sh, which packs what it lacks):
+#   bash scripts/gpu_check.sh --stash .gpu/1          # keep a payload part on the machine
+#   bash scripts/gpu_check.sh --stash .gpu/N --run    # the last part: install, assemble, run
+# --rehearse runs the same steps on the CPU with tiny sizes, to test this script without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export WANDB_MODE=disabled HF_HUB_OFFLINE=1
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path')"
-timeout 330 python -m harness.bench --reps 5 --prompts 6 --ks 1 2 4 --memory-prompts 100 \
-    --out results/bench/gpu_eager.json device=cuda
-timeout 240 python -m harness.bench --reps 3 --prompts 6 --ks 1 2 4 --memory-prompts 0 \
-    --out results/bench/gpu_static_compile.json device=cuda cache=static compile=true
+export WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+STASH=${SPECBENCH_PAYLOAD:-/tmp/specbench-payload}
+stash="" run=1 rehearse=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --stash) stash=$2; run=0; shift 2 ;;
+        --run) run=1; shift ;;
+        --rehearse) rehearse=1; shift ;;
+        *) echo "usage: bash scripts/gpu_check.sh [--stash DIR [--run]] [--rehearse]" >&2; exit 2 ;;
+    esac
+done
+
+if [ -n "$stash" ]; then
+    mkdir -p "$STASH" && cp -r "$stash"/. "$STASH"/
+    echo "stashed $(du -sb "$stash" | cut -f1) bytes from $stash; $STASH now holds:"; ls -R "$STASH" | sed 's/^/  /'
+    $PY - <<'EOF'
+import importlib.metadata as md, platform
+names = "torch transformers tokenizers huggingface-hub accelerate safetensors numpy scipy pandas pyarrow fsspec xxhash tqdm pyyaml seaborn hydra-core omegaconf gguf datasets dill multiprocess wandb".split()
+def version(n):
+    try:
+        return md.version(n)
+    except md.PackageNotFoundError:
+        return "-"
+print("python", platform.python_version(), "|", ", ".join(f"{n} {version(n)}" for n in names))
+EOF
+    command -v nvidia-smi >/dev/null && nvidia-smi -L || true
+fi
+[ "$run" = 1 ] || exit 0
+
+if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble the GGUF file
+    if compgen -G "$STASH/wheels/*.whl" >/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specbench-site "$STASH"/wheels/*.whl
+        export PYTHONPATH=/tmp/specbench-site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    if [ -f "$STASH/SHA256SUMS" ]; then
+        export SPECBENCH_CACHE=${SPECBENCH_CACHE:-/tmp/specbench-cache}
+        mkdir -p "$SPECBENCH_CACHE/gguf"
+        name=$(awk '{print $2}' "$STASH/SHA256SUMS")
+        cat "$STASH/$name".part-* > "$SPECBENCH_CACHE/gguf/$name"
+        (cd "$SPECBENCH_CACHE/gguf" && sha256sum -c --quiet "$STASH/SHA256SUMS") || { echo "error: $name is incomplete: stash every .gpu/N part first (the machine keeps them only while warm)" >&2; exit 1; }
+    fi
+fi
+
+if [ "$rehearse" = 1 ]; then
+    device=cpu t1=1200 t2=1200
+    eager=(--reps 1 --prompts 2 --ks 1 --max-new-tokens 8 --memory-prompts 3 --memory-new-tokens 4)
+    compiled=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
+else
+    device=cuda t1=240 t2=300  # with the set-up, within one 10-minute call of the device tool
+    $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path (--rehearse runs it on the CPU)')"
+    eager=(--reps 5 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/bench/cpu-*.json
+    compiled=(--reps 3 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 0)
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv || true
+fi
+mkdir -p results/bench
+status=0
+timeout $t1 $PY -m harness.bench "${eager[@]}" --out results/bench/gpu_eager.json device=$device 2>&1 | tee results/bench/gpu_eager.log || status=1
+timeout $t2 $PY -m harness.bench "${compiled[@]}" --out results/bench/gpu_static_compile.json device=$device cache=static compile=true 2>&1 \
+    | tee results/bench/gpu_static_compile.log || status=1
+if [ -n "${OUT:-}" ]; then cp results/bench/gpu_* "$OUT"/ 2>/dev/null || true; fi  # the device tool brings $OUT back
+exit $status

@@ -41,3 +41,29 @@ def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monk
     result = run_bench(tiny_pair, tmp_path, "cache=static", "compile=true")
     assert asked and all(kw["cache_implementation"] == "static" and kw["compile_config"] is not None for kw in asked)
     assert result["setup"]["compile"] is True and result["ratios"]["ours_base / hf_base"] > 0
+
+
+def test_hf_refusing_the_static_cache_is_one_clear_error():
+    """transformers 5.17's assisted generate refuses the static cache that compile=true gives HF."""
+    import pytest
+    import torch
+
+    from harness.errors import HarnessError
+
+    class Refuses:
+        def generate(self, *args, **kwargs):
+            raise ValueError("assisted generate is not supported with Static cache classes`")
+
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(HarnessError, match="refuses the static cache that compile=true gives it"):
+        bench._hf_generate(Refuses(), ids, 4, [0], cache_implementation="static", assistant_model=object())
+    with pytest.raises(ValueError):  # any other ValueError is not ours to rephrase
+        bench._hf_generate(Refuses(), ids, 4, [0])
+
+
+def test_gpu_scripts_parse():
+    import subprocess
+    from pathlib import Path
+
+    for script in sorted((Path(__file__).parents[1] / "scripts").glob("gpu_*.sh")):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script

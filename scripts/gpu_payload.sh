@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Packs what scripts/gpu_check.sh needs on a lent GPU machine that has no network:
+#   bash scripts/gpu_payload.sh        # on a machine with PyPI access; writes .gpu/1, .gpu/2, ...
+#
+# That machine has CUDA torch and transformers (5.17, which runs assisted
+# generation only with a dynamic cache: we carry the transformers we test with)
+# but not hydra-core, omegaconf, antlr4, gguf, datasets, dill or multiprocess,
+# nor the embedded model, and a
+# call to it carries at most 64 MiB with the repository included. So the pure
+# Python wheels and the 98 MB GGUF file are cut into parts that each fit
+# beside the tracked tree, one folder per call. Each call but the last stashes
+# its folder on the machine; the last one assembles, installs and runs:
+#   call i < n:  carry [".gpu/i"]  command: bash scripts/gpu_check.sh --stash .gpu/i
+#   call n:      carry [".gpu/n"]  command: bash scripts/gpu_check.sh --stash .gpu/n --run
+# The machine keeps its files only while it stays warm (about 30 s after a call),
+# so make the calls back to back.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+LIMIT=$((64 * 1024 * 1024))
+MARGIN=$((3 * 1000 * 1000))  # the tree may grow a little before the calls are made
+
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+untracked=$(git ls-files -z --others --exclude-standard | xargs -0 -r du -cb | tail -1 | cut -f1)
+part=${PART_BYTES:-$((LIMIT - tree - ${untracked:-0} - MARGIN))}  # PART_BYTES: a smaller part, if a call is refused as too large
+[ "$part" -gt $((8 * 1000 * 1000)) ] || { echo "error: the tracked tree ($tree bytes) leaves no room for a payload in a 64 MiB call" >&2; exit 1; }
+
+rm -rf .gpu && mkdir -p .gpu/stage/wheels
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+
+# Wheels for the machine's Python 3.12. All are pure Python; antlr4 4.9.3 (what
+# omegaconf 2.3 pins) is published only as a source archive, so it is built here.
+$PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/stage/wheels "transformers==$($PY -c 'import transformers; print(transformers.__version__)')" hydra-core==1.3.8 omegaconf==2.3.1 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+$PY -m pip wheel --quiet --no-deps -w .gpu/stage/wheels antlr4-python3-runtime==4.9.3
+
+gguf=$($PY -c 'from harness.embedded import find_gguf; print(find_gguf())')
+name=$(basename "$gguf")
+(cd "$(dirname "$gguf")" && sha256sum "$name") > .gpu/stage/SHA256SUMS
+split -b "$part" -d -a 2 "$gguf" ".gpu/stage/$name.part-"
+
+# Fill the call folders in order, each up to `part` bytes: the GGUF parts, then the wheels.
+n=1; used=0; mkdir -p .gpu/1
+for f in .gpu/stage/*.part-* .gpu/stage/wheels/*.whl .gpu/stage/SHA256SUMS; do
+    size=$(stat -c %s "$f")
+    if [ $((used + size)) -gt "$part" ]; then n=$((n + 1)); used=0; mkdir -p ".gpu/$n"; fi
+    case "$f" in *.whl) mkdir -p ".gpu/$n/wheels"; mv "$f" ".gpu/$n/wheels/" ;; *) mv "$f" ".gpu/$n/" ;; esac
+    used=$((used + size))
+done
+rm -rf .gpu/stage
+
+echo "payload: $n calls, each the tracked tree ($tree bytes) plus at most $part bytes:"
+du -sb .gpu/* | sed 's/^/  /'
+for i in $(seq 1 "$n"); do
+    if [ "$i" -lt "$n" ]; then run=""; else run=" --run"; fi
+    echo "  call $i: carry [\".gpu/$i\"]  command: bash scripts/gpu_check.sh --stash .gpu/$i$run"
+done
