@@ -7,7 +7,7 @@ import torch
 
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.loop import autoregressive_decode, speculative_decode
-from harness.models import CachedLM, ModelSpec, load_model
+from harness.models import CachedLM, ModelSpec, cache_kwarg, load_model
 from harness.sampling import Sampling, shape_probs
 
 PROMPTS = ["hello world", "The quick brown fox", "def f(x): return", "2 + 2 =", "Once upon a time, there"]
@@ -90,7 +90,7 @@ class OlderSignature(torch.nn.Module):
 
     def forward(self, input_ids, past_key_values=None, **kwargs):
         kwargs.pop("cache", None)  # as there: a `cache` keyword falls into **kwargs, unused
-        return self.inner(input_ids=input_ids, cache=past_key_values, **kwargs)
+        return self.inner(input_ids=input_ids, **{cache_kwarg(self.inner): past_key_values}, **kwargs)
 
 
 class DropsTheCache(OlderSignature):
@@ -107,7 +107,7 @@ def test_the_cache_reaches_models_that_call_it_past_key_values(models, cache):
     older = CachedLM(OlderSignature(target), 98, cache, 256)
     gen = torch.Generator().manual_seed(0)
     assert list(autoregressive_decode(older, prompt, GREEDY, 20, set(), gen)) == expected
-    assert older.cache_kwarg == "past_key_values" and CachedLM(target, 98).cache_kwarg == "cache"
+    assert older.cache_kwarg == "past_key_values" and CachedLM(target, 98).cache_kwarg == cache_kwarg(target)
 
 
 def test_a_model_that_drops_the_cache_is_an_error_not_wrong_tokens(models):
