@@ -34,6 +34,11 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     for limit in (result["limits"][1], result["limits"][2]):
         assert 0 < limit["alpha"] <= 1 and limit["efficiency"] > 0 and 0 <= limit["overhead_fraction"] < 1
     assert result["memory"]["prompts"] == 4
+    goals = result["goals"]  # each goal judged on its worst measured value
+    assert goals["ours / HF assisted"]["value"] == min(result["ratios"][f"ours_spec_k{k} / hf_assisted_k{k}"] for k in (1, 2))
+    assert goals["time outside forward passes"]["value"] == max(lim["overhead_fraction"] for lim in result["limits"].values())
+    assert all(g["met"] == (g["value"] >= g["goal"] if g["side"] == "min" else g["value"] <= g["goal"]) for g in goals.values())
+    assert len(goals) == len(bench.GOALS)
     assert result["setup"]["cache"] == "dynamic" and result["conditions"]["device"] == "cpu"
 
 
