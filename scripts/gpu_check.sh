@@ -48,6 +48,9 @@ if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble 
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specbench-site "$STASH"/wheels/*.whl
         export PYTHONPATH=/tmp/specbench-site${PYTHONPATH:+:$PYTHONPATH}
     fi
+    if compgen -G "$STASH/*.part-*" >/dev/null && [ ! -f "$STASH/SHA256SUMS" ]; then
+        echo "error: $STASH holds GGUF parts but not SHA256SUMS (packed into .gpu/1): stash every .gpu/N part first" >&2; exit 1
+    fi
     if [ -f "$STASH/SHA256SUMS" ]; then
         export SPECBENCH_CACHE=${SPECBENCH_CACHE:-/tmp/specbench-cache}
         mkdir -p "$SPECBENCH_CACHE/gguf"

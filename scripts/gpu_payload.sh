@@ -38,11 +38,11 @@ $PY -m pip wheel --quiet --no-deps -w .gpu/stage/wheels antlr4-python3-runtime==
 gguf=$($PY -c 'from harness.embedded import find_gguf; print(find_gguf())')
 name=$(basename "$gguf")
 (cd "$(dirname "$gguf")" && sha256sum "$name") > .gpu/stage/SHA256SUMS
-split -b "$part" -d -a 2 "$gguf" ".gpu/stage/$name.part-"
+split -b $((part - 2 * 1000 * 1000)) -d -a 2 "$gguf" ".gpu/stage/$name.part-"  # room beside a part for the checksum and small wheels
 
-# Fill the call folders in order, each up to `part` bytes: the GGUF parts, then the wheels.
+# Fill the call folders in order, each up to `part` bytes.
 n=1; used=0; mkdir -p .gpu/1
-for f in .gpu/stage/*.part-* .gpu/stage/wheels/*.whl .gpu/stage/SHA256SUMS; do
+for f in .gpu/stage/SHA256SUMS .gpu/stage/*.part-* .gpu/stage/wheels/*.whl; do  # the checksum first: the last call checks that every part came
     size=$(stat -c %s "$f")
     if [ $((used + size)) -gt "$part" ]; then n=$((n + 1)); used=0; mkdir -p ".gpu/$n"; fi
     case "$f" in *.whl) mkdir -p ".gpu/$n/wheels"; mv "$f" ".gpu/$n/wheels/" ;; *) mv "$f" ".gpu/$n/" ;; esac
