@@ -470,6 +470,9 @@ def main(argv: list[str] | None = None) -> dict:
                for k in args.ks if f"ours_spec_k{k}" in tps},
             **{f"ours_ngram_k{k} / hf_lookup_k{k}": tps[f"ours_ngram_k{k}"] / tps[f"hf_lookup_k{k}"] for k in args.ks},
         }
+        reps = result["tokens_per_s_all_reps"]  # contenders alternate within a repetition: its ratio is a paired one
+        result["ratio_per_rep"] = {name: [a / b for a, b in zip(reps[name.split(" / ")[0]], reps[name.split(" / ")[1]])]
+                                   for name in result["ratios"]}
     if isinstance(pair.drafter, ModelDrafter):
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device) for k in args.ks}
     if args.memory_prompts > 0:
@@ -492,7 +495,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     for name, value in result.get("ratios", {}).items():
-        print(f"{name:<36}{value:8.3f}")
+        per_rep = result["ratio_per_rep"][name]
+        print(f"{name:<36}{value:8.3f}   (per repetition {min(per_rep):.3f} to {max(per_rep):.3f})")
     if result.get("greedy_ties"):
         ties = result["greedy_ties"]
         print(f"greedy outputs parted at {len(ties)} numerical ties (largest logit gap {max(abs(t['logit_gap']) for t in ties):.3g}): "

@@ -28,6 +28,8 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert forwards["ours_base"] == forwards["hf_base"]
     assert set(result["ratios"]) >= {"ours_base / hf_base", "ours_spec_k1 / hf_assisted_k1", "ours_ngram_k2 / hf_lookup_k2"}
     assert all(v > 0 for v in result["ratios"].values())
+    reps = result["tokens_per_s_all_reps"]
+    assert result["ratio_per_rep"]["ours_base / hf_base"] == [a / b for a, b in zip(reps["ours_base"], reps["hf_base"])]
     assert result["greedy_ties"] == [] and set(result["same_output_as_hf"].values()) == {1.0}  # float32: no ties
     assert set(result["same_output_as_hf"]) == {"ours_base / hf_base", *(f"ours_{a}_k{k} / hf_{b}_k{k}"
                                                  for k in (1, 2) for a, b in (("spec", "assisted"), ("ngram", "lookup")))}
