@@ -202,6 +202,7 @@ class CachedLM:
             self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
         self.compiled = _compile(model) if compile else None
         self.cache_kwarg = cache_kwarg(model)
+        self.cache_checked = False  # the first prompt checks that the model really filled the cache
         self.reset()
 
     def reserve(self, max_len: int) -> None:
@@ -249,9 +250,11 @@ class CachedLM:
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
         out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
-        if self.length == 0 and self.cache.get_seq_length() != input_ids.shape[0]:
-            raise HarnessError(f"{type(self.model).__name__}.forward did not fill the KV cache passed as `{self.cache_kwarg}`: "
-                               "its forward must take the cache as `cache` or `past_key_values` and fill it (HF causal LMs do)")
+        if not self.cache_checked:  # once per model: reading the cache's length is a host sync on CUDA
+            self.cache_checked = True
+            if self.cache.get_seq_length() != input_ids.shape[0]:
+                raise HarnessError(f"{type(self.model).__name__}.forward did not fill the KV cache passed as `{self.cache_kwarg}`: "
+                                   "its forward must take the cache as `cache` or `past_key_values` and fill it (HF causal LMs do)")
         self.length += input_ids.shape[0]
         logits = out.logits[0, -num_logits:, : self.vocab_size]
         if step is self.compiled and self.device.type == "cuda":
