@@ -200,13 +200,16 @@ def throughput(pair, encoded, args, device) -> dict:
 
     hf = _hf_compiled(target) if target.compiled is not None else {}
     contenders = {"ours_base": ours_base, "hf_base": lambda ids: _hf_generate(target.model, ids, n, eos, **hf)}
+    rivals = {"ours_base": "hf_base"}  # each of ours -> the HF contender doing the same work
     for k in args.ks:
         if draft_model is not None:
             contenders[f"ours_spec_k{k}"] = ours_spec(pair.drafter, k)
             contenders[f"hf_assisted_k{k}"] = lambda ids, run=_hf_assisted(target.model, draft_model, k, **hf): run(ids, n, eos)
+            rivals[f"ours_spec_k{k}"] = f"hf_assisted_k{k}"
         contenders[f"ours_ngram_k{k}"] = ours_spec(ngram, k)
         contenders[f"hf_lookup_k{k}"] = lambda ids, k=k: _hf_generate(
             target.model, ids, n, eos, prompt_lookup_num_tokens=k, max_matching_ngram_size=3, **hf)
+        rivals[f"ours_ngram_k{k}"] = f"hf_lookup_k{k}"
 
     for ids in encoded[:2]:  # warm-up, excluded
         for fn in contenders.values():
@@ -214,8 +217,6 @@ def throughput(pair, encoded, args, device) -> dict:
 
     counter = ForwardCounter(target.model)
     ties: list[dict] = []
-    rivals = {name: name.replace("ours_spec", "hf_assisted").replace("ours_ngram", "hf_lookup").replace("ours_base", "hf_base")
-              for name in contenders if name.startswith("ours_")}
     same_as_hf = {name: 0 for name in rivals}  # prompt runs where ours and HF's counterpart gave the very same tokens
     tokens_per_s: dict[str, list[float]] = {name: [] for name in contenders}
     forwards: dict[str, int] = {}
@@ -241,10 +242,15 @@ def throughput(pair, encoded, args, device) -> dict:
             tokens_per_s[name].append(tokens / seconds)
             forwards[name] = passes
         print(f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tokens_per_s.items()), file=sys.stderr)
+    median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
     return {
-        "tokens_per_s": {name: statistics.median(v) for name, v in tokens_per_s.items()},
+        "tokens_per_s": median,
         "tokens_per_s_all_reps": tokens_per_s,
         "target_forwards_per_rep": forwards,
+        "ratios": {f"{ours} / {theirs}": median[ours] / median[theirs] for ours, theirs in rivals.items()},
+        # Contenders alternate within a repetition, so each repetition gives a paired ratio.
+        "ratio_per_rep": {f"{ours} / {theirs}": [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
+                          for ours, theirs in rivals.items()},
         "greedy_ties": ties,
         "same_output_as_hf": {f"{ours} / {theirs}": same_as_hf[ours] / (args.reps * len(encoded)) for ours, theirs in rivals.items()},
     }
@@ -463,16 +469,6 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {}
     if not args.skip_throughput:
         result.update(throughput(pair, encoded, args, device))
-        tps = result["tokens_per_s"]
-        result["ratios"] = {
-            "ours_base / hf_base": tps["ours_base"] / tps["hf_base"],
-            **{f"ours_spec_k{k} / hf_assisted_k{k}": tps[f"ours_spec_k{k}"] / tps[f"hf_assisted_k{k}"]
-               for k in args.ks if f"ours_spec_k{k}" in tps},
-            **{f"ours_ngram_k{k} / hf_lookup_k{k}": tps[f"ours_ngram_k{k}"] / tps[f"hf_lookup_k{k}"] for k in args.ks},
-        }
-        reps = result["tokens_per_s_all_reps"]  # contenders alternate within a repetition: its ratio is a paired one
-        result["ratio_per_rep"] = {name: [a / b for a, b in zip(reps[name.split(" / ")[0]], reps[name.split(" / ")[1]])]
-                                   for name in result["ratios"]}
     if isinstance(pair.drafter, ModelDrafter):
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device) for k in args.ks}
     if args.memory_prompts > 0:
