@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
 from harness import bench
+from harness.errors import HarnessError
+from harness.loop import autoregressive_decode
+from harness.models import CachedLM, ModelSpec, load_model
+from harness.sampling import Sampling
 
 
 def run_bench(tiny_pair, tmp_path, *extra: str) -> dict:
@@ -52,7 +59,7 @@ def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monk
     monkeypatch.setattr(bench, "_hf_generate", lambda *a, **kw: asked.append(kw) or real(*a, **kw))
     try:
         result = run_bench(tiny_pair, tmp_path, "cache=static", "compile=true")
-    except bench.HarnessError as err:
+    except HarnessError as err:
         if "refuses the static cache" in str(err):  # transformers 5.17: assisted generate has no static cache
             pytest.skip(str(err))
         raise
@@ -62,9 +69,6 @@ def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monk
 
 def test_hf_refusing_the_static_cache_is_one_clear_error():
     """transformers 5.17's assisted generate refuses the static cache that compile=true gives HF."""
-    import torch
-
-    from harness.errors import HarnessError
 
     class Refuses:
         def generate(self, *args, **kwargs):
@@ -78,9 +82,6 @@ def test_hf_refusing_the_static_cache_is_one_clear_error():
 
 
 def test_gpu_scripts_parse():
-    import subprocess
-    from pathlib import Path
-
     for script in sorted((Path(__file__).parents[1] / "scripts").glob("gpu_*.sh")):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
 
@@ -88,13 +89,6 @@ def test_gpu_scripts_parse():
 def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     """A contender whose greedy output differs from the target's is an error, unless the
     target's logits for the two tokens at the first difference are within the dtype's tie gap."""
-    import torch
-
-    from harness.errors import HarnessError
-    from harness.loop import autoregressive_decode
-    from harness.models import CachedLM, ModelSpec, load_model
-    from harness.sampling import Sampling
-
     target = CachedLM(load_model(ModelSpec(str(tiny_pair["target"])), torch.device("cpu")), 98)
     ids = torch.tensor([5, 17, 42, 8, 3])
     reference = list(autoregressive_decode(target, ids, Sampling(0.0), 12, set(), None))
