@@ -55,7 +55,7 @@ if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble 
         export SPECBENCH_CACHE=${SPECBENCH_CACHE:-/tmp/specbench-cache}
         mkdir -p "$SPECBENCH_CACHE/gguf"
         name=$(awk '{print $2}' "$STASH/SHA256SUMS")
-        cat "$STASH/$name".part-* > "$SPECBENCH_CACHE/gguf/$name"
+        cat "$STASH/$name".part-* > "$SPECBENCH_CACHE/gguf/$name" 2>/dev/null || true  # a missing part: the check below says so
         (cd "$SPECBENCH_CACHE/gguf" && sha256sum -c --quiet "$STASH/SHA256SUMS") || { echo "error: $name is incomplete: stash every .gpu/N part first (the machine keeps them only while warm)" >&2; exit 1; }
     fi
 fi
