@@ -78,8 +78,17 @@ def read_run(run_dir: Path, timeout_s: float = 30) -> dict:
     """A run's final state, replayed from its log: run, config, summary, history, artifacts, exit code."""
     (log,) = run_dir.glob("*.wandb")
     deadline = time.monotonic() + timeout_s
-    # run.finish() returns before W&B's service has flushed the log: wait for its exit record.
-    while not (records := read_records(log)) or records[-1].WhichOneof("record_type") != "exit":
+    # run.finish() returns before W&B's service has flushed the log: wait for its exit
+    # record. Until then the last chunk may be half written (its CRC fails): read again.
+    while True:
+        try:
+            records = read_records(log)
+        except AssertionError:
+            if time.monotonic() >= deadline:
+                raise
+            records = []
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            break
         assert time.monotonic() < deadline, f"{log} has no exit record"
         time.sleep(0.1)
     run = {"run": None, "config": {}, "summary": {}, "history": [], "artifacts": [], "exit_code": None}
