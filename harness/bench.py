@@ -21,6 +21,8 @@ Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
      are within its dtype's rounding, TIE_LOGIT_GAP), recorded in greedy_ties. The target's
      forward passes per contender are counted: equal counts show that HF verified
      the same number of drafted tokens per cycle as we did.
+     Each ratio splits into a part from fewer target passes per token and a part
+     from less time per pass (ratio_parts): with equal passes, the lead is all loop.
   2. limit, per k: decode-phase speedup (prefill excluded) against the speedup
      predicted from the measured acceptance, draft cost ratio c and verify-cost
      curve v(n), both by Leviathan et al.'s formula from alpha and by accounting
@@ -220,6 +222,7 @@ def throughput(pair, encoded, args, device) -> dict:
     same_as_hf = {name: 0 for name in rivals}  # prompt runs where ours and HF's counterpart gave the very same tokens
     tokens_per_s: dict[str, list[float]] = {name: [] for name in contenders}
     forwards: dict[str, int] = {}
+    tokens_per_rep: dict[str, int] = {}
     for rep in range(args.reps):
         totals = {name: [0, 0.0, 0] for name in contenders}
         for i, ids in enumerate(encoded):
@@ -240,14 +243,22 @@ def throughput(pair, encoded, args, device) -> dict:
                 same_as_hf[ours] += outputs[ours] == outputs[theirs]
         for name, (tokens, seconds, passes) in totals.items():
             tokens_per_s[name].append(tokens / seconds)
-            forwards[name] = passes
+            forwards[name], tokens_per_rep[name] = passes, tokens
         print(f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tokens_per_s.items()), file=sys.stderr)
     median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
+    ratios = {f"{ours} / {theirs}": median[ours] / median[theirs] for ours, theirs in rivals.items()}
+    # ours/HF tokens per second = (HF's target passes per token / ours) x (HF's time per pass / ours):
+    # how much of a lead comes from verifying more tokens per pass, how much from a cheaper pass.
+    fewer_passes = {f"{ours} / {theirs}": (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
+                    for ours, theirs in rivals.items()}
     return {
         "tokens_per_s": median,
         "tokens_per_s_all_reps": tokens_per_s,
         "target_forwards_per_rep": forwards,
-        "ratios": {f"{ours} / {theirs}": median[ours] / median[theirs] for ours, theirs in rivals.items()},
+        "tokens_per_rep": tokens_per_rep,
+        "ratios": ratios,
+        "ratio_parts": {name: {"fewer_target_passes": part, "cheaper_time_per_pass": ratios[name] / part}
+                        for name, part in fewer_passes.items()},
         # Contenders alternate within a repetition, so each repetition gives a paired ratio.
         "ratio_per_rep": {f"{ours} / {theirs}": [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
                           for ours, theirs in rivals.items()},
@@ -492,7 +503,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     for name, value in result.get("ratios", {}).items():
         per_rep = result["ratio_per_rep"][name]
-        print(f"{name:<36}{value:8.3f}   (per repetition {min(per_rep):.3f} to {max(per_rep):.3f})")
+        parts = result["ratio_parts"][name]
+        print(f"{name:<36}{value:8.3f}   (per repetition {min(per_rep):.3f} to {max(per_rep):.3f}; "
+              f"{parts['fewer_target_passes']:.3f} from target passes per token x {parts['cheaper_time_per_pass']:.3f} from time per pass)")
     if result.get("greedy_ties"):
         ties = result["greedy_ties"]
         print(f"greedy outputs parted at {len(ties)} numerical ties (largest logit gap {max(abs(t['logit_gap']) for t in ties):.3g}): "

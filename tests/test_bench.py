@@ -37,6 +37,12 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert all(v > 0 for v in result["ratios"].values())
     reps = result["tokens_per_s_all_reps"]
     assert result["ratio_per_rep"]["ours_base / hf_base"] == [a / b for a, b in zip(reps["ours_base"], reps["hf_base"])]
+    for name, parts in result["ratio_parts"].items():  # the lead = fewer passes x cheaper passes
+        assert parts["fewer_target_passes"] * parts["cheaper_time_per_pass"] == pytest.approx(result["ratios"][name])
+    tokens = result["tokens_per_rep"]
+    assert result["ratio_parts"]["ours_base / hf_base"]["fewer_target_passes"] == 1.0
+    assert result["ratio_parts"]["ours_ngram_k2 / hf_lookup_k2"]["fewer_target_passes"] == pytest.approx(
+        (forwards["hf_lookup_k2"] / tokens["hf_lookup_k2"]) / (forwards["ours_ngram_k2"] / tokens["ours_ngram_k2"]))
     assert result["greedy_ties"] == [] and set(result["same_output_as_hf"].values()) == {1.0}  # float32: no ties
     assert set(result["same_output_as_hf"]) == {"ours_base / hf_base", *(f"ours_{a}_k{k} / hf_{b}_k{k}"
                                                  for k in (1, 2) for a, b in (("spec", "assisted"), ("ngram", "lookup")))}
