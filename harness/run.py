@@ -22,6 +22,7 @@ import os
 import platform
 import resource
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -194,49 +195,49 @@ def timed(generator, device: torch.device) -> tuple[list, list[float]]:
     return items, stamps
 
 
-def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, reps: int = 7) -> dict:
+def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rounds: int = 9) -> dict:
     """Target step time, verify cost v(n) = T(n positions) / T(1), draft cost ratio c.
 
-    Measured at the context length of a real prompt, median of `reps`.
+    Measured at the context length of a real prompt, in interleaved rounds: each
+    round times a target pass over 1..k+1 positions and then a k-token draft, and
+    each figure is the median over rounds (v and c of the ratios within a round).
+    Timed in separate blocks instead, a drift in the machine's speed between blocks
+    lands in the ratios: one compiled run put v(3) 4% under what the loop then paid.
     """
     target, device = pair.target, pair.device
     target.reset()
     target.prefill(ids[:-1])
     extra = ids[-1:].repeat(k + 1)  # positions to score; their values do not matter for timing
+    generator = torch.Generator(device).manual_seed(0)
 
-    def median_time(fn, setup=lambda: None) -> float:
-        samples = []
-        for _ in range(reps):
-            setup()
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            samples.append(time.perf_counter() - start)
-        return sorted(samples)[reps // 2]
+    def seconds(fn) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
 
     def score(n: int):
         target.forward(extra[:n], num_logits=n)
         target.rollback(ids.shape[0] - 1)
 
-    verify_s = {n: median_time(lambda: score(n)) for n in range(1, k + 2)}
-    generator = torch.Generator(device).manual_seed(0)
-
-    def after_a_verify():
+    verify_s, draft_s = [], []  # [rounds, k + 1] scoring 1..k+1 positions; [rounds] per drafted token
+    for _ in range(rounds):
+        verify_s.append([seconds(lambda: score(n)) for n in range(1, k + 2)])
         # As in the loop, the draft runs right after a target pass: on a CPU the
         # target's weights have evicted the draft's from the caches (measured
         # back to back instead, the draft step looks ~25% cheaper than it is).
         pair.drafter.start(ids)
         score(k + 1)
-
-    draft_s = median_time(lambda: pair.drafter.propose(ids, k, sampling, generator), setup=after_a_verify) / k
-    step = verify_s[1]
+        draft_s.append(seconds(lambda: pair.drafter.propose(ids, k, sampling, generator)) / k)
+    median = statistics.median
     return {
-        "target_step_s": step,
-        "draft_step_s": draft_s,
-        "cost_ratio": draft_s / step,
-        "verify_s": list(verify_s.values()),  # [k + 1]: scoring 1..k+1 positions
-        "verify_cost": [t / step for t in verify_s.values()],  # [k + 1]: v(n) = T(n) / T(1)
+        "target_step_s": median(row[0] for row in verify_s),
+        "draft_step_s": median(draft_s),
+        "cost_ratio": median(d / row[0] for d, row in zip(draft_s, verify_s)),
+        "verify_s": [median(row[n] for row in verify_s) for n in range(k + 1)],  # [k + 1]: scoring 1..k+1 positions
+        "verify_cost": [median(row[n] / row[0] for row in verify_s) for n in range(k + 1)],  # [k + 1]: v(n) = T(n) / T(1)
+        "rounds": rounds,
     }
 
 

@@ -112,3 +112,33 @@ def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     monkeypatch.setitem(bench.TIE_LOGIT_GAP, torch.float32, gap * 1.01)  # the same gap, now within the tie gap
     tie = bench.same_greedy_output(target, ids, reference, parted, "parted", 3)
     assert tie == {"contender": "parted", "prompt": 3, "position": 6, "logit_gap": pytest.approx(gap, rel=1e-4)}
+
+
+class DriftingClock:
+    """A fake clock under which scoring n positions takes n units and drafting a
+    token 0.2 units, on a machine that gets 1% slower with every model call."""
+
+    def __init__(self):
+        self.now, self.speed = 0.0, 1.0
+
+    def spend(self, units: float):
+        self.now += units * self.speed
+        self.speed *= 1.01
+
+
+def test_costs_are_measured_interleaved_so_drift_cancels(monkeypatch):
+    from types import SimpleNamespace
+
+    from harness import run
+
+    clock = DriftingClock()
+    target = SimpleNamespace(reset=lambda: None, prefill=lambda ids: None, rollback=lambda n: None,
+                             forward=lambda ids, num_logits: clock.spend(ids.shape[0]))
+    drafter = SimpleNamespace(start=lambda ids: None, propose=lambda ids, k, s, g: [clock.spend(0.2) for _ in range(k)])
+    pair = SimpleNamespace(target=target, drafter=drafter, device=torch.device("cpu"))
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
+    costs = run.measure_costs(pair, torch.arange(8), 3, Sampling(0.0))
+    # Timed one block per n instead (the previous measure_costs), v(4) read 4.93 here.
+    assert costs["verify_cost"][0] == 1.0
+    assert costs["verify_cost"][3] == pytest.approx(4.0, rel=0.05)
+    assert costs["cost_ratio"] == pytest.approx(0.2, rel=0.1)
