@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from harness import bench
+from harness import bench, run
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode
 from harness.models import CachedLM, ModelSpec, load_model
@@ -127,10 +128,6 @@ class DriftingClock:
 
 
 def test_costs_are_measured_interleaved_so_drift_cancels(monkeypatch):
-    from types import SimpleNamespace
-
-    from harness import run
-
     clock = DriftingClock()
     target = SimpleNamespace(reset=lambda: None, prefill=lambda ids: None, rollback=lambda n: None,
                              forward=lambda ids, num_logits: clock.spend(ids.shape[0]))
