@@ -52,6 +52,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from scipy import stats
 from transformers import CompileConfig
+from transformers import __version__ as transformers_version
 from transformers.utils import logging as hf_logging
 
 from harness import loop, metrics
@@ -124,8 +125,7 @@ def _hf_generate(model, ids: torch.Tensor, max_new: int, eos: list[int], **kwarg
         )
     except ValueError as err:
         if "static cache" in str(err).lower() and kwargs.get("cache_implementation") == "static":
-            import transformers
-            raise HarnessError(f"HF generate() in transformers {transformers.__version__} refuses the static cache that compile=true "
+            raise HarnessError(f"HF generate() in transformers {transformers_version} refuses the static cache that compile=true "
                                f"gives it ({err}): upgrade transformers (5.24 does it), or bench without compile=true") from None
         raise
     return out[0, ids.shape[0]:].tolist()
@@ -217,9 +217,10 @@ def throughput(pair, encoded, args, device) -> dict:
         for fn in contenders.values():
             fn(ids[-16:])
 
+    pairs = {f"{ours} / {theirs}": (ours, theirs) for ours, theirs in rivals.items()}  # how results name each comparison
     counter = ForwardCounter(target.model)
     ties: list[dict] = []
-    same_as_hf = {name: 0 for name in rivals}  # prompt runs where ours and HF's counterpart gave the very same tokens
+    same_as_hf = {name: 0 for name in pairs}  # prompt runs where ours and HF's counterpart gave the very same tokens
     tokens_per_s: dict[str, list[float]] = {name: [] for name in contenders}
     forwards: dict[str, int] = {}
     tokens_per_rep: dict[str, int] = {}
@@ -239,18 +240,18 @@ def throughput(pair, encoded, args, device) -> dict:
                 tie = same_greedy_output(target, ids, outputs["ours_base"], tokens, name, i)
                 if tie is not None:
                     ties.append({**tie, "rep": rep})
-            for ours, theirs in rivals.items():
-                same_as_hf[ours] += outputs[ours] == outputs[theirs]
+            for name, (ours, theirs) in pairs.items():
+                same_as_hf[name] += outputs[ours] == outputs[theirs]
         for name, (tokens, seconds, passes) in totals.items():
             tokens_per_s[name].append(tokens / seconds)
             forwards[name], tokens_per_rep[name] = passes, tokens
         print(f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tokens_per_s.items()), file=sys.stderr)
     median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
-    ratios = {f"{ours} / {theirs}": median[ours] / median[theirs] for ours, theirs in rivals.items()}
+    ratios = {name: median[ours] / median[theirs] for name, (ours, theirs) in pairs.items()}
     # ours/HF tokens per second = (HF's target passes per token / ours) x (HF's time per pass / ours):
     # how much of a lead comes from verifying more tokens per pass, how much from a cheaper pass.
-    fewer_passes = {f"{ours} / {theirs}": (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
-                    for ours, theirs in rivals.items()}
+    fewer_passes = {name: (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
+                    for name, (ours, theirs) in pairs.items()}
     return {
         "tokens_per_s": median,
         "tokens_per_s_all_reps": tokens_per_s,
@@ -260,10 +261,10 @@ def throughput(pair, encoded, args, device) -> dict:
         "ratio_parts": {name: {"fewer_target_passes": part, "cheaper_time_per_pass": ratios[name] / part}
                         for name, part in fewer_passes.items()},
         # Contenders alternate within a repetition, so each repetition gives a paired ratio.
-        "ratio_per_rep": {f"{ours} / {theirs}": [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
-                          for ours, theirs in rivals.items()},
+        "ratio_per_rep": {name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
+                          for name, (ours, theirs) in pairs.items()},
         "greedy_ties": ties,
-        "same_output_as_hf": {f"{ours} / {theirs}": same_as_hf[ours] / (args.reps * len(encoded)) for ours, theirs in rivals.items()},
+        "same_output_as_hf": {name: count / (args.reps * len(encoded)) for name, count in same_as_hf.items()},
     }
 
 
