@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from harness.drafters import ModelDrafter, NgramDrafter
+from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, ModelSpec, cache_kwarg, load_model
 from harness.sampling import Sampling, shape_probs
@@ -111,8 +112,6 @@ def test_the_cache_reaches_models_that_call_it_past_key_values(models, cache):
 
 
 def test_a_model_that_drops_the_cache_is_an_error_not_wrong_tokens(models):
-    from harness.errors import HarnessError
-
     target, _ = models
     lm = CachedLM(DropsTheCache(target), 98)
     with pytest.raises(HarnessError, match="did not fill the KV cache"):
@@ -122,8 +121,6 @@ def test_a_model_that_drops_the_cache_is_an_error_not_wrong_tokens(models):
 def test_static_cache_is_sized_by_reserve(models):
     """A static cache holds what the run reserves (rounded up to 256 slots, at most the
     model's context), and a sequence that outgrows it stops with a clear error."""
-    from harness.errors import HarnessError
-
     target, _ = models
     lm = CachedLM(target, 98, "static")
     assert lm.capacity == target.config.max_position_embeddings
