@@ -246,7 +246,8 @@ def cell_row(raw: RawCell) -> dict:
     costs = s.get("costs") or {}
     conditions = s.get("conditions") or cfg.get("conditions") or {}
     kind = draft.get("kind", "model")
-    draft_id = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" if kind == "ngram" else str(s.get("draft") or draft.get("id"))
+    lookup = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" + ("" if draft.get("length", "match") == "match" else f"-{draft['length']}")
+    draft_id = lookup if kind == "ngram" else str(s.get("draft") or draft.get("id"))
     temperature = float(s.get("temperature", cfg.get("temperature", 0.0)))
     top_k, top_p = int(s.get("top_k", cfg.get("top_k", 0)) or 0), float(s.get("top_p", cfg.get("top_p", 1.0)) or 1.0)
     ci = s.get("speedup_ci") or [s.get("speedup_ci_low", np.nan), s.get("speedup_ci_high", np.nan)]
@@ -323,7 +324,7 @@ def _labels(cells: pd.DataFrame) -> pd.Series:
     def label(row) -> str:
         if per_pair.get(row["pair"], 1) <= 1:
             return str(row["pair"])
-        short = "ngram" if row["draft_kind"] == "ngram" else Path(str(row["draft"])).name
+        short = "ngram" + str(row["draft"]).partition(")")[2] if row["draft_kind"] == "ngram" else Path(str(row["draft"])).name
         return f"{row['pair']}/{short}"
 
     return cells.apply(label, axis=1)

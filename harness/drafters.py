@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from harness.errors import HarnessError
 from harness.models import CachedLM
 from harness.sampling import Sampling, sample, shape_probs
 
@@ -71,36 +72,72 @@ class ModelDrafter:
         self.lm.rollback(length)
 
 
+LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (NgramDrafter)
+
+
 class NgramDrafter:
     """Model-free prompt lookup: find the latest earlier occurrence of the
     context's last n tokens (n from max_ngram down to min_ngram) and propose
     the tokens that followed it. Its q is a point mass on each proposal, so
-    the rule accepts x with probability p(x) and stays exact."""
+    the rule accepts x with probability p(x) and stays exact.
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
-        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+    length="match" proposes the whole match, up to k tokens (as HF's
+    prompt_lookup_num_tokens does). length="cost_aware" proposes only the part
+    that pays for its verification, once `verify_cost` is set (v(n): the
+    target's time to score n positions over its time for one, n = 1..k+1, as
+    run.measure_costs gives it): the j <= k maximising expected committed
+    tokens over verify cost, (1 + a + ... + a^j) / v(j + 1), where a is the
+    acceptance rate this sequence has had so far from matches of the same
+    n-gram length (prior 1/2). j = 0 is a plain target step. A proposal
+    depends only on what came before its cycle, so the rule stays exact.
+    """
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, length: str = "match"):
+        if length not in LOOKUP_LENGTHS:
+            raise HarnessError(f"pair.draft.length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
+        self.vocab_size, self.max_ngram, self.min_ngram, self.length = vocab_size, max_ngram, min_ngram, length
+        self.verify_cost: list[float] | None = None  # [>= 2] v(1..); cost_aware proposes whole matches until it is set
+        self.start(torch.empty(0))
 
     def start(self, prompt_ids: torch.Tensor) -> None:
-        pass
+        self._accepted = [1.0] * (self.max_ngram + 1)  # per n-gram length: pseudo-counts of a 1/2 prior
+        self._tested = [2.0] * (self.max_ngram + 1)
+        self._pending: tuple[int, int, int] | None = None  # (n, committed length, proposed) of the last proposal
 
     def propose(self, ids, k, sampling, generator):
-        tokens = self._lookup(ids, k)
+        n, tokens = self._lookup(ids, k)
+        if self.length == "cost_aware" and self.verify_cost is not None and tokens.shape[0]:
+            tokens = tokens[: self._worth_proposing(n, tokens.shape[0])]
+            self._pending = (n, ids.shape[0], tokens.shape[0]) if tokens.shape[0] else None
         if tokens.shape[0] == 0 or sampling.greedy:
             return tokens, None
         q = torch.zeros(tokens.shape[0], self.vocab_size, device=ids.device)
         q[torch.arange(tokens.shape[0]), tokens] = 1.0
         return tokens, q
 
-    def _lookup(self, ids: torch.Tensor, k: int) -> torch.Tensor:
+    def _worth_proposing(self, n: int, longest: int) -> int:
+        """The proposal length j <= longest with the most expected tokens per unit of verify cost."""
+        a = self._accepted[n] / self._tested[n]
+        longest = min(longest, len(self.verify_cost) - 1)
+        per_cost = [sum(a**i for i in range(j + 1)) / self.verify_cost[j] for j in range(longest + 1)]
+        return max(range(longest + 1), key=per_cost.__getitem__)  # the shortest among equals
+
+    def _lookup(self, ids: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
+        """(n, the up to k tokens after the latest earlier match of the last n tokens); n = 0: none."""
         if k == 0:
-            return ids.new_empty(0)
+            return 0, ids.new_empty(0)
         for n in range(min(self.max_ngram, ids.shape[0] - 1), self.min_ngram - 1, -1):
             windows = ids.unfold(0, n, 1)[:-1]  # [len - n, n] every earlier n-gram
             hits = (windows == ids[-n:]).all(-1).nonzero()
             if hits.numel():
                 start = int(hits[-1]) + n  # the latest match: most recent context
-                return ids[start : start + k]
-        return ids.new_empty(0)
+                return n, ids[start : start + k]
+        return 0, ids.new_empty(0)
 
     def rollback(self, length: int) -> None:
-        pass
+        if self._pending is not None:  # the last proposal's outcome: length - committed of it were accepted
+            n, committed, proposed = self._pending
+            accepted = length - committed
+            self._accepted[n] += accepted
+            self._tested[n] += min(accepted + 1, proposed)
+            self._pending = None

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from harness import metrics, tracking
 from harness.datasets import load_prompts
-from harness.drafters import Drafter, ModelDrafter, NgramDrafter
+from harness.drafters import LOOKUP_LENGTHS, Drafter, ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device
@@ -120,6 +120,8 @@ def validate(cfg: DictConfig) -> None:
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
+        (cfg.pair.draft.get("length", "match") in LOOKUP_LENGTHS,
+         f"pair.draft.length={cfg.pair.draft.get('length')} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)"),
     ]
     for ok, message in checks:
         if not ok:
@@ -151,7 +153,8 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     vocab_size = min(len(tokenizer), target_model.get_output_embeddings().weight.shape[0])
     drafter: Drafter
     if pair_cfg.draft.kind == "ngram":
-        drafter = NgramDrafter(vocab_size, pair_cfg.draft.get("max_ngram", 3), pair_cfg.draft.get("min_ngram", 1))
+        drafter = NgramDrafter(vocab_size, pair_cfg.draft.get("max_ngram", 3), pair_cfg.draft.get("min_ngram", 1),
+                               pair_cfg.draft.get("length", "match"))
     elif pair_cfg.draft.kind == "model":
         draft_spec = ModelSpec.from_config(pair_cfg.draft)
         draft_model = load_model(draft_spec, device, "draft", target=target_model)
@@ -399,6 +402,8 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
     run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, OmegaConf.merge(cfg, {"max_new_tokens": 8}), sampling)
     costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
+    if isinstance(pair.drafter, NgramDrafter):
+        pair.drafter.verify_cost = costs["verify_cost"]  # what cost_aware weighs proposals against
 
     records = _read_records(lines_path)
     done = {r["id"] for r in records}

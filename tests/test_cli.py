@@ -73,6 +73,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("max_new_tokens=0", "must be a positive integer"),
         ("device=cuda", "CUDA is not available"),
         ("compile=true", "compile=true needs fixed shapes: add cache=static"),
+        ("+pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tiny_pair, tmp_path, override, message):

@@ -32,7 +32,7 @@ import broken
 import harness.drafters
 import harness.rule
 from broken import BROKEN, VARIANTS, plugged, variant_table
-from harness.drafters import ModelDrafter
+from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.exactness import (
     Partition, TargetLaw, check, detectable_tv, format_report, g_test, holm, run_check, samples_for_tv,
@@ -291,6 +291,42 @@ def test_loop_law_catches_broken_variants(variant):
         got = loop_law(t, d, PROMPT, k, sampling, length, rule=rule)
     tv = total_variation(got, exact)
     assert tv < 1e-9 if variant.lossless else tv > 1e-2, f"{variant.name}: TV {tv:.3g}"
+
+
+def cost_aware_lookup(vocab_size: int) -> NgramDrafter:
+    # Lengths that follow earlier outcomes: two tokens at the prior a = 1/2, one after a
+    # rejection (a = 1/3), none (a plain target step) after two (a = 1/4).
+    drafter = NgramDrafter(vocab_size, length="cost_aware")
+    drafter.verify_cost = [1.0, 1.3, 1.5]
+    return drafter
+
+
+LOOKUP_BUGS = [v for v in BROKEN if v.name in ("accept_all", "resample_from_p", "residual_abs", "bonus_wrong_row", "no_rollback")]
+
+
+@pytest.mark.parametrize("variant", [None, *LOOKUP_BUGS], ids=lambda v: v.name if v else "real_loop")
+def test_cost_aware_lookup_law_is_target_law_exactly(variant):
+    """Prompt lookup that proposes 0, 1 or 2 tokens by how its earlier proposals
+    fared keeps the target's law exactly; the broken rules are caught with it."""
+    k, sampling, length = 2, Sampling(1.0), 5
+    target, _ = markov_pair(4, seed=0)
+    prompt = torch.tensor([1, 2, 3, 1, 2])  # matches from the first cycle on
+    drafter, lengths = cost_aware_lookup(4), set()
+    propose = drafter.propose
+
+    def counted(ids, k, sampling, generator):
+        tokens, q = propose(ids, k, sampling, generator)
+        lengths.add(tokens.shape[0])
+        return tokens, q
+
+    drafter.propose = counted
+    exact = target_law(TargetLaw(target, prompt, sampling, set(), length))
+    plug = variant or broken.Variant("real_loop", True, "the real loop")
+    with plugged(plug, target, drafter) as (t, d, rule):
+        got = loop_law(t, d, prompt, k, sampling, length, rule=rule)
+    assert lengths == {0, 1, 2}
+    tv = total_variation(got, exact)
+    assert tv < 1e-9 if variant is None else tv > 1e-2, f"{plug.name}: TV {tv:.3g}"
 
 
 # ---------------------------------------------------------------- the pieces of the check

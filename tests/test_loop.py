@@ -174,11 +174,49 @@ def test_warm_up_compiles_every_step_a_run_takes(tiny_pair):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-def test_prompt_lookup_greedy_equals_target_greedy(models):
+# v(n), n = 1..5 positions scored over one, as measured on a 2-core CPU (docs/performance.md):
+# the cost jumps between 3 and 4 positions.
+CPU_VERIFY_COST = [1.0, 1.12, 1.19, 1.58, 1.65]
+
+
+def cost_aware_lookup(verify_cost=CPU_VERIFY_COST) -> NgramDrafter:
+    drafter = NgramDrafter(98, length="cost_aware")
+    drafter.verify_cost = verify_cost
+    return drafter
+
+
+@pytest.mark.parametrize("length", ["match", "cost_aware"])
+def test_prompt_lookup_greedy_equals_target_greedy(models, length):
     target, _ = models
+    proposed = []
     for text in PROMPTS:
         prompt = ids_of(text * 2)  # repeated text: lookup finds matches
-        assert spec_tokens(target, NgramDrafter(98), prompt, 4, GREEDY, 30, set())[0] == base_tokens(target, prompt, 30, set())
+        drafter = cost_aware_lookup() if length == "cost_aware" else NgramDrafter(98)
+        tokens, cycles = spec_tokens(target, drafter, prompt, 4, GREEDY, 30, set())
+        assert tokens == base_tokens(target, prompt, 30, set())
+        proposed += [c.num_drafted for c in cycles]
+    assert max(proposed) == (4 if length == "match" else 2)  # the jump at 4 positions stops cost_aware at 2 here
+
+
+def test_cost_aware_lookup_proposes_what_pays_for_its_verification():
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 5, 6])  # "5 6" recurs: the match offers 7 8 9 10
+    assert NgramDrafter(98).propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
+    drafter = cost_aware_lookup()
+    drafter.start(ids)
+    # prior a = 1/2: (1 + a + a^2) / v(3) = 1.47 tokens per unit of cost, against 1.34 for one token and 1.19 for three
+    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8]
+    for _ in range(5):  # every proposal accepted: a rises to 11/12 and the whole match pays
+        tokens = drafter.propose(ids, 4, GREEDY, None)[0]
+        drafter.rollback(ids.shape[0] + tokens.shape[0])
+    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
+    drafter.start(ids)  # a new sequence starts from the prior again
+    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8]
+    for _ in range(10):  # every proposal rejected at its first token: a falls to 1/12
+        drafter.propose(ids, 4, GREEDY, None)
+        drafter.rollback(ids.shape[0])
+    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == []  # a plain target step pays more
+    unset = NgramDrafter(98, length="cost_aware")  # before measure_costs has given it v: the whole match
+    assert unset.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, Sampling(1.0), Sampling(0.7, top_p=0.9)])
