@@ -23,6 +23,13 @@ results file can always be re-summarised. Definitions (README, "Metrics"):
                         score n positions / target step (Leviathan et al. with
                         a measured verify cost instead of 1)
   efficiency            speedup / predicted_speedup
+  predicted_speedup_cycles
+                        committed tokens / sum over cycles of (k' c + v(k'+1)),
+                        k' the tokens that cycle drafted: the same prediction
+                        for the cycles actually run, which also holds when a
+                        drafter proposes fewer than k (prompt lookup without a
+                        match, pair.draft.length=cost_aware, the budget's end)
+  efficiency_cycles     speedup / predicted_speedup_cycles
 """
 
 from __future__ import annotations
@@ -40,11 +47,12 @@ if TYPE_CHECKING:  # annotations only: the report imports metrics without torch
 
 def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
     """The raw counts one prompt's cycles reduce to (all later metrics derive from these)."""
-    hist = [0] * (k + 1)
+    hist, drafted_hist = [0] * (k + 1), [0] * (k + 1)
     reached, kept = [0] * k, [0] * k
     expected_sum, tested = 0.0, 0
     for c in cycles:
         hist[c.num_accepted] += 1
+        drafted_hist[c.num_drafted] += 1
         for i in range(min(c.num_accepted + 1, c.num_drafted)):
             reached[i] += 1
             kept[i] += i < c.num_accepted
@@ -59,6 +67,7 @@ def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
         "tested": tested,
         "expected_sum": expected_sum,
         "accept_hist": hist,
+        "drafted_hist": drafted_hist,  # [k + 1] cycles that drafted 0..k tokens
         "position_reached": reached,
         "position_accepted": kept,
     }
@@ -151,7 +160,19 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         summary.update(speedup=float("nan"), speedup_ci=(float("nan"),) * 2,
                        speedup_geomean=float("nan"), speedup_geomean_ci=(float("nan"),) * 2)
     summary["efficiency"] = _ratio(summary["speedup"], predicted)
+    summary["predicted_speedup_cycles"] = _predicted_by_cycles(records, k, costs)
+    summary["efficiency_cycles"] = _ratio(summary["speedup"], summary["predicted_speedup_cycles"])
     return summary
+
+
+def _predicted_by_cycles(records: Sequence[dict], k: int, costs: dict) -> float:
+    """Committed tokens over what the cycles run cost in target steps (nan for records without drafted_hist)."""
+    if not records or any("drafted_hist" not in r["spec"] for r in records):
+        return float("nan")
+    c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
+    cycles = np.sum([r["spec"]["drafted_hist"] for r in records], axis=0)  # [k + 1]
+    cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
+    return _ratio(sum(r["spec"]["committed"] for r in records), cost)
 
 
 def _tpot(records: Sequence[dict], side: str) -> float:

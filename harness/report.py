@@ -29,6 +29,7 @@ def format_summary(s: dict) -> str:
         f"{'speedup (geomean of prompts)':<34}{_f(s['speedup_geomean']):>12}  [{_f(glo)}, {_f(ghi)}] 95% CI",
         f"{'predicted speedup':<34}{_f(s['predicted_speedup']):>12}",
         f"{'efficiency (measured/predicted)':<34}{_f(s['efficiency']):>12}",
+        f"{'  by the cycles run (predicted)':<34}{_f(s.get('efficiency_cycles')):>12}  ({_f(s.get('predicted_speedup_cycles'))})",
         f"{'cost ratio c (draft/target step)':<34}{_f(s['cost_ratio']):>12}",
         f"{'verify cost v(k+1) (target steps)':<34}{_f(s['verify_cost']):>12}",
         f"{'TPOT ms spec / baseline':<34}{_f(1e3 * s['spec_tpot_s'], '.2f'):>12} / {_f(1e3 * s['base_tpot_s'], '.2f')}",

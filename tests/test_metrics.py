@@ -32,6 +32,7 @@ def test_cycle_counts():
     assert c["tested"] == 4 + 1 + 3 + 2
     assert c["expected_sum"] == pytest.approx(3.0 + 0.5 + 1.75 + 1.0)
     assert c["accept_hist"] == [1, 0, 2, 0, 1]
+    assert c["drafted_hist"] == [0, 0, 1, 0, 3]
     # position i is reached when all before it were accepted (and it was drafted)
     assert c["position_reached"] == [4, 3, 2, 1]
     assert c["position_accepted"] == [3, 3, 1, 1]
@@ -64,6 +65,11 @@ def test_summary_from_counts():
     assert s["theoretical_tokens_per_cycle"] == pytest.approx(e)
     assert s["predicted_speedup"] == pytest.approx(e / (4 * 0.1 + 1.2))
     assert s["efficiency"] == pytest.approx(3 / s["predicted_speedup"])
+    # by the cycles run: 3 cycles of 4 drafts + v(5), one of 2 drafts + v(3), for 12 tokens, per record
+    assert s["predicted_speedup_cycles"] == pytest.approx(12 / (3 * (4 * 0.1 + 1.2) + (2 * 0.1 + 1.1)))
+    assert s["efficiency_cycles"] == pytest.approx(3 / s["predicted_speedup_cycles"])
+    old_records = [{**r, "spec": {key: v for key, v in r["spec"].items() if key != "drafted_hist"}} for r in records]
+    assert math.isnan(summarize(old_records, 4, costs)["predicted_speedup_cycles"])  # results from before drafted_hist
     assert s["spec_tpot_s"] == pytest.approx((2 * 0.9) / (2 * 10))
     assert s["base_tpot_s"] == pytest.approx((1.95 + 3.95) / (2 * 11))
 
