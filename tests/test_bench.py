@@ -48,6 +48,8 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert set(result["same_output_as_hf"]) == {"ours_base / hf_base", *(f"ours_{a}_k{k} / hf_{b}_k{k}" for k in (1, 2)
                                                  for a, b in (("spec", "assisted"), ("ngram", "lookup"), ("ngram_cost_aware", "lookup")))}
     for limit in (result["limits"][1], result["limits"][2]):
+        assert len(limit["measured_speedup_per_rep"]) == 2 and limit["measured_speedup"] == pytest.approx(
+            sum(limit["measured_speedup_per_rep"]) / 2)  # the median of two
         assert 0 < limit["alpha"] <= 1 and limit["efficiency"] > 0 and 0 <= limit["overhead_fraction"] < 1
     assert result["memory"]["prompts"] == 4
     goals = result["goals"]  # each goal judged on its worst measured value
