@@ -315,11 +315,11 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     watch = Stopwatch(device)
     saved = loop.verify_greedy, loop._apply_stops
     loop.verify_greedy, loop._apply_stops = watch.wrap("rule", loop.verify_greedy), watch.wrap("stops", loop._apply_stops)
-    decode_cycles, spec_s, base_s, base_tokens, spent = [], 0.0, 0.0, 0, defaultdict(float)
-    all_cycles, per_rep = [], []
+    decode_cycles, all_cycles, spent = [], [], defaultdict(float)
+    per_rep = []  # [reps] (spec tokens, spec s, base tokens, base s) of the decode phase
     try:
         for rep in range(reps):
-            rep_start = (sum(len(cy.tokens) for cy in decode_cycles), spec_s, base_tokens, base_s)
+            totals = [0, 0.0, 0, 0.0]
             for i, ids in enumerate(encoded):
                 order = ("spec", "base") if (rep + i) % 2 == 0 else ("base", "spec")
                 for which in order:
@@ -328,22 +328,23 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
                                             device, [spec_target, draft], watch)
                         decode_cycles += run["items"][1:]
                         all_cycles += run["items"]
-                        spec_s += run["decode_s"]
+                        totals[0] += sum(len(cy.tokens) for cy in run["items"][1:])
+                        totals[1] += run["decode_s"]
                         for key, value in run["decode_spent"].items():
                             spent[key] += value
                     else:
                         run = _decode_phase(autoregressive_decode(base_target, ids, GREEDY, n, pair.eos_ids, None),
                                             device, [base_target], Stopwatch(device))
-                        base_tokens += len(run["items"]) - 1
-                        base_s += run["decode_s"]
+                        totals[2] += len(run["items"]) - 1
+                        totals[3] += run["decode_s"]
                         spent["base_forward"] += run["decode_spent"]["forward_0"]
                         spent["base_forwards"] += run["decode_spent"]["forwards_0"]
-            rep_tokens = sum(len(cy.tokens) for cy in decode_cycles) - rep_start[0]
-            per_rep.append((rep_tokens / (spec_s - rep_start[1])) / ((base_tokens - rep_start[2]) / (base_s - rep_start[3])))
+            per_rep.append(totals)
     finally:
         loop.verify_greedy, loop._apply_stops = saved
-    spec_tokens = sum(len(cy.tokens) for cy in decode_cycles)
-    measured = statistics.median(per_rep)
+    spec_tokens, spec_s, base_tokens, base_s = (sum(column) for column in zip(*per_rep))
+    speedups = [(st / ss) / (bt / bs) for st, ss, bt, bs in per_rep]
+    measured = statistics.median(speedups)
     counts = metrics.cycle_counts(all_cycles, k)
     alpha = counts["accepted"] / counts["tested"]
     by_formula = metrics.predicted_speedup(alpha, k, c, v[k])
@@ -365,7 +366,7 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
         "alpha": alpha, "tokens_per_cycle": sum(len(cy.tokens) for cy in all_cycles) / len(all_cycles),
         "theoretical_tokens_per_cycle": metrics.expected_tokens_per_cycle(alpha, k),
         "cost_ratio": c, "verify_cost": v[k], "target_step_s": costs["target_step_s"],
-        "measured_speedup": measured, "measured_speedup_per_rep": per_rep,
+        "measured_speedup": measured, "measured_speedup_per_rep": speedups,
         "predicted_speedup": by_formula, "efficiency": measured / by_formula,
         "predicted_speedup_cycles": by_cycles, "efficiency_cycles": measured / by_cycles,
         "in_loop": {"target_step_s": step_in_loop, "cost_ratio": c_loop, "verify_cost": v_loop,

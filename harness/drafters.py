@@ -97,7 +97,7 @@ class NgramDrafter:
             raise HarnessError(f"pair.draft.length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
         self.vocab_size, self.max_ngram, self.min_ngram, self.length = vocab_size, max_ngram, min_ngram, length
         self.verify_cost: list[float] | None = None  # [>= 2] v(1..); cost_aware proposes whole matches until it is set
-        self.start(torch.empty(0))
+        self.start(torch.empty(0))  # the per-sequence acceptance counts
 
     def start(self, prompt_ids: torch.Tensor) -> None:
         self._accepted = [1.0] * (self.max_ngram + 1)  # per n-gram length: pseudo-counts of a 1/2 prior

@@ -105,6 +105,21 @@ def write_cell(root: Path, name: str, kind: str, alpha: Fraction, k: int, c: flo
     return out
 
 
+def test_lookup_length_policies_are_told_apart(tmp_path):
+    """One pair name, two prompt-lookup length policies: two drafts, each labelled."""
+    for length, cell_name in (("match", "lookup"), ("cost_aware", "lookup2")):
+        out = write_cell(tmp_path, cell_name, "ngram", Fraction(1, 4), 2, 0.002, SLOPE)
+        config = json.loads((out / "config.yaml").read_text())
+        config["pair"]["name"] = "lookup"
+        config["pair"]["draft"]["length"] = length
+        (out / "config.yaml").write_text(json.dumps(config))
+        summary = json.loads((out / "summary.json").read_text())
+        (out / "summary.json").write_text(json.dumps({**summary, "pair": "lookup"}))
+    cells = load(tmp_path).cells
+    assert sorted(cells["draft"]) == ["ngram(1-3)", "ngram(1-3)-cost_aware"]
+    assert sorted(cells["label"]) == ["lookup/ngram", "lookup/ngram-cost_aware"]
+
+
 # Three drafts with known alpha and c, b = 0.02, run at k = 1, 2, 3. By the
 # formula the best measured is "small" at k=3 (1.798x), then "big" at k=3
 # (1.631x), then "lookup" (1.26x); the fit puts small's best k at 4 (1.801x).
