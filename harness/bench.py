@@ -66,7 +66,9 @@ from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
 from harness.prompts import as_tensor, encode, fit_context, select
-from harness.run import CONF_DIR, _current_rss_mb, _sync, conditions, load_pair, measure_costs, run_prompt, with_default_pair
+from harness.run import (
+    CONF_DIR, _current_rss_mb, _sync, _write_json_atomic, conditions, load_pair, measure_costs, run_prompt, with_default_pair,
+)
 from harness.sampling import Sampling
 
 GREEDY = Sampling(0.0)
@@ -461,6 +463,21 @@ def goals(result: dict) -> dict[str, dict]:
     return out
 
 
+def setup(cfg, args, argv, prompts, encoded) -> dict:
+    return {
+        "pair": cfg.pair.name, "prompts": len(encoded), "prompt_ids": [p["id"] for p in prompts],
+        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "ks": args.ks, "cache": cfg.cache, "compile": cfg.compile,
+        "statistic": "median over reps of total tokens / total time; limits: median over reps of the decode-phase speedup, "
+                     "acceptance, costs and overhead over all reps",
+        "command": "python -m harness.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(path, result)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -494,30 +511,27 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    result: dict = {}
+    result: dict = {"setup": setup(cfg, args, argv, prompts, encoded),
+                    "conditions": conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."))}
+    # Each part is written as soon as it is done: a run cut short (the GPU check's timeouts) keeps what it measured.
     if not args.skip_throughput:
         result.update(throughput(pair, encoded, args, device))
+        _write(args.out, result)
     if isinstance(pair.drafter, ModelDrafter):
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device, args.reps) for k in args.ks}
-    if args.memory_prompts > 0:
-        result["memory"] = memory(pair, cfg, all_prompts, all_encoded, args, device)
+        _write(args.out, result)
     if device.type == "cuda" and isinstance(pair.drafter, ModelDrafter):
         result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
-    result["setup"] = {
-        "pair": cfg.pair.name, "prompts": len(encoded), "prompt_ids": [p["id"] for p in prompts],
-        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "ks": args.ks, "cache": cfg.cache, "compile": cfg.compile,
-        "statistic": "median over reps of total tokens / total time; limits: median over reps of the decode-phase speedup, "
-                     "acceptance, costs and overhead over all reps",
-        "command": "python -m harness.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-    }
-    result["conditions"] = conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."))
+        _write(args.out, result)
+    if args.memory_prompts > 0:
+        result["memory"] = memory(pair, cfg, all_prompts, all_encoded, args, device)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         result["max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     result["goals"] = goals(result)
     result["wall_s"] = time.time() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _write(args.out, result)
+
 
     for name, value in result.get("ratios", {}).items():
         per_rep = result["ratio_per_rep"][name]

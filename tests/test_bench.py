@@ -62,6 +62,17 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert result["setup"]["cache"] == "dynamic" and result["conditions"]["device"] == "cpu"
 
 
+def test_a_run_cut_short_keeps_the_parts_it_finished(tiny_pair, tmp_path, monkeypatch):
+    def killed(*args, **kwargs):  # as the GPU check's timeout would, during the last part
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "memory", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(tiny_pair, tmp_path)
+    kept = json.loads((tmp_path / "bench.json").read_text())
+    assert {"setup", "conditions", "ratios", "limits"} <= set(kept) and "memory" not in kept
+
+
 def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monkeypatch):
     """cache=static compile=true: HF's contenders run generate() with a static cache and
     compile_config too, and their outputs still match ours token for token."""
