@@ -205,13 +205,13 @@ def test_cost_aware_lookup_proposes_what_pays_for_its_verification():
     drafter.start(ids)
     # prior a = 1/2: (1 + a + a^2) / v(3) = 1.47 tokens per unit of cost, against 1.34 for one token and 1.19 for three
     assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8]
-    for _ in range(5):  # every proposal accepted: a rises to 11/12 and the whole match pays
+    for _ in range(5):  # every proposal accepted: a rises (to 17/18) and the whole match pays
         tokens = drafter.propose(ids, 4, GREEDY, None)[0]
         drafter.rollback(ids.shape[0] + tokens.shape[0])
     assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
     drafter.start(ids)  # a new sequence starts from the prior again
     assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8]
-    for _ in range(10):  # every proposal rejected at its first token: a falls to 1/12
+    for _ in range(10):  # every proposal rejected at its first token: a falls below v(2) - 1 (1/9 after 7)
         drafter.propose(ids, 4, GREEDY, None)
         drafter.rollback(ids.shape[0])
     assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == []  # a plain target step pays more
