@@ -656,7 +656,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     """Load the configured pair, run the check on its first prompts, write
     exactness.json into the run directory and return the report. A run
     directory that already holds a report is not redone unless force=true."""
-    from harness.run import cell_key, conditions, load_pair, resolve_device, validate, with_default_pair, _write_json_atomic
+    from harness.run import cell_key, conditions, load_pair, measure_costs, resolve_device, validate, with_default_pair, _write_json_atomic
 
     cfg = with_default_pair(cfg)
     OmegaConf.set_struct(cfg, False)
@@ -683,6 +683,8 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     length = e.length if e.length is not None else cfg.k + 2
     prompts = encode_prompts(cfg, pair, length)
     pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k)
+    if getattr(pair.drafter, "length", "match") == "cost_aware":  # checked with the proposals a run would make
+        pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))
 
     started = time.perf_counter()
     samples = e.samples

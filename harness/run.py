@@ -76,6 +76,12 @@ class Pair:
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.lm.warm_up([(1, 1), (2, 1)])
 
+    def use_costs(self, costs: dict) -> None:
+        """Hand measure_costs' v(n) to a drafter that weighs its proposals by it
+        (prompt lookup with length=cost_aware proposes whole matches until then)."""
+        if isinstance(self.drafter, NgramDrafter):
+            self.drafter.verify_cost = costs["verify_cost"]
+
 
 _loaded: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun
 
@@ -402,8 +408,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
     run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, OmegaConf.merge(cfg, {"max_new_tokens": 8}), sampling)
     costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
-    if isinstance(pair.drafter, NgramDrafter):
-        pair.drafter.verify_cost = costs["verify_cost"]  # what cost_aware weighs proposals against
+    pair.use_costs(costs)
 
     records = _read_records(lines_path)
     done = {r["id"] for r in records}

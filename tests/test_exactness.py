@@ -585,6 +585,21 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     assert "PASS" in out.stdout and (tmp_path / last["run_dir"].split("/")[-1] / "exactness.json").exists()
 
 
+def test_cost_aware_lookup_is_checked_with_the_proposals_a_run_makes(tiny_pair, tmp_path):
+    """The check arms a cost_aware lookup with measured v(n), as `python -m harness` does:
+    otherwise it would check whole-match proposals instead."""
+    from harness.run import _loaded
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="exactness_check", overrides=[
+            *tiny_args(tiny_pair, tmp_path)[:3], f"out_dir={tmp_path}", "device=cpu", "wandb.mode=disabled",
+            "pair.draft.kind=ngram", "+pair.draft.length=cost_aware", "k=2", "temperature=1.0",
+            "exactness.samples=50", "exactness.num_prompts=1"])
+    report = run_check(cfg, quiet=True)
+    drafter = next(pair.drafter for pair in _loaded.values())
+    assert drafter.length == "cost_aware" and len(drafter.verify_cost) == 3 and report["passed"]
+
+
 @pytest.mark.parametrize("override, message", [
     ("temperature=0", "is greedy"),
     ("exactness.length=1", "exactness.length=1 must be an integer >= 2"),
