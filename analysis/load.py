@@ -246,8 +246,11 @@ def cell_row(raw: RawCell) -> dict:
     costs = s.get("costs") or {}
     conditions = s.get("conditions") or cfg.get("conditions") or {}
     kind = draft.get("kind", "model")
-    lookup = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" + ("" if draft.get("length", "match") == "match" else f"-{draft['length']}")
-    draft_id = lookup if kind == "ngram" else str(s.get("draft") or draft.get("id"))
+    if kind == "ngram":
+        length = draft.get("length", "match")
+        draft_id = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" + ("" if length == "match" else f"-{length}")
+    else:
+        draft_id = str(s.get("draft") or draft.get("id"))
     temperature = float(s.get("temperature", cfg.get("temperature", 0.0)))
     top_k, top_p = int(s.get("top_k", cfg.get("top_k", 0)) or 0), float(s.get("top_p", cfg.get("top_p", 1.0)) or 1.0)
     ci = s.get("speedup_ci") or [s.get("speedup_ci_low", np.nan), s.get("speedup_ci_high", np.nan)]

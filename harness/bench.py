@@ -532,7 +532,6 @@ def main(argv: list[str] | None = None) -> dict:
     result["wall_s"] = time.time() - started
     _write(args.out, result)
 
-
     for name, value in result.get("ratios", {}).items():
         per_rep = result["ratio_per_rep"][name]
         parts = result["ratio_parts"][name]

@@ -683,8 +683,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     length = e.length if e.length is not None else cfg.k + 2
     prompts = encode_prompts(cfg, pair, length)
     pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k)
-    if getattr(pair.drafter, "length", "match") == "cost_aware":  # checked with the proposals a run would make
-        pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))
+    pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))  # as run_cell does: the proposals a run makes
 
     started = time.perf_counter()
     samples = e.samples
