@@ -27,6 +27,9 @@ Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
      the same number of drafted tokens per cycle as we did.
      Each ratio splits into a part from fewer target passes per token and a part
      from less time per pass (ratio_parts): with equal passes, the lead is all loop.
+     For prompt lookup, lookup_floor sets both sides' passes beside the fewest any
+     lookup could take on these prompts (fewest_lookup_passes, in hindsight): how
+     much a better choice of match could still gain.
   2. limit, per k: decode-phase speedup (prefill excluded) against the speedup
      predicted from the measured acceptance, draft cost ratio c and verify-cost
      curve v(n), both by Leviathan et al.'s formula from alpha and by accounting
@@ -184,6 +187,37 @@ def same_greedy_output(target: CachedLM, ids: torch.Tensor, reference: list[int]
     return {"contender": name, "prompt": prompt, "position": j, "logit_gap": gap}
 
 
+def fewest_lookup_passes(prompt: list[int], output: list[int], k: int) -> int:
+    """Target passes a prompt lookup needs to commit `output` after `prompt` if each cycle
+    proposes the best it could: of the continuations after every earlier occurrence of the
+    context's last n tokens (any n >= 1), the one that agrees longest with what the target
+    commits, up to k tokens (fewer when the token budget can keep no more, as in the loop).
+
+    Known only in hindsight, so a floor on every lookup policy, ours and HF's alike. Taking the
+    longest agreement each cycle is optimal: if a cycle from an earlier position could reach
+    further, the same occurrence shifted by what was committed in between (its last token
+    matches) offers that reach from the later position too.
+    """
+    seq = prompt + output
+    committed, end, passes = len(prompt), len(seq), 0
+    while committed < end:
+        k_cycle = min(k, end - committed - 1)
+        context, best = seq[:committed], 0
+        for n in range(1, committed):
+            suffix = context[-n:]
+            starts = [i + n for i in range(committed - n) if context[i : i + n] == suffix]  # where a continuation begins
+            if not starts:
+                break  # no longer n-gram can match either
+            for s in starts:
+                agree = 0
+                while agree < k_cycle and s + agree < committed and context[s + agree] == seq[committed + agree]:
+                    agree += 1
+                best = max(best, agree)
+        committed += best + 1  # the agreeing drafts, then the target's own token
+        passes += 1
+    return passes
+
+
 class ForwardCounter:
     """Counts forward passes of a module (pre-hook), to compare cycles across implementations."""
 
@@ -235,6 +269,7 @@ def throughput(pair, encoded, args, device) -> dict:
     tokens_per_s: dict[str, list[float]] = {name: [] for name in contenders}
     forwards: dict[str, int] = {}
     tokens_per_rep: dict[str, int] = {}
+    fewest = {k: 0 for k in args.ks}  # the target passes of a lookup that knew the output (fewest_lookup_passes)
     for rep in range(args.reps):
         totals = {name: [0, 0.0, 0] for name in contenders}
         for i, ids in enumerate(encoded):
@@ -253,6 +288,9 @@ def throughput(pair, encoded, args, device) -> dict:
                     ties.append({**tie, "rep": rep})
             for name, (ours, theirs) in pairs.items():
                 same_as_hf[name] += outputs[ours] == outputs[theirs]
+            if rep == 0:
+                for k in args.ks:
+                    fewest[k] += fewest_lookup_passes(ids.tolist(), outputs["ours_base"], k)
         for name, (tokens, seconds, passes) in totals.items():
             tokens_per_s[name].append(tokens / seconds)
             forwards[name], tokens_per_rep[name] = passes, tokens
@@ -275,6 +313,10 @@ def throughput(pair, encoded, args, device) -> dict:
         "ratio_per_rep": {name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
                           for name, (ours, theirs) in pairs.items()},
         "greedy_ties": ties,
+        # How far any prompt lookup could go here: HF's target passes over the fewest possible.
+        "lookup_floor": {k: {"hf_passes": forwards[f"hf_lookup_k{k}"], "ours_passes": forwards[f"ours_ngram_k{k}"],
+                             "fewest_passes": fewest[k],
+                             "most_fewer_passes_than_hf": forwards[f"hf_lookup_k{k}"] / fewest[k]} for k in args.ks},
         "same_output_as_hf": {name: count / (args.reps * len(encoded)) for name, count in same_as_hf.items()},
     }
 
@@ -544,6 +586,9 @@ def main(argv: list[str] | None = None) -> dict:
     if result.get("same_output_as_hf"):
         print("share of prompt runs with output identical to HF's: "
               + ", ".join(f"{name.split(' / ')[0]} {share:.2f}" for name, share in result["same_output_as_hf"].items()))
+    for k, floor in result.get("lookup_floor", {}).items():
+        print(f"prompt lookup k={k}: target passes HF {floor['hf_passes']}, ours {floor['ours_passes']}, fewest any lookup could take "
+              f"{floor['fewest_passes']} (HF's / fewest = {floor['most_fewer_passes_than_hf']:.3f})")
     for k, lim in result.get("limits", {}).items():
         per_rep = lim["measured_speedup_per_rep"]
         print(f"k={k}: alpha {lim['alpha']:.3f}  decode speedup {lim['measured_speedup']:.3f} ({min(per_rep):.3f} to {max(per_rep):.3f})  "

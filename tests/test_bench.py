@@ -52,6 +52,10 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
             sum(limit["measured_speedup_per_rep"]) / 2)  # the median of two
         assert 0 < limit["alpha"] <= 1 and limit["efficiency"] > 0 and 0 <= limit["overhead_fraction"] < 1
     assert result["memory"]["prompts"] == 4
+    for k in (1, 2):  # no lookup policy takes fewer passes than the floor
+        floor = result["lookup_floor"][k]
+        assert floor["fewest_passes"] <= min(floor["hf_passes"], floor["ours_passes"])
+        assert (floor["hf_passes"], floor["ours_passes"]) == (forwards[f"hf_lookup_k{k}"], forwards[f"ours_ngram_k{k}"])
     goals = result["goals"]  # each goal judged on its worst measured value
     assert goals["ours / HF assisted"]["value"] == min(result["ratios"][f"ours_spec_k{k} / hf_assisted_k{k}"] for k in (1, 2))
     # the prompt-lookup goal is like for like: HF proposes whole matches, so cost_aware stays out of it
@@ -154,3 +158,62 @@ def test_costs_are_measured_interleaved_so_drift_cancels(monkeypatch):
     assert costs["verify_cost"][0] == 1.0
     assert costs["verify_cost"][3] == pytest.approx(4.0, rel=0.05)
     assert costs["cost_ratio"] == pytest.approx(0.2, rel=0.1)
+
+
+def _lookup_passes_brute_force(prompt: list[int], output: list[int], k: int) -> int:
+    """The fewest passes over every sequence of lookup choices (each cycle: any continuation
+    after an earlier occurrence of any suffix n-gram, or nothing), by exhaustive search."""
+    seq = prompt + output
+
+    def fewest_from(committed: int) -> int:
+        if committed >= len(seq):
+            return 0
+        k_cycle, context = min(k, len(seq) - committed - 1), seq[:committed]
+        reach = {0}  # drafts accepted, for each choice
+        for n in range(1, committed):
+            for i in range(committed - n):
+                if context[i : i + n] == context[-n:]:
+                    proposal = context[i + n : i + n + k_cycle]
+                    agree = next((j for j, t in enumerate(proposal) if t != seq[committed + j]), len(proposal))
+                    reach.add(agree)
+        return 1 + min(fewest_from(committed + a + 1) for a in reach)
+
+    return fewest_from(len(prompt))
+
+
+def _latest_match_passes(prompt: list[int], output: list[int], k: int) -> int:
+    """Passes of the loop's default lookup (latest match, n from 3 down to 1), by hand."""
+    seq, committed, passes = prompt + output, len(prompt), 0
+    while committed < len(seq):
+        k_cycle, context, proposal = min(k, len(seq) - committed - 1), seq[: committed], []
+        for n in range(min(3, committed - 1), 0, -1):
+            hits = [i for i in range(committed - n) if context[i : i + n] == context[-n:]]
+            if hits:
+                proposal = context[hits[-1] + n : hits[-1] + n + k_cycle]
+                break
+        committed += next((j for j, t in enumerate(proposal) if t != seq[committed + j]), len(proposal)) + 1
+        passes += 1
+    return passes
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_fewest_lookup_passes_is_the_minimum_over_lookup_choices(k):
+    gen = torch.Generator().manual_seed(k)
+    below_latest = 0
+    for _ in range(30):  # a vocabulary of 3: many matches, and many that disagree
+        prompt = torch.randint(0, 3, (5,), generator=gen).tolist()
+        output = torch.randint(0, 3, (8,), generator=gen).tolist()
+        fewest = bench.fewest_lookup_passes(prompt, output, k)
+        assert fewest == _lookup_passes_brute_force(prompt, output, k)
+        latest = _latest_match_passes(prompt, output, k)
+        assert fewest <= latest
+        below_latest += fewest < latest
+    assert below_latest > 0  # the floor is not just the latest match
+
+
+def test_fewest_lookup_passes_on_a_copied_prompt():
+    # The output copies the prompt: after its first token (no earlier match of the prompt's
+    # last token), every cycle accepts k drafts and adds the target's own token.
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert bench.fewest_lookup_passes(prompt, prompt, 3) == 1 + 2  # 1 token, then 4 + 3 (the last cycle drafts 2)
+    assert bench.fewest_lookup_passes(prompt, prompt, 1) == 1 + 4
