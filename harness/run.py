@@ -112,6 +112,41 @@ def unknown_choice(override: str) -> str | None:
     return None
 
 
+def known_settings(extra: dict | None = None) -> set[str]:
+    """Every dotted key a command line may set without '+': conf/config.yaml's, those of each
+    option in conf/pair/ and conf/dataset/ under the group's name, and `extra` (the section
+    another entry point adds, e.g. harness.exactness's `exactness`)."""
+    def walk(node: dict, prefix: str) -> set[str]:
+        keys = set()
+        for key, value in node.items():
+            keys.add(prefix + str(key))
+            if isinstance(value, dict):
+                keys |= walk(value, f"{prefix}{key}.")
+        return keys
+
+    base = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"), resolve=False)
+    base.pop("defaults", None)
+    base.pop("hydra", None)
+    known = walk(base, "") | walk(extra or {}, "")
+    for group in ("pair", "dataset"):
+        known.add(group)
+        for path in (CONF_DIR / group).glob("*.yaml"):
+            known |= walk(OmegaConf.to_container(OmegaConf.load(path), resolve=False), f"{group}.")
+    return known
+
+
+def unknown_setting(override: str, known: set[str]) -> str | None:
+    """A message if a command-line override sets a key no config has (Hydra's own
+    message spans several lines). Additions (+key=), deletions (~key), Hydra's
+    own settings and flags are left to Hydra."""
+    name, equals, _ = override.partition("=")
+    if not equals or name.startswith(("+", "~", "-", "hydra")) or "/" in name or name in known:
+        return None
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"unknown setting '{name}': {hint}(--cfg job prints them all; +{name}=... adds a new key)"
+
+
 def validate(cfg: DictConfig) -> None:
     checks = [
         (isinstance(cfg.k, int) and not isinstance(cfg.k, bool) and cfg.k >= 1, f"k={cfg.k} must be a positive integer (e.g. k=4)"),

@@ -619,6 +619,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_pair, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [
         "error: temperature=0 is greedy: the exactness check tests a sampling law, set temperature > 0 (e.g. temperature=1.0)"]
+    out = exactness_cli(*tiny_args(tiny_pair, tmp_path, "exactness.num_promts=1"))  # a typo in the check's own section
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: unknown setting 'exactness.num_promts': did you mean exactness.num_prompts? "
+        "(--cfg job prints them all; +exactness.num_promts=... adds a new key)"]
 
 
 def test_samples_sized_from_detectable_tv(markov):

@@ -21,11 +21,35 @@ from test_cli import ROOT, harness, tiny_args
         (["+pair=llama_7b_86m"], "did you mean +pair=llama_7b_68m?"),
         (["-m", "+pair=smollm2,smollm_ngram"], "did you mean +pair=smollm2_ngram?"),
         (["dataset=gsm9k"], "did you mean dataset=gsm8k?"),
+        (["tempreature=1.0"], "unknown setting 'tempreature': did you mean temperature?"),
+        (["-m", "k=1,2", "dataset.num_promts=3"], "unknown setting 'dataset.num_promts': did you mean dataset.num_prompts?"),
+        (["+pair=smollm2_ngram", "pair.draft.lenght=cost_aware"], "did you mean pair.draft.length?"),
+        (["wandb.mdoe=disabled"], "did you mean wandb.mode?"),
+        (["banana=1"], "unknown setting 'banana': (--cfg job prints them all; +banana=... adds a new key)"),
     ],
 )
 def test_unknown_names_suggest_the_closest(args, message):
     out = harness(*args)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_every_setting_the_configs_offer_is_known():
+    from omegaconf import OmegaConf
+
+    from harness import exactness
+    from harness.run import CONF_DIR, known_settings, unknown_setting
+
+    known = known_settings({"exactness": exactness.DEFAULTS})
+    for override in ["k=2", "temperature=0.7", "dataset.num_prompts=3", "dataset.path=x.jsonl", "pair.target.id=/m",
+                     "pair.target.device_map=auto", "pair.draft.length=cost_aware", "pair.draft.max_ngram=4",
+                     "wandb.mode=disabled", "prompts.template=raw", "exactness.num_prompts=1", "out_dir=/tmp/x",
+                     "+new_key=1", "~seed", "hydra.verbose=true", "hydra/launcher=slurm", "--cfg", "job", "-m"]:
+        assert unknown_setting(override, known) is None, override
+    for path in (CONF_DIR / "dataset").glob("*.yaml"):  # every key of every option, under its group
+        for key in OmegaConf.load(path):
+            assert f"dataset.{key}" in known
+    assert unknown_setting("exactness.num_promts=1", known) is not None
 
 
 @pytest.mark.parametrize(
