@@ -401,7 +401,8 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         cell_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise HarnessError(f"cannot write results to {cell_dir}: {err.strerror}; set out_dir=<a writable directory>") from None
-    with tracking.claim(cell_dir, quiet=quiet):  # agents or SLURM tasks sharing out_dir may pick the same cell
+    # SIGTERM ends a run as Ctrl-C does at any point, loading included: the claim is released, the exit is 130.
+    with _sigterm_as_interrupt(), tracking.claim(cell_dir, quiet=quiet):  # agents or SLURM tasks sharing out_dir may pick the same cell
         return _run_claimed(cfg, cell_dir, device, quiet)
 
 
@@ -451,7 +452,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
     _write_json_atomic(cell_dir / "status.json", {"status": "running", "done": len(records), "total": len(encoded)})
     try:
-        with lines_path.open("a") as out, _sigterm_as_interrupt():
+        with lines_path.open("a") as out:
             for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
                 record = run_prompt(pair, p, ids, i, cfg, sampling)
                 record["rss_mb"] = _current_rss_mb()

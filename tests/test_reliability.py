@@ -80,6 +80,33 @@ def test_missing_dataset_file(tiny_pair, tmp_path):
     assert out.returncode != 0 and "nope.jsonl" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_sigterm_while_the_models_load_ends_the_run_as_ctrl_c(tiny_pair, tmp_path, monkeypatch):
+    """Before any prompt runs (loading, warm-up), SIGTERM still becomes the interruption
+    `python -m harness` turns into exit 130, and the cell's claim is released."""
+    from test_config import composed
+
+    from harness import run
+
+    def killed_while_loading(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM was not turned into an interruption")
+
+    def outside(signum, frame):  # without run_cell's own handler, the signal lands here (not on pytest)
+        raise AssertionError("SIGTERM during loading was not turned into an interruption")
+
+    monkeypatch.setattr(run, "load_pair", killed_while_loading)
+    cfg = composed(tiny_args(tiny_pair, tmp_path)[:-1] + ["wandb.mode=disabled"])
+    previous = signal.signal(signal.SIGTERM, outside)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run.run_cell(cfg, out_dir=tmp_path)
+        assert signal.getsignal(signal.SIGTERM) is outside  # restored afterwards
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not list(tmp_path.glob("*/.claim"))
+
+
 def test_sigterm_mid_sweep_then_resume_completes_without_duplicates(tiny_pair, tmp_path):
     args = ["-m", *tiny_args(tiny_pair, tmp_path, "k=1,2", "temperature=1.0", "max_new_tokens=48"),
             "dataset.num_prompts=30", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
