@@ -278,9 +278,10 @@ def cell_row(raw: RawCell) -> dict:
         "verify_costs": list(costs.get("verify_cost") or []),  # v(n) for n = 1..k+1
         "position_acceptance": [_num(a) for a in s.get("position_acceptance") or []],
         "accept_hist": hist,
-        # Exact from the histogram except when a last cycle drafted fewer than k (max_new_tokens).
+        # Without per-prompt rows (a W&B run without its artifact): accepted drafts are exact from the
+        # histogram, tested positions from alpha = accepted / tested (below).
         "accepted_total": float(sum(j * n for j, n in enumerate(hist))),
-        "tested_total": float(sum(j * n for j, n in enumerate(hist)) + sum(hist) - (hist[-1] if hist else 0)),
+        "tested_total": np.nan,
         "device": conditions.get("device"),
         "device_name": conditions.get("device_name"),
         "dtype": conditions.get("dtype"),
@@ -293,6 +294,11 @@ def cell_row(raw: RawCell) -> dict:
         kept = _sum_lists(r["spec"]["position_accepted"] for r in raw.records)
         row["position_reached"], row["position_accepted"] = reached, kept
     else:  # only the ratios are known; weight positions by cycles
+        alpha = row["alpha"]
+        if alpha == alpha and alpha > 0:  # tested = accepted / alpha, whatever each cycle drafted
+            row["tested_total"] = row["accepted_total"] / alpha
+        else:  # nothing accepted: each cycle that drafted tested one position (at most one per cycle)
+            row["tested_total"] = float(sum(hist))
         cycles = row["cycles"] if row["cycles"] == row["cycles"] else 0.0
         row["position_reached"] = [cycles] * len(row["position_acceptance"])
         row["position_accepted"] = [cycles * a for a in row["position_acceptance"]]

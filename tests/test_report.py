@@ -120,6 +120,22 @@ def test_lookup_length_policies_are_told_apart(tmp_path):
     assert sorted(cells["label"]) == ["lookup/ngram", "lookup/ngram-cost_aware"]
 
 
+def test_tested_positions_without_prompt_rows_come_from_alpha():
+    """A cell known only by its summary (a W&B run without its artifact): prompt lookup's
+    cycles that proposed nothing test no position, which the accepted histogram cannot
+    show; alpha = accepted / tested can."""
+    from analysis.load import RawCell, cell_row
+
+    # 2 cycles without a match, 1 that proposed 2 tokens and kept both, 1 that proposed 4 and kept none:
+    # 2 accepted over 3 tested positions.
+    summary = {"accept_hist": [3, 0, 1, 0, 0], "alpha": 2 / 3, "k": 4, "cycles": 4}
+    config = {"pair": {"name": "lookup", "draft": {"kind": "ngram"}}, "k": 4}
+    row = cell_row(RawCell(config, summary, None, "me/project/run"))
+    assert (row["accepted_total"], row["tested_total"]) == (2.0, pytest.approx(3.0))
+    nothing = cell_row(RawCell(config, {**summary, "accept_hist": [4, 0, 0, 0, 0], "alpha": 0.0}, None, "run"))
+    assert (nothing["accepted_total"], nothing["tested_total"]) == (0.0, 4.0)
+
+
 # Three drafts with known alpha and c, b = 0.02, run at k = 1, 2, 3. By the
 # formula the best measured is "small" at k=3 (1.798x), then "big" at k=3
 # (1.631x), then "lookup" (1.26x); the fit puts small's best k at 4 (1.801x).
