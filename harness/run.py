@@ -447,6 +447,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     pair.use_costs(costs)
 
     records = _read_records(lines_path)
+    resumed = len(records)  # records[resumed:] are run by this process
     done = {r["id"] for r in records}
     tracker = tracking.start(cfg, cell_dir)
     todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
@@ -480,7 +481,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-        **memory_growth(records),
+        **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
         cell=cell_dir.name, cell_dir=str(cell_dir),
     )
     summary["status"] = "finished"

@@ -52,10 +52,16 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     cell = Path(json.loads(first.stdout.strip().splitlines()[-1])["cell_dir"])
     # Simulate an interrupted run: drop the summary and the last two prompts.
     lines = (cell / "prompts.jsonl").read_text().splitlines()
-    (cell / "prompts.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    (cell / "prompts.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6}) for line in lines[2:4]]  # another process's memory
+    with (cell / "prompts.jsonl").open("a") as out:
+        out.write("\n".join(doctored) + "\n")
     (cell / "summary.json").unlink()
     second = harness(*args)
     assert second.returncode == 0, second.stderr
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert "rss_first_mb" not in summary  # 2 prompts ran in this process: too few to fit a growth
+    assert json.loads((cell / "summary.json").read_text()).get("rss_last_mb", 0) < 1e6
     ids = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
     assert len(ids) == 6 == len(set(ids))
     assert ids[:4] == [json.loads(line)["id"] for line in lines[:4]]  # finished prompts were kept, not redone
