@@ -42,8 +42,8 @@ class Cycle:
 
     tokens: list[int]  # committed this cycle (accepted drafts + recovered/bonus), after stops
     num_drafted: int  # k' <= k
-    num_accepted: int  # leading drafted tokens accepted, 0..k'
-    expected_acceptance: torch.Tensor  # [min(num_accepted + 1, k')] beta at each tested position
+    num_accepted: int  # leading drafted tokens accepted and kept, 0..k' (an EOS among them ends the cycle)
+    expected_acceptance: torch.Tensor  # [tested positions] beta at each: up to the first rejection, or the EOS
 
 
 def speculative_decode(
@@ -82,7 +82,9 @@ def speculative_decode(
         kept, stop = _apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated)
         ids = torch.cat([ids, committed[: len(kept)]])
         generated += len(kept)
-        yield Cycle(kept, k_cycle, n, verdict.expected_acceptance[: min(n + 1, k_cycle)])
+        # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
+        accepted, tested = (n, min(n + 1, k_cycle)) if len(kept) > n else (len(kept), len(kept))
+        yield Cycle(kept, k_cycle, accepted, verdict.expected_acceptance[:tested])
         if stop:
             return
 

@@ -53,10 +53,10 @@ def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
     for c in cycles:
         hist[c.num_accepted] += 1
         drafted_hist[c.num_drafted] += 1
-        for i in range(min(c.num_accepted + 1, c.num_drafted)):
+        betas = c.expected_acceptance.tolist()  # one per tested position
+        for i in range(len(betas)):
             reached[i] += 1
             kept[i] += i < c.num_accepted
-        betas = c.expected_acceptance.tolist()
         expected_sum += sum(betas)
         tested += len(betas)
     return {

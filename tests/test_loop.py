@@ -8,6 +8,7 @@ import torch
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
+from harness.metrics import cycle_counts
 from harness.models import CachedLM, ModelSpec, cache_kwarg, load_model
 from harness.sampling import Sampling, shape_probs
 
@@ -225,6 +226,26 @@ def test_draft_equal_to_target_accepts_everything(models, sampling):
     for text in PROMPTS[:3]:
         _, cycles = spec_tokens(target, ModelDrafter(CachedLM(target, 98)), ids_of(text), 4, sampling, 40, set())
         assert all(c.num_accepted == c.num_drafted for c in cycles)
+
+
+def test_drafts_after_an_accepted_eos_are_neither_accepted_nor_tested(models):
+    """The draft is the target, so every draft is accepted; an EOS among a cycle's drafts
+    ends the output there, and the drafts after it count for nothing."""
+    target, _ = models
+    prompt = ids_of(PROMPTS[0])
+    free = base_tokens(target, prompt, 40, set())
+    for j in range(10, 30):  # an EOS that falls before a cycle's last draft
+        eos = {free[j]}
+        got, cycles = spec_tokens(target, ModelDrafter(CachedLM(target, 98)), prompt, 4, GREEDY, 40, eos)
+        last = cycles[-1]
+        if len(last.tokens) < last.num_drafted:
+            break
+    else:
+        pytest.fail("no EOS position fell before a cycle's last draft")
+    assert got == base_tokens(target, prompt, 40, eos)
+    assert last.num_accepted == len(last.tokens) == last.expected_acceptance.shape[0]
+    counts = cycle_counts(cycles, 4)
+    assert counts["accepted"] == counts["tested"] == sum(c.num_accepted for c in cycles)  # alpha = 1, as it should
 
 
 def test_acceptance_matches_expected_sum_min_p_q(models):
