@@ -6,7 +6,8 @@ results file can always be re-summarised. Definitions (README, "Metrics"):
 
   acceptance_rate       accepted drafted tokens / drafted tokens
   alpha                 accepted / tested positions, where a cycle tests
-                        positions up to and including its first rejection:
+                        positions up to and including its first rejection
+                        (or up to an EOS among its accepted drafts):
                         the per-position acceptance probability that
                         Leviathan et al.'s formulas take
   expected_alpha        mean over tested positions of sum_v min(p, q), the
