@@ -35,7 +35,7 @@ from broken import BROKEN, VARIANTS, plugged, variant_table
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.exactness import (
-    Partition, TargetLaw, check, detectable_tv, format_report, g_test, holm, run_check, samples_for_tv,
+    TESTS, Partition, TargetLaw, check, detectable_tv, format_report, g_test, holm, run_check, samples_for_tv,
 )
 from harness.loop import speculative_decode
 from harness.rule import verify
@@ -260,6 +260,88 @@ def test_one_step_law_catches_broken_rules(bug):
     assert np.abs(law - p.numpy()).max() > 1e-2
 
 
+# ---------------------------------------------------------------- the two draws, on a grid of uniforms
+# The enumerations above feed verify u = 0 or u -> 1 only, and replace sample(): they check the
+# rule's logic, not the probabilities of its draws. Here each draw is fed M uniforms spread evenly
+# over [0, 1), so the share of outcomes is its probability to within 1/M.
+
+M = 4096
+U_GRID = (torch.arange(M, dtype=torch.float64) + 0.5) / M  # ascending
+
+
+def _shape(shape: tuple) -> tuple:
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+
+
+def grid_rand(*shape, generator=None, device=None, dtype=None):
+    """torch.rand's stand-in: the grid when M uniforms are asked for; 1/2 for any other draw
+    (the recovered or bonus token after the coins)."""
+    shape = _shape(shape)
+    if math.prod(shape) != M:
+        return torch.full(shape, 0.5, dtype=dtype)
+    return U_GRID.to(dtype).reshape(shape)
+
+
+def acceptance_on_grid(rule, p: torch.Tensor, q: torch.Tensor, x: int, monkeypatch) -> float:
+    """Share of the grid's uniforms for which `rule` accepts draft x ~ q against p: M positions,
+    each the same draft, fed ascending uniforms, so the accepted ones form a prefix."""
+
+    monkeypatch.setattr(torch, "rand", grid_rand)
+    verdict = rule(torch.full((M,), x), q.expand(M, -1), p.expand(M + 1, -1), None)
+    monkeypatch.undo()
+    return verdict.num_accepted / M
+
+
+@pytest.mark.parametrize("case", ["generic", "disjoint supports", "one-hot q", "top-p truncated rows", "tiny probabilities"])
+def test_verify_accepts_with_probability_min_1_p_over_q(case, monkeypatch):
+    p, q = EDGE_CASES[case]
+    for x in torch.nonzero(q).flatten().tolist():
+        want = min(1.0, float(p[x] / q[x]))
+        assert abs(acceptance_on_grid(verify, p, q, x, monkeypatch) - want) <= 1 / M, (case, x)
+
+
+@pytest.mark.parametrize("bug", ["squared", "ratio_q_over_p"])
+def test_acceptance_grid_catches_a_wrong_acceptance_probability(bug, monkeypatch):
+    acceptance = {"squared": lambda p_x, q_x: (p_x / q_x).clamp(max=1.0) ** 2,
+                  "ratio_q_over_p": ONE_STEP_BUGS["ratio_q_over_p"]["acceptance"]}[bug]
+    rule = broken.rule_with(acceptance=acceptance)
+    p, q = EDGE_CASES["generic"]
+    errors = [abs(acceptance_on_grid(rule, p, q, x, monkeypatch) - min(1.0, float(p[x] / q[x]))) for x in range(p.shape[0])]
+    assert max(errors) > 0.05
+
+
+def draw_shares(sampler, weights: torch.Tensor, monkeypatch) -> np.ndarray:
+    """[V] share of the grid's uniforms for which `sampler` draws each index."""
+
+    monkeypatch.setattr(torch, "rand", grid_rand)
+    drawn = sampler(weights.expand(M, -1), None)  # [M]
+    monkeypatch.undo()
+    return np.bincount(drawn.numpy(), minlength=weights.shape[0]) / M
+
+
+@pytest.mark.parametrize("case", ["generic", "disjoint supports", "one-hot p", "top-k truncated rows", "tiny probabilities"])
+def test_sample_draws_each_index_with_probability_weight_over_total(case, monkeypatch):
+    from harness.sampling import sample
+
+    for weights in EDGE_CASES[case]:
+        unnormalised = weights * 3.7  # sample() takes weights, not probabilities
+        shares = draw_shares(sample, unnormalised, monkeypatch)
+        assert np.abs(shares - weights.numpy()).max() <= 1 / M, case
+        assert shares[weights.numpy() == 0].sum() == 0  # a zero weight is never drawn
+    # the last uniform below 1 still lands on the last token with weight
+    w = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(_shape(shape), 1 - 2**-53, dtype=torch.float64))
+    assert int(sample(w, None)) == 1
+
+
+def test_draw_shares_catch_a_wrong_sampler(monkeypatch):
+    from harness.sampling import sample
+
+    p = EDGE_CASES["generic"][0]
+    squared = draw_shares(lambda w, g: sample(w**2, g), p, monkeypatch)  # a temperature bug
+    assert np.abs(squared - p.numpy()).max() > 0.05
+
+
 # ---------------------------------------------------------------- the whole loop, exactly
 
 EXACT_CASES = {  # (k, sampling, L, eos_ids) on a 4-token trigram pair
@@ -461,6 +543,23 @@ def test_real_loop_passes_the_check(markov, k, temperature, top_p, n):
 
 VARIANT_ROWS: dict[int, list] = defaultdict(list)  # n -> (variant, p-value, verdict), for the table
 
+# Which of the check's tests must reject each broken variant on its own (p < 1e-9 before Holm),
+# so that every test, not only the joint one, is shown to fail on a broken sampler. Measured at
+# N = 20,000, k = 1: the first-token test caught these with p <= 1e-66 (0 for most), the bonus
+# test its three with p <= 1e-56; a bug that leaves the first token's law alone (bonus, rollback)
+# is the joint test's to catch.
+CAUGHT_BY = {
+    "accept_all": {"joint", "first"}, "resample_from_p": {"joint", "first"}, "ratio_q_over_p": {"joint", "first"},
+    "residual_abs": {"joint", "first"}, "unshaped_draft_q": {"joint", "first"},
+    "target_without_top_p": {"joint", "first", "bonus"}, "bonus_from_draft": {"joint", "bonus"},
+    "bonus_wrong_row": {"joint", "bonus"}, "target_row_off_by_one": {"joint", "first"}, "no_rollback": {"joint"},
+}
+
+
+def test_every_test_of_the_check_catches_some_broken_variant():
+    assert set(CAUGHT_BY) == {v.name for v in BROKEN}
+    assert set().union(*CAUGHT_BY.values()) == set(TESTS)
+
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
@@ -475,6 +574,9 @@ def test_check_rejects_broken_variants_and_keeps_lossless_ones(markov, variant, 
         assert report["passed"], format_report(report)
     else:
         assert report["family_p"] < 1e-9, format_report(report)
+        tests = report["prompts"]["prompt"]["tests"]
+        for test in CAUGHT_BY[variant.name]:
+            assert tests[test]["p_value"] < 1e-9, f"{variant.name}: the {test} test alone gave p = {tests[test]['p_value']:.3g}"
 
 
 @pytest.mark.parametrize("n", SIZES)
