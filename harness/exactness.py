@@ -590,6 +590,12 @@ def format_report(report: dict) -> str:
         lines += ["", f"note: {', '.join(few)}: fewer than {FEW_CELLS} joint cells. The target's continuations of "
                       "such a prompt hardly vary (often it ends at EOS at once), so the check sees little there: "
                       "prefer prompts whose continuations vary (e.g. the chat template rather than raw text)."]
+    zero = sum(p["zero_probability_samples"] for p in r["prompts"].values())
+    dtype = (r.get("conditions") or {}).get("dtype", "float32")
+    if zero and dtype not in ("float32", "float64") and (r["top_k"] or r["top_p"] < 1):
+        lines += ["", f"note: {zero} continuations have probability 0 under the target's exact law. In {dtype}, with top-k / "
+                      "top-p truncating, the loop's passes and the law's single pass can round a token at the truncation "
+                      "edge to opposite sides: rerun with dtype=float32 to tell rounding from a sampler bug."]
     if not r["passed"]:
         lines += ["", "cells furthest from their expected counts (joint test):"]
         for name, p in r["prompts"].items():

@@ -510,6 +510,9 @@ def test_impossible_samples_fail_outright(markov):
     result = report["prompts"]["p"]
     assert result["zero_probability_samples"] > 0 and result["tests"]["joint"]["p_value"] == 0.0
     assert not report["passed"]
+    assert "rerun with dtype=float32" not in format_report(report)  # float32: no rounding excuse
+    report["conditions"] = {"dtype": "bfloat16"}  # where chunked passes can round a truncation edge apart
+    assert "rerun with dtype=float32 to tell rounding from a sampler bug" in format_report(report)
 
 
 # ---------------------------------------------------------------- the check, by sampling
