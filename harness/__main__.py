@@ -56,20 +56,8 @@ def main(cfg: DictConfig) -> float:
     return summary["speedup"]
 
 
-def check_choices(argv: list[str], extra: dict | None = None) -> None:
-    """Unknown `+pair=`/`dataset=` names and unknown settings get one line with
-    "did you mean" before Hydra composes (Hydra's own messages span several lines).
-    `extra`: a section the entry point adds to conf/config.yaml."""
-    from harness.run import known_settings, unknown_choice, unknown_setting
-
-    known = known_settings(extra)
-    for arg in argv:
-        message = unknown_choice(arg) or unknown_setting(arg, known)
-        if message:
-            print(f"error: {message}", file=sys.stderr)
-            sys.exit(2)
-
-
 if __name__ == "__main__":
+    from harness.run import check_choices
+
     check_choices(sys.argv[1:])
     main()

@@ -75,6 +75,11 @@ class ModelDrafter:
 LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (NgramDrafter)
 
 
+def check_lookup_length(length: str) -> None:
+    if length not in LOOKUP_LENGTHS:
+        raise HarnessError(f"pair.draft.length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
+
+
 class NgramDrafter:
     """Model-free prompt lookup: find the latest earlier occurrence of the
     context's last n tokens (n from max_ngram down to min_ngram) and propose
@@ -93,8 +98,7 @@ class NgramDrafter:
     """
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, length: str = "match"):
-        if length not in LOOKUP_LENGTHS:
-            raise HarnessError(f"pair.draft.length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
+        check_lookup_length(length)
         self.vocab_size, self.max_ngram, self.min_ngram, self.length = vocab_size, max_ngram, min_ngram, length
         self.verify_cost: list[float] | None = None  # [>= 2] v(1..); cost_aware proposes whole matches until it is set
         self.start(torch.empty(0))  # the per-sequence acceptance counts

@@ -731,7 +731,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from harness.__main__ import check_choices
+    from harness.run import check_choices
 
     check_choices(sys.argv[1:], extra={"exactness": DEFAULTS})
     main()

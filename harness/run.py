@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from harness import metrics, tracking
 from harness.datasets import load_prompts
-from harness.drafters import LOOKUP_LENGTHS, Drafter, ModelDrafter, NgramDrafter
+from harness.drafters import Drafter, ModelDrafter, NgramDrafter, check_lookup_length
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device
@@ -147,6 +147,18 @@ def unknown_setting(override: str, known: set[str]) -> str | None:
     return f"unknown setting '{name}': {hint}(--cfg job prints them all; +{name}=... adds a new key)"
 
 
+def check_choices(argv: list[str], extra: dict | None = None) -> None:
+    """Before Hydra composes, for an entry point's command line: unknown `+pair=`/`dataset=`
+    names and unknown settings end the process with one `error:` line ("did you mean")
+    and exit 2. `extra`: a section the entry point adds to conf/config.yaml."""
+    known = known_settings(extra)
+    for arg in argv:
+        message = unknown_choice(arg) or unknown_setting(arg, known)
+        if message:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
+
+
 def validate(cfg: DictConfig) -> None:
     checks = [
         (isinstance(cfg.k, int) and not isinstance(cfg.k, bool) and cfg.k >= 1, f"k={cfg.k} must be a positive integer (e.g. k=4)"),
@@ -161,12 +173,11 @@ def validate(cfg: DictConfig) -> None:
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
-        (cfg.pair.draft.get("length", "match") in LOOKUP_LENGTHS,
-         f"pair.draft.length={cfg.pair.draft.get('length')} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)"),
     ]
     for ok, message in checks:
         if not ok:
             raise HarnessError(message)
+    check_lookup_length(cfg.pair.draft.get("length", "match"))
 
 
 def cell_key(cfg: DictConfig) -> str:
