@@ -52,15 +52,41 @@ def shape_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when
-        # the mass strictly before it already reaches top_p (the first always stays).
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= sampling.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < nucleus_floor(probs, sampling.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+# Candidate counts tried, on a CPU, before sorting the whole vocabulary. A sort
+# of a 49k-token row costs ~2 ms on a CPU core and a k=4 cycle shapes 9 rows,
+# while most nuclei are small (SmolLM2 at T=1, top_p=0.9: median 28 tokens, 11%
+# over 256, 0.3% over 1024). On CUDA the sort is cheap and trying fewer first
+# would cost a host sync, so it sorts at once. Each rung gives the same floor.
+NUCLEUS_CANDIDATES = (256, 2048)
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest probability top-p keeps. probs [..., V] -> floor [..., 1].
+
+    The nucleus is the smallest set of most probable tokens whose mass reaches
+    top_p (a token is in when the mass before it is below top_p), plus every
+    token exactly as probable as its last one, so ties never depend on sort order.
+    """
+    rows = probs.reshape(-1, probs.shape[-1])  # [R, V]
+    vocab = rows.shape[-1]
+    floor = torch.empty_like(rows[:, :1])  # [R, 1]
+    todo = torch.arange(rows.shape[0], device=rows.device)  # rows whose nucleus may lie beyond the candidates tried
+    ladder = [n for n in NUCLEUS_CANDIDATES if n < vocab] if rows.device.type == "cpu" else []
+    for n in [*ladder, vocab]:
+        top = torch.topk(rows[todo], n).values if n < vocab else rows[todo].sort(descending=True).values  # [R', n]
+        mass = top.cumsum(-1)  # [R', n]
+        kept = (mass - top < top_p).sum(-1, keepdim=True)  # [R', 1] the first always stays
+        floor[todo] = top.gather(-1, kept - 1)
+        if n < vocab:  # CPU only: the host reads which rows the n candidates did not settle
+            todo = todo[mass[:, -1] < top_p]
+            if todo.numel() == 0:
+                break
+    return floor.reshape(*probs.shape[:-1], 1)
 
 
 def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -10,6 +10,7 @@ from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.metrics import cycle_counts
 from harness.models import CachedLM, ModelSpec, cache_kwarg, load_model
+from harness import sampling
 from harness.sampling import Sampling, shape_probs
 
 PROMPTS = ["hello world", "The quick brown fox", "def f(x): return", "2 + 2 =", "Once upon a time, there"]
@@ -306,6 +307,33 @@ def test_cache_rollback_matches_fresh_forward(models):
                 torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-4)
             assert len(patterns) >= 2  # several different rejection points were exercised
     assert RecordingDrafter.checked > 50
+
+
+def test_top_p_from_candidates_equals_the_full_sort(monkeypatch):
+    """On a CPU top-p first looks for the nucleus among the 256, then 2048, most
+    probable tokens; rows it does not settle fall back to sorting everything.
+    Every row must come out bit for bit as with the full sort alone."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.3, 1.0, 2.0, 3.0, 5.0, 8.0]).repeat(8)[:, None]  # flat to peaked rows
+    logits = torch.randn(48, 6000, generator=gen) * scales  # [48, V]
+    logits[:4, :300] = 7.0  # ties: 300 equally likely tokens that hold most of the mass
+    for top_p in (0.3, 0.9, 0.99):
+        fast = shape_probs(logits, Sampling(1.0, top_p=top_p))
+        with monkeypatch.context() as m:
+            m.setattr(sampling, "NUCLEUS_CANDIDATES", ())
+            full = shape_probs(logits, Sampling(1.0, top_p=top_p))
+        assert torch.equal(fast, full)
+        sizes = (fast > 0).sum(-1)
+        if top_p == 0.9:  # every rung was used: settled at 256, at 2048, and by the full sort
+            assert (sizes <= 256).any() and ((sizes > 256) & (sizes <= 2048)).any() and (sizes > 2048).any()
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_in():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    full = logits.softmax(-1)[0]
+    top_p = float(full[0] + full[1]) - 1e-3  # the nucleus ends inside the three-way tie
+    p = shape_probs(logits, Sampling(1.0, top_p=top_p))
+    assert (p[0, :4] > 0).all() and p[0, 4] == 0
 
 
 def test_sampling_shapes_top_k_and_top_p():
