@@ -199,7 +199,7 @@ class CachedLM:
         self.context = getattr(model.config, "max_position_embeddings", None) or 2048
         self.capacity = min(max_len or self.context, self.context)
         if self.static:
-            self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
+            self.cache = self._static_cache(self.capacity)
         self.compiled = _compile(model) if compile else None
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
@@ -212,8 +212,16 @@ class CachedLM:
         capacity = min(-(-max_len // 256) * 256, self.context)
         if self.static and capacity != self.capacity:
             self.capacity = capacity
-            self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
+            self.cache = self._static_cache(capacity)
             self.reset()
+
+    def _static_cache(self, capacity: int) -> StaticCache:
+        cache = StaticCache(config=self.model.config, max_cache_len=capacity)
+        if not cache.is_croppable:  # sliding-window layers of a shorter window drop what a rollback needs
+            window = getattr(self.model.config, "sliding_window", None)
+            raise HarnessError(f"{type(self.model).__name__} has sliding-window attention (window {window}) and a static cache "
+                               f"of {capacity} tokens cannot roll back past the window: use cache=dynamic")
+        return cache
 
     def warm_up(self, shapes: list[tuple[int, int]]) -> None:
         """Compile the steps a run will take now, outside any timing: each
@@ -228,19 +236,17 @@ class CachedLM:
             self.forward(ids[1 : 1 + tokens], num_logits=num_logits)
         self.reset()
 
+    @torch.inference_mode()
     def reset(self) -> None:
         """Empty the cache: a new sequence starts."""
         if self.static:
-            self._move_static_position(0)
+            self.cache.reset()  # in place: the compiled steps keep their addresses
         else:
             self.cache = DynamicCache(config=self.model.config)
+            # Sliding-window layers then keep what leaves the window until the next rollback's crop, so
+            # it can bring it back. From the first pass on: the prompt's pass also verifies the first drafts.
+            self.cache.activate_past_recording()
         self.length = 0
-
-    def _move_static_position(self, length: int) -> None:
-        # StaticCache layers write at their own running position: move it back.
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(length)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
@@ -255,6 +261,9 @@ class CachedLM:
             if self.cache.get_seq_length() != input_ids.shape[0]:
                 raise HarnessError(f"{type(self.model).__name__}.forward did not fill the KV cache passed as `{self.cache_kwarg}`: "
                                    "its forward must take the cache as `cache` or `past_key_values` and fill it (HF causal LMs do)")
+            if not self.cache.is_croppable:
+                raise HarnessError(f"{type(self.model).__name__} keeps a recurrent state in its cache (linear attention), which "
+                                   "cannot be rolled back to drop rejected drafts: speculative decoding here needs an attention model")
         self.length += input_ids.shape[0]
         logits = out.logits[0, -num_logits:, : self.vocab_size]
         if step is self.compiled and self.device.type == "cuda":
@@ -267,13 +276,11 @@ class CachedLM:
             return self.forward(input_ids, num_logits=1)[0]
         return None
 
+    @torch.inference_mode()
     def rollback(self, length: int) -> None:
         """Drop cached positions at and beyond `length` (rejected tokens)."""
         if length < self.length:
-            if self.static:
-                self._move_static_position(length)
-            else:
-                self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove
+            self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove; static: moves the position
             self.length = length
 
 

@@ -83,6 +83,58 @@ def test_static_cache_gives_the_same_tokens(models, k):
                 assert spec_tokens(target, static_drafter, prompt, k, sampling, 30, set(), cache="static")[0] == dynamic
 
 
+def sliding_window_pair(window: int):
+    """A Mistral-style target and perturbed draft whose attention sees only the last `window` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    def mistral(seed):
+        torch.manual_seed(seed)
+        config = MistralConfig(vocab_size=98, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=256, sliding_window=window, tie_word_embeddings=False)
+        model = MistralForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20.0)
+        return model.eval()
+
+    target, draft = mistral(1), mistral(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    return target, draft
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_sliding_window_models_roll_back_past_the_window(k):
+    """Sequences run far past an 8-token window, so rollbacks reach behind it: greedy speculative
+    decoding must still equal target greedy, prompt after prompt through the same caches."""
+    target, draft = sliding_window_pair(window=8)
+    drafter = ModelDrafter(CachedLM(draft, 98))
+    lm = CachedLM(target, 98)
+    rejected = False
+    for text in PROMPTS[:3]:
+        prompt = ids_of(text)
+        expected = base_tokens(target, prompt, 30, set())
+        cycles = list(speculative_decode(lm, drafter, prompt, k, GREEDY, 30, set(), torch.Generator().manual_seed(0)))
+        assert [t for c in cycles for t in c.tokens] == expected
+        rejected |= any(c.num_accepted < c.num_drafted for c in cycles)
+    assert rejected
+
+
+def test_static_cache_of_a_sliding_window_model():
+    """Within the window a static cache rolls back and resets like any other; a static
+    cache longer than the window cannot roll back and says so."""
+    target, draft = sliding_window_pair(window=64)
+    prompt = ids_of("Sliding windows")
+    expected = base_tokens(target, prompt, 24, set())
+    drafter = ModelDrafter(CachedLM(draft, 98, "static", 64))
+    lm = CachedLM(target, 98, "static", 64)
+    for seed in range(3):  # reused across sequences
+        cycles = list(speculative_decode(lm, drafter, prompt, 4, GREEDY, 24, set(), torch.Generator().manual_seed(seed)))
+        assert [t for c in cycles for t in c.tokens] == expected
+    with pytest.raises(HarnessError, match="sliding-window attention .*use cache=dynamic"):
+        CachedLM(target, 98, "static", 128)
+
+
 class OlderSignature(torch.nn.Module):
     """A model whose forward takes its KV cache as `past_key_values`, as transformers
     before the `cache` rename (5.17) and classes not yet renamed do."""
