@@ -1,10 +1,14 @@
 """The decision: which draft and k to ship, per category and for a traffic mix.
 
 A *candidate* is a draft at one k (one or more cells: one per dataset). A
-*context* is what a deployment fixes: the target and the sampling setting.
-Within a context every candidate is measured on the same prompts, so all
-comparisons are paired by prompt (dataset, id); prompts that some candidate
-lacks are dropped and counted.
+*context* is what a deployment fixes: the target, the sampling setting and
+the run setup (device, dtype, max_new_tokens, cache, compile: a speedup on
+one GPU says little about another). Within a context every candidate is
+measured on the same prompts, so all comparisons are paired by prompt
+(dataset, id); prompts that some candidate lacks are dropped and counted. A
+candidate that ran fewer than half the prompts of the best-covered one (a
+quick exploratory cell) is left out and listed, so that it does not shrink
+every comparison to its few prompts.
 
 Speedup of a candidate on a set of prompts is a throughput ratio, its spec
 tokens per second over its own baseline's (each cell times its own baseline
@@ -36,10 +40,13 @@ log speedup differences (scipy.stats.wilcoxon), over the prompts of the
 mix's categories; it is unweighted, the bootstrap interval of the ratio is
 the weighted statement.
 
-A candidate is shipped only if the lower bound of its speedup interval is
-above 1; otherwise the decision is "ship no speculation". Picking the best
-of many candidates favours a lucky one (winner's curse): the interval of the
-winner is slightly optimistic, more so with many candidates and few prompts.
+The ship rule: candidates are ranked by point estimate and the best one
+whose interval's lower bound is above 1 ships; when that is not the top
+point estimate the verdict names the higher, uncertain one. When no
+candidate's lower bound is above 1 the decision is "ship no speculation".
+Picking the best of many candidates favours a lucky one (winner's curse):
+the interval of the winner is slightly optimistic, more so with many
+candidates and few prompts.
 """
 
 from __future__ import annotations
@@ -51,10 +58,12 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from analysis.load import CELL_CONFIDENCE, CONDITION_KEYS, describe, varying
 from harness.errors import HarnessError
 
-CONTEXT_KEYS = ["target", "sampling"]
+CONTEXT_KEYS = ["target", "sampling", "setup"]
 NO_SPECULATION = "no speculation"
+MIN_COVERAGE = 0.5  # a candidate with fewer prompts than this share of the best-covered one's is left out
 
 
 @dataclass
@@ -71,20 +80,32 @@ class Table:
     base_time: np.ndarray
 
 
-def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str, float], list[str]]:
-    """Normalised weights over the categories present, and notes on what was dropped."""
-    notes = []
-    if not weights:
-        return {g: 1 / len(present) for g in present}, ["no traffic weights given: every category weighs the same"]
-    weights = {str(g): float(w) for g, w in weights.items()}
+def check_weights(weights: dict | None, measured: list[str] | None = None) -> dict[str, float]:
+    """The weights as {category: float}; a HarnessError when one is negative or, given the categories
+    measured anywhere in the results, when none falls on them (a typo, not another context's mix)."""
+    weights = {str(g): float(w) for g, w in (weights or {}).items()}
     if any(w < 0 for w in weights.values()):
         raise HarnessError(f"traffic weights must be >= 0: {weights}")
+    if measured is not None and weights and sum(w for g, w in weights.items() if g in measured) <= 0:
+        raise HarnessError(f"no traffic weight falls on a measured category: weights name {sorted(weights)}, "
+                           f"the results have {sorted(measured)}")
+    return weights
+
+
+def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str, float], list[str]]:
+    """Normalised weights over the categories present, and notes on what was dropped. Weights that
+    fall on none of them (they are another context's categories) give equal weights, with a note."""
+    equal = {g: 1 / len(present) for g in present}
+    if not weights:
+        return equal, ["no traffic weights given: every category weighs the same"]
+    weights = check_weights(weights)
+    notes = []
     missing = {g: w for g, w in weights.items() if g not in present and w > 0}
     unweighted = [g for g in present if g not in weights]
     covered = sum(w for g, w in weights.items() if g in present)
     if covered <= 0:
-        raise HarnessError(f"no traffic weight falls on a measured category: weights name {sorted(weights)}, "
-                           f"the results have {present}")
+        return equal, [f"the traffic weights name {', '.join(sorted(weights))}, none of which is measured here: "
+                       f"every category ({', '.join(present)}) weighs the same"]
     if missing:
         share = 100 * sum(missing.values()) / sum(weights.values())
         notes.append(f"no measurements for {', '.join(sorted(missing))} ({share:.0f}% of the traffic weight): "
@@ -95,7 +116,8 @@ def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str,
 
 
 def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list[str]]:
-    """Align one context's candidates on the prompts they all ran."""
+    """Align one context's candidates on the prompts they all ran (leaving out those that ran
+    fewer than MIN_COVERAGE of the best-covered candidate's prompts)."""
     notes = []
     chosen = []
     for (label, k, dataset), group in cells.groupby(["label", "k", "dataset"], sort=True):
@@ -106,6 +128,14 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list
     rows = prompts[prompts["cell"].isin(chosen)]
     candidates = sorted({(r.label, int(r.k)) for r in cells[cells["cell"].isin(chosen)].itertuples()})
     per_candidate = {c: rows[(rows["label"] == c[0]) & (rows["k"] == c[1])].set_index("prompt_key") for c in candidates}
+    coverage = {c: len(df) for c, df in per_candidate.items()}
+    most = max(coverage.values())
+    short = [c for c in candidates if coverage[c] < MIN_COVERAGE * most]
+    if short:
+        notes.append(f"left out, fewer than half the prompts of the best-covered candidate ({most}): "
+                     + ", ".join(f"{label} k={k} ({coverage[(label, k)]} prompts)" for label, k in short))
+        candidates = [c for c in candidates if c not in short]
+        per_candidate = {c: per_candidate[c] for c in candidates}
     union = set().union(*(set(df.index) for df in per_candidate.values()))
     common = sorted(set.intersection(*(set(df.index) for df in per_candidate.values())))
     if not common:  # disjoint prompt sets: keep the largest group of candidates that ran the same prompts
@@ -173,10 +203,15 @@ def _interval(replicates: np.ndarray, confidence: float) -> tuple[float, float]:
 
 def decide(cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame | None = None, weights: dict | None = None,
            confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> list[dict]:
-    """One decision per context (target, sampling); see the module docstring."""
+    """One decision per context (target, sampling, setup); see the module docstring."""
+    if weights and not prompts.empty:
+        check_weights(weights, sorted(prompts["category"].astype(str).unique()))
     decisions = []
+    shown = varying(cells, CONDITION_KEYS)  # the run conditions that tell contexts apart
     for key, group in cells.groupby(CONTEXT_KEYS, sort=True):
-        context = dict(zip(CONTEXT_KEYS, key))
+        first = group.iloc[0]
+        context = {**dict(zip(CONTEXT_KEYS, key)), **{c: first[c] for c in CONDITION_KEYS},
+                   "context": " · ".join([first["target"], first["sampling"]] + ([describe(first, shown)] if shown else []))}
         usable = group[group["has_prompts"]]
         if usable.empty:  # W&B runs without their results artifact
             decisions.append(decide_from_summaries(context, group, confidence))
@@ -190,21 +225,21 @@ def decide(cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame | None
 
 def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float) -> dict:
     """The fallback without per-prompt rows: each cell's own speedup and interval over all its
-    prompts (the dataset's own mix, no traffic weights), no paired comparison, same ship rule."""
+    prompts (the dataset's own mix, no traffic weights), no paired comparison, same ship rule.
+    The intervals are the cells' own, at the harness's CELL_CONFIDENCE whatever `confidence` asks."""
     candidates = [{"label": r.label, "k": int(r.k), "draft_kind": r.draft_kind, "speedup": float(r.speedup),
                    "low": float(r.speedup_ci_low), "high": float(r.speedup_ci_high), "categories": {}}
                   for r in cells.sort_values("speedup", ascending=False).itertuples()]
-    best = candidates[0]
-    runner = next((c for c in candidates if c["label"] != best["label"]), None)
-    ships = best["low"] > 1
-    choice = {"best": _brief(best, best["speedup"], best["low"], best["high"]),
-              "runner_up": _brief(runner, runner["speedup"], runner["low"], runner["high"]) if runner else None,
-              "comparison": None, "ship": best["label"] if ships else NO_SPECULATION, "k": best["k"] if ships else None}
-    choice["verdict"] = _verdict(choice, confidence) + " (From cell summaries: unweighted, unpaired, no test.)"
+    choice, _, _ = _select(candidates, [(c["speedup"], c["low"], c["high"]) for c in candidates])
+    choice["verdict"] = _verdict(choice, CELL_CONFIDENCE) + " (From cell summaries: unweighted, unpaired, no test.)"
     choice["what_would_change"] = []
-    return {**context, "prompts": int(cells["num_prompts"].max()), "categories": {}, "weights": {}, "confidence": confidence,
-            "n_resamples": 0, "candidates": candidates, "mix": choice, "per_category": {},
-            "notes": ["no per-prompt rows: each candidate's speedup and interval are its cell's own, over all its prompts"]}
+    notes = ["no per-prompt rows: each candidate's speedup and interval are its cell's own, over all its prompts"]
+    if confidence != CELL_CONFIDENCE:
+        notes.append(f"the intervals are the cells' own {100 * CELL_CONFIDENCE:g}% intervals (the harness's), "
+                     f"not {100 * confidence:g}%: recomputing them needs the per-prompt rows")
+    return {**context, "prompts": int(cells["num_prompts"].max()), "categories": {}, "weights": {},
+            "confidence": CELL_CONFIDENCE, "n_resamples": 0, "candidates": candidates, "mix": choice, "per_category": {},
+            "notes": notes}
 
 
 def decide_context(context: dict, cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame | None,
@@ -262,26 +297,37 @@ def decide_context(context: dict, cells: pd.DataFrame, prompts: pd.DataFrame, fi
     return decision
 
 
+def _select(candidates: list[dict], stats: list[tuple[float, float, float]]) -> tuple[dict, int, int | None]:
+    """The ship rule over candidates with their (speedup, low, high): ranked by point estimate, the
+    best whose lower bound is above 1 ships (none does: the top one is reported, no speculation).
+    Returns the choice (best, the higher but uncertain `top` when that is another candidate, the
+    best of another draft as runner-up, ship, k), best's index and the runner-up's."""
+    order = sorted(range(len(candidates)), key=lambda i: -stats[i][0])
+    best = next((i for i in order if stats[i][1] > 1), order[0])
+    other = next((i for i in order if candidates[i]["label"] != candidates[best]["label"]), None)
+
+    def brief(i: int) -> dict:
+        return _brief(candidates[i], *stats[i])
+
+    ships = stats[best][1] > 1
+    choice = {"best": brief(best), "top": brief(order[0]) if order[0] != best else None,
+              "runner_up": brief(other) if other is not None else None, "comparison": None,
+              "ship": candidates[best]["label"] if ships else NO_SPECULATION, "k": candidates[best]["k"] if ships else None}
+    return choice, best, other
+
+
 def _choose(candidates: list[dict], replicates: np.ndarray, per_prompt: np.ndarray, prompts_used: np.ndarray,
             stat, confidence: float) -> dict:
-    """The best candidate by point estimate, the best of another draft, their comparison, the verdict."""
-    order = sorted(range(len(candidates)), key=lambda i: -stat(candidates[i])[0])
-    best = order[0]
-    s, lo, hi = stat(candidates[best])
-    choice = {"best": _brief(candidates[best], s, lo, hi), "runner_up": None, "comparison": None}
-    other = next((i for i in order if candidates[i]["label"] != candidates[best]["label"]), None)
+    """The candidate the ship rule picks (_select), the best of another draft, their comparison, the verdict."""
+    choice, best, other = _select(candidates, [stat(c) for c in candidates])
     if other is not None:
-        choice["runner_up"] = _brief(candidates[other], *stat(candidates[other]))
         ratio = replicates[best] / replicates[other]  # [1 + n_resamples]
-        rlo, rhi = _interval(ratio[1:], confidence) if np.isfinite(lo) else (math.nan, math.nan)
+        rlo, rhi = _interval(ratio[1:], confidence) if np.isfinite(choice["best"]["low"]) else (math.nan, math.nan)
         diffs = np.log(per_prompt[best, prompts_used]) - np.log(per_prompt[other, prompts_used])
         choice["comparison"] = {"ratio": float(ratio[0]), "low": rlo, "high": rhi,
                                 "p_bootstrap_not_better": float(np.mean(ratio[1:] <= 1)),
                                 "wilcoxon_p": wilcoxon_p(diffs), "prompts": int(prompts_used.sum()),
                                 "significant": bool(rlo > 1)}
-    ships = lo > 1
-    choice["ship"] = candidates[best]["label"] if ships else NO_SPECULATION
-    choice["k"] = candidates[best]["k"] if ships else None
     choice["verdict"] = _verdict(choice, confidence)
     return choice
 
@@ -310,12 +356,22 @@ def _verdict(choice: dict, confidence: float) -> str:
         return (f"Ship no speculation: no draft beats the baseline with {pct} confidence "
                 f"(best: {b['label']} k={b['k']}, speedup {interval}, {why}).")
     text = f"Ship {b['label']} with k={b['k']}: speedup {interval} ({pct} interval)."
-    cmp, r = choice["comparison"], choice["runner_up"]
+    top, cmp, r = choice.get("top"), choice["comparison"], choice["runner_up"]
+    if top:
+        text += (f" {top['label']} k={top['k']} measures higher ({_f(top['speedup'])}× [{_f(top['low'])}, "
+                 f"{_f(top['high'])}]) but is not confidently faster than the baseline (lower bound ≤ 1).")
     if cmp:
         rel = (f"{b['label']} vs {r['label']} (k={r['k']}): ratio {_f(cmp['ratio'])} [{_f(cmp['low'])}, {_f(cmp['high'])}], "
                f"Wilcoxon p = {_f(cmp['wilcoxon_p'], '.3g')} over {cmp['prompts']} prompts")
-        text += (f" It beats the runner-up: {rel}." if cmp["significant"] else
-                 f" Not distinguishable from the runner-up: {rel}; either is defensible.")
+        if cmp["significant"]:
+            text += f" It beats the runner-up: {rel}."
+        elif r["low"] > 1:
+            text += f" Not distinguishable from the runner-up: {rel}; either is defensible."
+        elif top and (top["label"], top["k"]) == (r["label"], r["k"]):
+            text += f" Compared with it: {rel}."
+        else:
+            text += (f" Not distinguishable from the runner-up: {rel}; but {r['label']} k={r['k']} is not "
+                     f"confidently faster than the baseline (lower bound ≤ 1).")
     return text
 
 
@@ -352,7 +408,7 @@ def what_would_change(decision: dict, table: Table, names: list[str], w: np.ndar
     # The fitted model: an unmeasured k, or the costs at which the draft stops paying.
     if fits is not None and not fits.empty:
         label = best["label"]
-        rows = fits[(fits["label"] == label) & (fits["target"] == decision["target"]) & (fits["sampling"] == decision["sampling"])]
+        rows = fits[(fits["label"] == label) & (fits[CONTEXT_KEYS] == [decision[k] for k in CONTEXT_KEYS]).all(axis=1)]
         for _, f in rows.iterrows():
             measured = {int(k) for k in f["ks"].split()}
             if f["best_k"] and f["best_k"] not in measured:
@@ -365,7 +421,7 @@ def what_would_change(decision: dict, table: Table, names: list[str], w: np.ndar
                 continue
             at_c = (f"at this c, while α ≥ {_f(f['break_even_alpha'])}" if f["break_even_alpha"] == f["break_even_alpha"]
                     else "at this c no α does")
-            out.append(f"{where} pays off (predicted speedup > 1 at some k ≤ 16) while c ≤ "
+            out.append(f"{where} pays off (predicted speedup > 1 at some k ≤ {f['max_k']}) while c ≤ "
                        f"{_f(f['break_even_cost_ratio'])} (measured c = {_f(f['cost_ratio'])}) and, {at_c} "
                        f"(measured α = {_f(f['alpha'])}).")
     return out
@@ -390,7 +446,7 @@ def decisions_frame(decisions: list[dict]) -> pd.DataFrame:
     for d in decisions:
         for scope, choice in [("mix", d["mix"]), *d["per_category"].items()]:
             b, r, c = choice["best"], choice["runner_up"] or {}, choice["comparison"] or {}
-            rows.append({"target": d["target"], "sampling": d["sampling"], "scope": scope, "ship": choice["ship"],
+            rows.append({**{k: d[k] for k in CONTEXT_KEYS}, "scope": scope, "ship": choice["ship"],
                          "k": choice["k"], "best": b["label"], "best_k": b["k"], "speedup": b["speedup"],
                          "low": b["low"], "high": b["high"], "runner_up": r.get("label"), "runner_up_k": r.get("k"),
                          "runner_up_speedup": r.get("speedup"), "ratio": c.get("ratio"), "ratio_low": c.get("low"),

@@ -1,6 +1,11 @@
 """The report's figures (seaborn on the Agg backend, PNG). One function per figure;
 each returns the path it wrote, or None when the results cannot show it
 (e.g. a single k, or no per-prompt rows). A draft keeps its colour in every figure.
+
+A line, point or row is one *series*: a draft on one target under one set of
+run conditions (analysis.load.names: the label, followed by the target and
+the conditions where the cells have more than one), so cells of two targets
+or two devices are never averaged into one line.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from analysis.load import names  # noqa: E402
 from harness.metrics import expected_tokens_per_cycle  # noqa: E402
 
 DPI = 110
@@ -27,7 +33,9 @@ def make_figures(cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame,
     """Write every figure into out_dir; {name: path} of those written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sns.set_theme(style="whitegrid", context="notebook", font_scale=0.9)
-    palette = dict(zip(sorted(cells["label"].unique()), sns.color_palette("tab10", cells["label"].nunique())))
+    series = names(cells)[["target", "setup", "label", "name"]].rename(columns={"name": "series"})
+    cells, prompts, fits, curves = (_with_series(frame, series) for frame in (cells, prompts, fits, curves))
+    palette = dict(zip(sorted(cells["series"].unique()), sns.color_palette("tab10", cells["series"].nunique())))
     made = {
         "speedup_vs_k": speedup_vs_k(cells, curves, palette, out_dir / "speedup_vs_k.png"),
         "acceptance_by_sampling": acceptance_by_sampling(fits, out_dir / "acceptance_by_sampling.png"),
@@ -39,6 +47,10 @@ def make_figures(cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame,
         "fitted_model": fitted_model(cells, fits, curves, palette, out_dir / "fitted_model.png"),
     }
     return {name: path for name, path in made.items() if path is not None}
+
+
+def _with_series(frame: pd.DataFrame, series: pd.DataFrame) -> pd.DataFrame:
+    return frame if frame.empty else frame.merge(series, on=["target", "setup", "label"], how="left")
 
 
 def _save(fig, path: Path) -> Path:
@@ -73,14 +85,14 @@ def speedup_vs_k(cells: pd.DataFrame, curves: pd.DataFrame, palette: dict, path:
     many_datasets = cells["dataset"].nunique() > 1
     for ax, sampling in zip(axes, samplings):
         here = cells[cells["sampling"] == sampling]
-        for (label, dataset), g in here.groupby(["label", "dataset"]):
+        for (series, dataset), g in here.groupby(["series", "dataset"]):
             g = g.sort_values("k")
-            name = f"{label} · {dataset}" if many_datasets else label
-            sns.lineplot(data=g, x="k", y="speedup", marker="o", color=palette[label], label=name, ax=ax)
-            ax.fill_between(g["k"], g["speedup_ci_low"], g["speedup_ci_high"], color=palette[label], alpha=0.2, linewidth=0)
-            fitted = curves[(curves["label"] == label) & (curves["dataset"] == dataset) & (curves["sampling"] == sampling)
+            name = f"{series} · {dataset}" if many_datasets else series
+            sns.lineplot(data=g, x="k", y="speedup", marker="o", color=palette[series], label=name, ax=ax)
+            ax.fill_between(g["k"], g["speedup_ci_low"], g["speedup_ci_high"], color=palette[series], alpha=0.2, linewidth=0)
+            fitted = curves[(curves["series"] == series) & (curves["dataset"] == dataset) & (curves["sampling"] == sampling)
                             & (curves["k"] <= g["k"].max())]
-            ax.plot(fitted["k"], fitted["predicted"], "--", color=palette[label], linewidth=1, alpha=0.8)
+            ax.plot(fitted["k"], fitted["predicted"], "--", color=palette[series], linewidth=1, alpha=0.8)
         ax.axhline(1, color="black", linewidth=0.8)
         ax.set(title=sampling, xlabel="k (drafted tokens per cycle)", ylabel="speedup (×)")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -93,7 +105,7 @@ def acceptance_by_sampling(fits: pd.DataFrame, path: Path) -> Path | None:
     """Heatmap of fitted alpha, draft (x dataset) by sampling setting."""
     if fits.empty:
         return None
-    rows = fits["label"] + (" · " + fits["dataset"] if fits["dataset"].nunique() > 1 else "")
+    rows = fits["series"] + (" · " + fits["dataset"] if fits["dataset"].nunique() > 1 else "")
     grid = fits.assign(row=rows).pivot_table(index="row", columns="sampling", values="alpha")
     return _heatmap(grid, "α (accepted / tested positions), pooled over k", "sampling", path)
 
@@ -103,7 +115,7 @@ def acceptance_by_category(prompts: pd.DataFrame, path: Path) -> Path | None:
     if prompts.empty:
         return None
     many = prompts["sampling"].nunique() > 1
-    rows = prompts["label"] + (" · " + prompts["sampling"] if many else "")
+    rows = prompts["series"] + (" · " + prompts["sampling"] if many else "")
     sums = prompts.assign(row=rows).groupby(["row", "category"])[["spec_accepted", "spec_tested"]].sum()
     grid = (sums["spec_accepted"] / sums["spec_tested"]).unstack("category")
     return _heatmap(grid, "α by prompt category, pooled over k", "category", path)
@@ -122,15 +134,15 @@ def position_acceptance(cells: pd.DataFrame, fits: pd.DataFrame, palette: dict, 
     samplings = sorted(cells["sampling"].unique())
     fig, axes = _panels(len(samplings))
     for ax, sampling in zip(axes, samplings):
-        for label, g in cells[cells["sampling"] == sampling].groupby("label"):
+        for series, g in cells[cells["sampling"] == sampling].groupby("series"):
             reached = _sum_ragged(g["position_reached"])
             kept = _sum_ragged(g["position_accepted"])
             rate = np.divide(kept, reached, out=np.full(len(reached), np.nan), where=reached > 0)
             frame = pd.DataFrame({"position": np.arange(1, len(rate) + 1), "acceptance": rate})
-            sns.lineplot(data=frame, x="position", y="acceptance", marker="o", color=palette[label], label=label, ax=ax)
-            alpha = fits[(fits["label"] == label) & (fits["sampling"] == sampling)]["alpha"]
+            sns.lineplot(data=frame, x="position", y="acceptance", marker="o", color=palette[series], label=series, ax=ax)
+            alpha = fits[(fits["series"] == series) & (fits["sampling"] == sampling)]["alpha"]
             if len(alpha):
-                ax.axhline(alpha.mean(), color=palette[label], linestyle=":", linewidth=1)
+                ax.axhline(alpha.mean(), color=palette[series], linestyle=":", linewidth=1)
         ax.set(title=sampling, xlabel="drafted position", ylabel="P(accepted | earlier accepted)", ylim=(0, 1.05))
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     _legend_outside(fig, axes)
@@ -149,17 +161,17 @@ def _sum_ragged(lists) -> np.ndarray:
 def tokens_per_cycle(cells: pd.DataFrame, fits: pd.DataFrame, palette: dict, path: Path) -> Path:
     """Measured tokens per cycle against (1 - α^(k+1)) / (1 - α): per cell, and against k with the fitted α."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    sns.scatterplot(data=cells, x="theoretical_tokens_per_cycle", y="tokens_per_cycle", hue="label", style="sampling",
+    sns.scatterplot(data=cells, x="theoretical_tokens_per_cycle", y="tokens_per_cycle", hue="series", style="sampling",
                     palette=palette, s=60, ax=left)
     top = float(np.nanmax(cells[["theoretical_tokens_per_cycle", "tokens_per_cycle"]].to_numpy())) * 1.05
     left.plot([1, top], [1, top], color="grey", linestyle="--", linewidth=1)
     left.set(xlabel="theoretical, cell's own α", ylabel="measured tokens per cycle", title="each cell")
-    sns.scatterplot(data=cells, x="k", y="tokens_per_cycle", hue="label", style="sampling", palette=palette, s=60,
+    sns.scatterplot(data=cells, x="k", y="tokens_per_cycle", hue="series", style="sampling", palette=palette, s=60,
                     ax=right, legend=False)
     ks = np.arange(1, int(cells["k"].max()) + 1)
     style = _styles(fits)
     for _, f in fits.iterrows():
-        right.plot(ks, [expected_tokens_per_cycle(f["alpha"], k) for k in ks], color=palette[f["label"]], linewidth=1,
+        right.plot(ks, [expected_tokens_per_cycle(f["alpha"], k) for k in ks], color=palette[f["series"]], linewidth=1,
                    linestyle=style[f["sampling"]])
     right.set(xlabel="k", ylabel="tokens per cycle", title="against k (lines: fitted α)")
     right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -175,11 +187,11 @@ def _styles(frame: pd.DataFrame) -> dict[str, str]:
 def measured_vs_predicted(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
     """Each cell's measured speedup (95% interval) against its predicted speedup."""
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    for label, g in cells.groupby("label"):
+    for series, g in cells.groupby("series"):
         ax.errorbar(g["predicted_speedup"], g["speedup"],
                     yerr=[g["speedup"] - g["speedup_ci_low"], g["speedup_ci_high"] - g["speedup"]],
-                    fmt="none", ecolor=palette[label], alpha=0.5, linewidth=1)
-    sns.scatterplot(data=cells, x="predicted_speedup", y="speedup", hue="label", style="sampling", palette=palette, s=60, ax=ax)
+                    fmt="none", ecolor=palette[series], alpha=0.5, linewidth=1)
+    sns.scatterplot(data=cells, x="predicted_speedup", y="speedup", hue="series", style="sampling", palette=palette, s=60, ax=ax)
     values = cells[["predicted_speedup", "speedup", "speedup_ci_low", "speedup_ci_high"]].to_numpy(dtype=float)
     lo, hi = np.nanmin(values) * 0.95, np.nanmax(values) * 1.05
     ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", linewidth=1, label="measured = predicted")
@@ -202,7 +214,7 @@ def pareto_front(size: np.ndarray, speedup: np.ndarray) -> np.ndarray:
 
 def speedup_vs_size(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
     """Each draft at its best measured k, against parameters and weight memory; Pareto front marked."""
-    best = cells.loc[cells.groupby(["label", "sampling"])["speedup"].idxmax()].copy()
+    best = cells.loc[cells.groupby(["series", "sampling"])["speedup"].idxmax()].copy()
     best["memory_mb"] = best["draft_bytes"] / 2**20
     known = best[best["draft_params"].notna()]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -210,23 +222,23 @@ def speedup_vs_size(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
         if known.empty:
             ax.text(0.5, 0.5, "draft sizes unknown", ha="center", va="center", transform=ax.transAxes)
             continue
-        for label, g in known.groupby("label"):
+        for series, g in known.groupby("series"):
             ax.errorbar(g[column], g["speedup"], yerr=[g["speedup"] - g["speedup_ci_low"], g["speedup_ci_high"] - g["speedup"]],
-                        fmt="none", ecolor=palette[label], alpha=0.5)
-        sns.scatterplot(data=known, x=column, y="speedup", hue="label", style="sampling", palette=palette, s=70, ax=ax, zorder=3)
-        for sampling, g in known.groupby("sampling"):
+                        fmt="none", ecolor=palette[series], alpha=0.5)
+        sns.scatterplot(data=known, x=column, y="speedup", hue="series", style="sampling", palette=palette, s=70, ax=ax, zorder=3)
+        for i, (_, g) in enumerate(known.groupby(["target", "setup", "sampling"])):  # one front per context
             mask = pareto_front(g[column].to_numpy(dtype=float), g["speedup"].to_numpy(dtype=float))
             front = g[mask].sort_values(column)
             ax.step(front[column], front["speedup"], where="post", color="black", linewidth=1, alpha=0.6)
             ax.scatter(front[column], front["speedup"], s=160, facecolors="none", edgecolors="black", linewidths=1.2, zorder=4,
-                       label="Pareto front" if sampling == known["sampling"].iloc[0] else None)
+                       label="Pareto front" if i == 0 else None)
         for _, r in known.iterrows():
             ax.annotate(f"k={r['k']}", (r[column], r["speedup"]), textcoords="offset points", xytext=(5, 5), fontsize=7)
         _size_axis(ax, known[column].to_numpy(dtype=float), column == "draft_params")
         ax.axhline(1, color="black", linewidth=0.8)
         ax.set(xlabel=xlabel + " (0: prompt lookup)", ylabel="speedup at best k")
     _legend_outside(fig, list(axes))
-    unknown = sorted(set(best["label"]) - set(known["label"]))
+    unknown = sorted(set(best["series"]) - set(known["series"]))
     note = f" (size unknown, not shown: {', '.join(unknown)})" if unknown else ""
     fig.suptitle(f"Speedup against draft size; ringed: Pareto front{note}", y=1.02)
     return _save(fig, path)
@@ -251,28 +263,30 @@ def _size_axis(ax, values: np.ndarray, count: bool) -> None:
 
 
 def fitted_model(cells: pd.DataFrame, fits: pd.DataFrame, curves: pd.DataFrame, palette: dict, path: Path) -> Path | None:
-    """Predicted speedup for k = 1..16 (band: α's interval) with the measured points; the verify-cost fit."""
+    """Predicted speedup for k = 1..max_k (band: α's interval) with the measured points; the verify-cost fit."""
     if fits.empty:
         return None
+    max_k = int(curves["k"].max())  # the fit's range (--max-k)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     many = fits[["dataset", "sampling"]].drop_duplicates().shape[0] > 1
     style = _styles(fits)
     for _, f in fits.iterrows():
-        key = (curves["label"] == f["label"]) & (curves["dataset"] == f["dataset"]) & (curves["sampling"] == f["sampling"])
+        key = (curves["series"] == f["series"]) & (curves["dataset"] == f["dataset"]) & (curves["sampling"] == f["sampling"])
         c = curves[key]
-        name = f"{f['label']} · {f['dataset']} · {f['sampling']}" if many else f["label"]
-        left.plot(c["k"], c["predicted"], color=palette[f["label"]], linestyle=style[f["sampling"]], label=name)
-        left.fill_between(c["k"], c["low"], c["high"], color=palette[f["label"]], alpha=0.2, linewidth=0)
-        left.scatter([f["best_k"]], [f["predicted_best"]], marker="*", s=120, color=palette[f["label"]], zorder=3)
-        measured = cells[(cells["label"] == f["label"]) & (cells["dataset"] == f["dataset"]) & (cells["sampling"] == f["sampling"])]
-        left.scatter(measured["k"], measured["speedup"], color=palette[f["label"]], edgecolors="black", zorder=3)
-        ns = np.arange(1, 18)
-        right.plot(ns, 1 + f["verify_slope"] * (ns - 1), color=palette[f["label"]], linewidth=1, linestyle=style[f["sampling"]])
-    for label, g in cells.groupby("label"):
+        color = palette[f["series"]]
+        name = f"{f['series']} · {f['dataset']} · {f['sampling']}" if many else f["series"]
+        left.plot(c["k"], c["predicted"], color=color, linestyle=style[f["sampling"]], label=name)
+        left.fill_between(c["k"], c["low"], c["high"], color=color, alpha=0.2, linewidth=0)
+        left.scatter([f["best_k"]], [f["predicted_best"]], marker="*", s=120, color=color, zorder=3)
+        measured = cells[(cells["series"] == f["series"]) & (cells["dataset"] == f["dataset"]) & (cells["sampling"] == f["sampling"])]
+        left.scatter(measured["k"], measured["speedup"], color=color, edgecolors="black", zorder=3)
+        ns = np.arange(1, max_k + 2)  # v(k + 1) for k = 1..max_k
+        right.plot(ns, 1 + f["verify_slope"] * (ns - 1), color=color, linewidth=1, linestyle=style[f["sampling"]])
+    for series, g in cells.groupby("series"):
         points = pd.DataFrame([(n + 1, v) for costs in g["verify_costs"] for n, v in enumerate(costs)], columns=["n", "v"])
-        sns.scatterplot(data=points, x="n", y="v", color=palette[label], ax=right, s=30)
+        sns.scatterplot(data=points, x="n", y="v", color=palette[series], ax=right, s=30)
     left.axhline(1, color="black", linewidth=0.8)
-    left.set(xlabel="k", ylabel="predicted speedup (×)", title="Fitted S(k), k ≤ 16 (★ best k, ● measured)")
+    left.set(xlabel="k", ylabel="predicted speedup (×)", title=f"Fitted S(k), k ≤ {max_k} (★ best k, ● measured)")
     right.set(xlabel="n positions scored in one pass", ylabel="v(n) = T(n) / T(1)",
               title="Verify cost: measured (dots), fitted 1 + b(n − 1)")
     for ax in (left, right):

@@ -1,4 +1,8 @@
-"""The fitted model behind a sweep: alpha, c and v(n) per (target, draft, dataset, sampling).
+"""The fitted model behind a sweep: alpha, c and v(n) per (target, run setup, draft, dataset, sampling).
+
+The run setup (analysis.load.CONDITION_KEYS: device, dtype, max_new_tokens,
+cache, compile) is part of a fit's key: c and v are the machine's, and
+pooling an A100's cells with an H100's would fit neither.
 
 Leviathan et al.'s model of a speculative cycle (harness.metrics):
 
@@ -41,7 +45,7 @@ from harness.metrics import expected_tokens_per_cycle
 from harness.metrics import predicted_speedup as leviathan_speedup
 
 MAX_K = 16
-FIT_KEYS = ["target", "label", "dataset", "sampling"]
+FIT_KEYS = ["target", "setup", "label", "dataset", "sampling"]
 
 
 def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_slope: float) -> float:
@@ -89,8 +93,13 @@ class Interval:
 
 def alpha_interval(accepted: np.ndarray, tested: np.ndarray, confidence: float = 0.95,
                    n_resamples: int = 2000, seed: int = 0) -> Interval:
-    """Pooled alpha = sum accepted / sum tested over clusters (prompts), with a cluster-bootstrap interval."""
+    """Pooled alpha = sum accepted / sum tested over clusters (prompts), with a cluster-bootstrap interval.
+
+    Clusters that tested no position (prompt lookup never matched) add nothing to alpha and are left
+    out: a resample of only those would be 0/0, and one NaN replicate makes scipy's interval NaN."""
     accepted, tested = np.asarray(accepted, dtype=float), np.asarray(tested, dtype=float)
+    idle = int((tested <= 0).sum())
+    accepted, tested = accepted[tested > 0], tested[tested > 0]
     total = tested.sum()
     if total <= 0:
         return Interval(math.nan, math.nan, math.nan, "none")
@@ -99,13 +108,12 @@ def alpha_interval(accepted: np.ndarray, tested: np.ndarray, confidence: float =
         return binomial_interval(accepted.sum(), total, confidence)
 
     def pooled(a, t, axis=-1):
-        t_sum = t.sum(axis)
-        return np.divide(a.sum(axis), t_sum, out=np.full(np.shape(t_sum), np.nan), where=t_sum > 0)
+        return a.sum(axis) / t.sum(axis)
 
     res = stats.bootstrap((accepted, tested), pooled, paired=True, vectorized=True, n_resamples=n_resamples,
                           confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed))
     return Interval(alpha, float(res.confidence_interval.low), float(res.confidence_interval.high),
-                    f"cluster bootstrap over {len(tested)} prompts")
+                    f"cluster bootstrap over {len(tested)} prompts" + (f" ({idle} that tested nothing left out)" if idle else ""))
 
 
 def binomial_interval(accepted: float, tested: float, confidence: float = 0.95) -> Interval:
@@ -163,7 +171,7 @@ def fit(cells: pd.DataFrame, prompts: pd.DataFrame, confidence: float = 0.95, n_
             measured_best_speedup=float(measured["speedup"]) if measured is not None else math.nan,
             efficiency=float(group["efficiency"].median()),
             break_even_cost_ratio=break_even_cost_ratio(alpha.value, b, max_k),
-            break_even_alpha=break_even_alpha(c, b, max_k),
+            break_even_alpha=break_even_alpha(c, b, max_k), max_k=max_k,
             draft_params=float(group["draft_params"].iloc[0]), draft_bytes=float(group["draft_bytes"].iloc[0]),
         )
         fits.append(row)

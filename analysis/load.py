@@ -15,8 +15,15 @@ every later step sees one schema:
 A local source may be a cell directory, a results store (`out_dir`), a Hydra
 run or multirun directory (its jobs' `cell.json` point at their cells) or a
 mix; cells are found by their `summary.json` (written only when a cell
-finishes) and deduplicated by cell key. Unfinished or failed cells are left
-out and listed in `Results.notes`.
+finishes) and deduplicated by (cell key, device name): the harness's cell key
+hashes the unresolved config (device: auto), so the same cell run on a CPU
+and on a GPU box has one key and both are kept. Unfinished or failed cells
+are left out and listed in `Results.notes`.
+
+Each cell's run conditions (CONDITION_KEYS: the device name, dtype,
+max_new_tokens, KV cache, compile) are also joined into one `setup` string;
+a decision or a fit never mixes two setups. A condition that older results
+do not record is "unknown" (one setup).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import re
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +57,12 @@ SUMMARY_SCALARS = (
 )
 # Per-prompt fields of the speculative path kept in the prompts frame.
 SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
+# The run conditions that change what a speedup means: a decision or a fit holds one value of each.
+CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile")
+# A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
+CELL_CONFIDENCE = 0.95
+# A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
+LOCAL_LOOKING = re.compile(r"^[./~]|(^|/)(\d{4}-\d{2}-\d{2}|\d{2}-\d{2}-\d{2})(/|$)")
 
 
 @dataclass
@@ -75,9 +89,19 @@ def load(source: str | Path, api: Any = None) -> Results:
     path = Path(source).expanduser()
     if path.exists():
         return load_local(path)
+    if _looks_local(str(source)):
+        raise HarnessError(f"no such results directory: {source}")
     if WANDB_PATH.match(str(source)):
         return load_wandb(str(source), api)
     raise HarnessError(f"{source} is neither a results directory nor a W&B path (entity/project or entity/project/sweep_id)")
+
+
+def _looks_local(source: str) -> bool:
+    """A missing path the user meant as local (a typo), not a W&B entity/project[/sweep]."""
+    if source.startswith("wandb:"):
+        return False
+    parent = Path(source).expanduser().parent
+    return bool(LOCAL_LOOKING.search(source)) or (parent != Path(".") and parent.is_dir())
 
 
 # Local trees
@@ -215,26 +239,36 @@ def _artifact_records(run) -> list[dict] | None:
 
 
 def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | None = None) -> Results:
-    """The cells and prompts frames of raw cells (duplicates of a cell key are dropped)."""
+    """The cells and prompts frames of raw cells (duplicates of a cell key on one device are dropped).
+
+    One cell key on several devices (the same config run on two machines) keeps a row per device,
+    its `cell` qualified by the device name so that every row's `cell` is unique."""
     notes = list(notes or [])
-    cell_rows, prompt_rows, seen = [], [], {}
+    kept, seen = [], {}
     for raw in raws:
         row = cell_row(raw)
-        if row["cell"] in seen:
-            notes.append(f"cell {row['cell']} found twice ({seen[row['cell']]}, {raw.origin}): the first is used")
+        key = (row["cell"], row["device_name"])
+        if key in seen:
+            notes.append(f"cell {row['cell']} on {row['device_name']} found twice ({seen[key]}, {raw.origin}): the first is used")
             continue
-        seen[row["cell"]] = raw.origin
+        seen[key] = raw.origin
+        kept.append((row, raw.records))
+    devices = Counter(row["cell"] for row, _ in kept)
+    cell_rows, prompt_rows = [], []
+    for row, records in kept:
+        if devices[row["cell"]] > 1:
+            row["cell"] = f"{row['cell']}@{row['device_name']}"
         cell_rows.append(row)
-        for r in raw.records or []:
+        for r in records or []:
             prompt_rows.append(prompt_row(row["cell"], r, row["dataset"]))
     cells = pd.DataFrame(cell_rows)
     if cells.empty:
         return Results(cells, pd.DataFrame(), source, kind, notes)
     cells["label"] = _labels(cells)
-    cells = cells.sort_values(["target", "label", "dataset", "sampling", "k"], kind="stable").reset_index(drop=True)
+    cells = cells.sort_values(["target", "setup", "label", "dataset", "sampling", "k"], kind="stable").reset_index(drop=True)
     prompts = pd.DataFrame(prompt_rows)
     if not prompts.empty:
-        keys = cells[["cell", "target", "label", "draft_kind", "dataset", "sampling", "temperature", "k"]]
+        keys = cells[["cell", "target", "setup", "label", "draft_kind", "dataset", "sampling", "temperature", "k"]]
         prompts = prompts.merge(keys, on="cell", how="left")
     return Results(cells, prompts, source, kind, notes)
 
@@ -283,8 +317,11 @@ def cell_row(raw: RawCell) -> dict:
         "accepted_total": float(sum(j * n for j, n in enumerate(hist))),
         "tested_total": np.nan,
         "device": conditions.get("device"),
-        "device_name": conditions.get("device_name"),
-        "dtype": conditions.get("dtype"),
+        # The run conditions (CONDITION_KEYS); the harness records cache and compile in the config.
+        "device_name": _known(conditions.get("device_name") or conditions.get("device")),
+        "dtype": _known(conditions.get("dtype")),
+        "cache": _known(conditions.get("cache", cfg.get("cache"))),
+        "compile": _known(conditions.get("compile", cfg.get("compile"))),
         "has_prompts": raw.records is not None and len(raw.records) > 0,
     }
     if raw.records:  # exact counts
@@ -302,7 +339,10 @@ def cell_row(raw: RawCell) -> dict:
         cycles = row["cycles"] if row["cycles"] == row["cycles"] else 0.0
         row["position_reached"] = [cycles] * len(row["position_acceptance"])
         row["position_accepted"] = [cycles * a for a in row["position_acceptance"]]
-    size = draft_size(kind, draft.get("id"), row["dtype"], s)
+    if row["max_new_tokens"] != row["max_new_tokens"]:
+        row["max_new_tokens"] = _num(cfg.get("max_new_tokens"))
+    row["setup"] = describe(row, CONDITION_KEYS)
+    size = draft_size(kind, draft.get("id"), conditions.get("dtype"), s)
     row.update(draft_params=size["params"], draft_bytes=size["bytes"], draft_size_source=size["source"])
     return row
 
@@ -337,6 +377,37 @@ def _labels(cells: pd.DataFrame) -> pd.Series:
         return f"{row['pair']}/{short}"
 
     return cells.apply(label, axis=1)
+
+
+def _known(value: Any) -> str:
+    return "unknown" if value is None else str(value)
+
+
+def describe(row: Any, keys: Iterable[str]) -> str:
+    """'device=NVIDIA H200, dtype=bfloat16' for the given identity keys of a row (a target by its id alone)."""
+    def value(key: str) -> str:
+        v = row[key]
+        if isinstance(v, float):
+            return "unknown" if v != v else f"{v:g}"
+        return str(v)
+
+    return ", ".join(value(k) if k == "target" else f"{k.removesuffix('_name')}={value(k)}" for k in keys)
+
+
+def varying(cells: pd.DataFrame, keys: Iterable[str] = ("target", *CONDITION_KEYS)) -> list[str]:
+    """The keys that take more than one value across the cells."""
+    return [k for k in keys if cells[k].astype(str).nunique() > 1]
+
+
+def names(cells: pd.DataFrame) -> pd.DataFrame:
+    """One row per (target, setup, label): `where`, the target and run conditions that differ between the
+    cells ('' when none do), and `name`, the label followed by it: what a figure or table calls the draft,
+    so that cells of two targets or two devices are never drawn or listed as one."""
+    keys = varying(cells)
+    out = cells.drop_duplicates(["target", "setup", "label"]).reset_index(drop=True)
+    out["where"] = [describe(row, keys) for _, row in out.iterrows()]
+    out["name"] = [f"{label} · {where}" if where else label for label, where in zip(out["label"], out["where"])]
+    return out[["target", "setup", "label", "where", "name"]]
 
 
 def _sum_lists(lists: Iterable[list]) -> list[float]:

@@ -8,11 +8,13 @@ every run in it). Writes one folder, readable without W&B:
                   the what-if, every cell, the figures, the methods
   figures/*.png   seaborn figures
   cells.csv       one row per cell
-  fits.csv        one row per (target, draft, dataset, sampling)
+  fits.csv        one row per (target, run setup, draft, dataset, sampling)
   decision.json   the decisions, machine-readable
 
 Settings come from conf/report.yaml (traffic weights, confidence,
-resamples, what-if costs), then --config FILE, then the flags.
+resamples, what-if costs), then --config FILE, then the flags. A file that
+defines one of the maps in REPLACED replaces it whole (a traffic mix is one
+mix, not a union of two).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from omegaconf import OmegaConf
 from analysis import decide as decide_mod
 from analysis import fit as fit_mod
 from analysis.figures import make_figures
-from analysis.load import WANDB_PATH, Results, load
+from analysis.load import CELL_CONFIDENCE, WANDB_PATH, Results, load, names
 from harness.errors import HarnessError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "report.yaml"
@@ -46,21 +48,25 @@ DEFAULTS = {
                "verify_slope": None},
     "wandb_log": True,
 }
+# Maps that a settings file replaces whole when it defines them (other keys merge).
+REPLACED = ("weights", "whatif.cost_ratio", "whatif.draft_step_ms")
+_ABSENT = object()  # OmegaConf.select's answer for a key the file does not define
 CAPTIONS = {
-    "speedup_vs_k": "Measured speedup against k for each draft, one panel per sampling setting. Bands: 95% paired "
-                    "bootstrap interval of each cell; dashed: the fitted model.",
+    "speedup_vs_k": "Measured speedup against k for each draft, one panel per sampling setting. Bands: "
+                    f"{100 * CELL_CONFIDENCE:g}% paired bootstrap interval of each cell (the harness's); dashed: the "
+                    "fitted model.",
     "acceptance_by_sampling": "α (accepted / tested positions) per draft and sampling setting, pooled over k.",
     "acceptance_by_category": "α per draft and prompt category, pooled over k.",
     "position_acceptance": "P(drafted position i accepted | positions before it accepted), pooled over each draft's "
                            "cells. A flat curve at α is the i.i.d. acceptance the formulas assume.",
     "tokens_per_cycle": "Measured tokens per cycle (bonus included) against (1 − α^(k+1)) / (1 − α). Measured sits "
                         "slightly below where max_new_tokens or EOS cut a last cycle short.",
-    "measured_vs_predicted": "Measured speedup (95% interval) against the speedup predicted from the cell's own α, "
+    "measured_vs_predicted": f"Measured speedup ({100 * CELL_CONFIDENCE:g}% interval) against the speedup predicted from the cell's own α, "
                              "c and v(k+1). Below the diagonal: overhead the model does not count (sampling, "
                              "bookkeeping, cache rollback).",
     "speedup_vs_size": "Each draft at its best measured k against its size (parameters; weight memory at the run's "
                        "dtype). Ringed: the Pareto front (no smaller draft is faster).",
-    "fitted_model": "Left: predicted speedup for k = 1..16 from the fitted α (band: α's interval), c and v; ★ best "
+    "fitted_model": "Left: predicted speedup for k = 1..{max_k} from the fitted α (band: α's interval), c and v; ★ best "
                     "k, ● measured. Right: the verify cost v(n) measured (dots) and fitted (lines).",
 }
 
@@ -74,7 +80,11 @@ def settings(args: argparse.Namespace) -> dict:
         if path is not None:
             if not Path(path).exists():
                 raise HarnessError(f"--config {path} does not exist")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            layer = OmegaConf.load(path)
+            cfg = OmegaConf.merge(cfg, layer)
+            for key in REPLACED:
+                if OmegaConf.select(layer, key, default=_ABSENT) is not _ABSENT:
+                    OmegaConf.update(cfg, key, OmegaConf.select(layer, key), merge=False)
     out = OmegaConf.to_container(cfg, resolve=True)
     if args.weights:
         out["weights"] = parse_assignments(args.weights, "--weights")
@@ -217,27 +227,30 @@ def markdown(results: Results, fits: pd.DataFrame, decisions: list[dict], whatif
              figures: dict[str, Path], cfg: dict) -> str:
     cells = results.cells
     pct = f"{100 * cfg['confidence']:g}%"
-    devices = ", ".join(sorted({f"{r.device_name} ({r.device}, {r.dtype})" for r in cells.itertuples() if r.device_name}))
+    where = names(cells)
     out = [
         "# Which draft to ship",
         "",
         f"Source: `{results.source}` ({'W&B' if results.kind == 'wandb' else 'local results'}): {len(cells)} cells; "
+        f"targets {', '.join(sorted(cells['target'].unique()))}; "
         f"drafts {', '.join(sorted(cells['label'].unique()))}; k {', '.join(map(str, sorted(cells['k'].unique())))}; "
         f"{', '.join(sorted(cells['sampling'].unique()))}; datasets {', '.join(sorted(cells['dataset'].unique()))}.  ",
-        f"Measured on {devices or 'unknown hardware'}. Generated {dt.datetime.now():%Y-%m-%d %H:%M} by "
-        f"`python -m analysis.report`; intervals are {pct}, {cfg['n_resamples']} bootstrap resamples.",
+        f"Run conditions: {'; '.join(sorted(cells['setup'].unique()))}.  ",
+        f"Generated {dt.datetime.now():%Y-%m-%d %H:%M} by `python -m analysis.report`; intervals are {pct}, "
+        f"{cfg['n_resamples']} bootstrap resamples, except each cell's own ({100 * CELL_CONFIDENCE:g}%, the harness's).",
         "",
         "## Decision",
         "",
     ]
     for d in decisions:
-        out += _decision_section(d, pct)
-    out += _fits_section(fits, pct)
-    out += _whatif_section(whatif, pct, cfg)
-    out += _cells_section(cells, pct)
+        out += _decision_section(d)
+    out += _fits_section(_named(fits, where), pct, cfg["max_k"])
+    out += _whatif_section(_named(whatif, where), pct, cfg)
+    out += _cells_section(_named(cells, where))
     out += ["## Figures", ""]
     for name, path in figures.items():
-        out += [f"### {name.replace('_', ' ').capitalize()}", "", f"![{name}](figures/{path.name})", "", CAPTIONS.get(name, ""), ""]
+        caption = CAPTIONS.get(name, "").format(max_k=cfg["max_k"])
+        out += [f"### {name.replace('_', ' ').capitalize()}", "", f"![{name}](figures/{path.name})", "", caption, ""]
     out += _sizes_section(cells)
     out += _methods_section(pct)
     if results.notes:
@@ -245,10 +258,25 @@ def markdown(results: Results, fits: pd.DataFrame, decisions: list[dict], whatif
     return "\n".join(out)
 
 
-def _decision_section(d: dict, pct: str) -> list[str]:
+def _named(frame: pd.DataFrame, where: pd.DataFrame) -> pd.DataFrame:
+    """The frame with `where` (its target and run conditions where the report has several, else '')."""
+    if frame.empty:
+        return frame
+    return frame.merge(where[["target", "setup", "label", "where"]], on=["target", "setup", "label"], how="left")
+
+
+def _where_column(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """(header, cells) of a "target / conditions" column, only when the rows differ in them."""
+    if frame.empty or not frame["where"].astype(bool).any():
+        return [], [[] for _ in range(len(frame))]
+    return ["target / conditions"], [[w] for w in frame["where"]]
+
+
+def _decision_section(d: dict) -> list[str]:
     mix = d["mix"]
+    pct = f"{100 * d['confidence']:g}%"  # the cells' own intervals' level when decided from summaries
     weights = ", ".join(f"{g} {100 * w:.0f}%" for g, w in d["weights"].items()) or "none (cell-level data)"
-    out = [f"### {d['target']} · {d['sampling']}", "", f"**{mix['verdict']}**", "",
+    out = [f"### {d['context']}", "", f"**{mix['verdict']}**", "", f"Run conditions: {d['setup']}.", "",
            f"Traffic mix (share of generated tokens): {weights}. {d['prompts']} prompts, "
            f"{len(d['candidates'])} candidates (draft × k).", ""]
     rows = []
@@ -272,22 +300,24 @@ def _decision_section(d: dict, pct: str) -> list[str]:
     return out
 
 
-def _fits_section(fits: pd.DataFrame, pct: str) -> list[str]:
-    rows = [[f.label, f.dataset, f.sampling, f.ks, _f(f.alpha), _ci(f.alpha_low, f.alpha_high), _f(f.cost_ratio, ".4f"),
+def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
+    where_header, where_cells = _where_column(fits)
+    rows = [[*w, f.label, f.dataset, f.sampling, f.ks, _f(f.alpha), _ci(f.alpha_low, f.alpha_high), _f(f.cost_ratio, ".4f"),
              _f(f.verify_slope, ".4f"), f.verify_max_n, f.best_k, _f(f.predicted_best), _ci(f.predicted_best_low, f.predicted_best_high),
              f"{_f(f.measured_best_speedup)} (k={f.measured_best_k})", _f(f.efficiency, ".2f"),
              _f(f.break_even_cost_ratio) if f.break_even_cost_ratio > 0 else "none"]
-            for f in fits.itertuples()]
+            for w, f in zip(where_cells, fits.itertuples())]
     return [
         "## Fitted model", "",
-        "Per draft, dataset and sampling setting: α pooled over k with a cluster bootstrap over prompts; c the median "
-        "measured cost ratio; v(n) = 1 + b(n − 1), b the median slope of the measured verify costs (measured up to "
+        "Per target, run conditions, draft, dataset and sampling setting: α pooled over k with a cluster bootstrap "
+        "over prompts; c the median measured cost ratio; v(n) = 1 + b(n − 1), b the median slope of the measured "
+        "verify costs (measured up to "
         "n = `v measured to`, extrapolated beyond); the "
-        "predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ 16, its interval from α's.", "",
-        _table(["draft", "dataset", "sampling", "k run", "α ↑", f"{pct} CI", "c ↓", "b ↓", "v measured to", "best k",
+        f"predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ {max_k}, its interval from α's.", "",
+        _table([*where_header, "draft", "dataset", "sampling", "k run", "α ↑", f"{pct} CI", "c ↓", "b ↓", "v measured to", "best k",
                 "predicted ↑", f"{pct} CI", "measured best ↑", "efficiency", "break-even c"], rows), "",
         "`efficiency`: measured / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
-        "which some k ≤ 16 still predicts a speedup above 1 at this α (none: not even a free draft).", "",
+        f"which some k ≤ {max_k} still predicts a speedup above 1 at this α (none: not even a free draft).", "",
     ]
 
 
@@ -300,21 +330,25 @@ def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
             "`--target-step-ms 25 --draft-step-ms 3`, optionally `--verify-slope 0.01` (or `whatif:` in "
             "conf/report.yaml).", ""]
     name = whatif["machine"].iloc[0]
-    rows = [[w.label, w.dataset, w.sampling, _f(w.alpha), _f(w.cost_ratio, ".4f"), w.cost_source, _f(w.verify_slope, ".4f"),
+    where_header, where_cells = _where_column(whatif)
+    rows = [[*where, w.label, w.dataset, w.sampling, _f(w.alpha), _f(w.cost_ratio, ".4f"), w.cost_source, _f(w.verify_slope, ".4f"),
              w.best_k, _f(w.predicted), _ci(w.predicted_low, w.predicted_high), f"{_f(w.here_predicted)} (k={w.here_best_k})"]
-            for w in whatif.itertuples()]
+            for where, w in zip(where_cells, whatif.itertuples())]
     return out + [f"Predicted on **{name}** with this sweep's α and the costs given:", "",
-                  _table(["draft", "dataset", "sampling", "α", "c there", "c from", "b there", "best k there",
+                  _table([*where_header, "draft", "dataset", "sampling", "α", "c there", "c from", "b there", "best k there",
                           "predicted there ↑", f"{pct} CI", "predicted here (best k)"], rows), ""]
 
 
-def _cells_section(cells: pd.DataFrame, pct: str) -> list[str]:
-    rows = [[c.label, c.dataset, c.sampling, c.k, int(c.num_prompts) if c.num_prompts == c.num_prompts else "–",
+def _cells_section(cells: pd.DataFrame) -> list[str]:
+    """Every cell; its interval is the harness's own (CELL_CONFIDENCE), whatever the report's confidence."""
+    where_header, where_cells = _where_column(cells)
+    rows = [[*w, c.label, c.dataset, c.sampling, c.k, int(c.num_prompts) if c.num_prompts == c.num_prompts else "–",
              _f(c.alpha), _f(c.tokens_per_cycle, ".2f"), _f(c.theoretical_tokens_per_cycle, ".2f"), _f(c.speedup),
              _ci(c.speedup_ci_low, c.speedup_ci_high), _f(c.predicted_speedup), _f(c.efficiency, ".2f"),
-             _f(c.cost_ratio, ".4f"), _f(c.verify_cost, ".3f")] for c in cells.itertuples()]
+             _f(c.cost_ratio, ".4f"), _f(c.verify_cost, ".3f")] for w, c in zip(where_cells, cells.itertuples())]
     return ["## Cells", "",
-            _table(["draft", "dataset", "sampling", "k", "prompts", "α ↑", "tok/cycle ↑", "theory", "speedup ↑", f"{pct} CI",
+            _table([*where_header, "draft", "dataset", "sampling", "k", "prompts", "α ↑", "tok/cycle ↑", "theory", "speedup ↑",
+                    f"{100 * CELL_CONFIDENCE:g}% CI",
                     "predicted", "efficiency", "c ↓", "v(k+1) ↓"], rows), ""]
 
 
@@ -339,18 +373,23 @@ def _methods_section(pct: str) -> list[str]:
         "(w_g τ_base,g / Σ_h w_h τ_base,h). Weights are normalised over the measured categories.",
         f"- **Intervals** ({pct}): a paired, stratified bootstrap over prompts: every replicate resamples the prompts "
         "of each category with replacement and applies the same resample to every candidate; percentile intervals. "
-        "A category with one prompt has no interval.",
-        "- **Ship rule**: the best candidate by point estimate ships only if its interval's lower bound is above 1; "
-        "otherwise *ship no speculation*. Choosing the best of many candidates favours a lucky one, so its interval is "
-        "slightly optimistic.",
-        "- **Best two drafts**: the best candidate against the best candidate of another draft: the bootstrap interval "
+        "A category with one prompt has no interval. Each cell's own interval (Cells table, figures) is the "
+        f"harness's {100 * CELL_CONFIDENCE:g}%.",
+        "- **Context**: one decision per target, sampling setting and run conditions (device, dtype, max_new_tokens, "
+        "cache, compile); candidates are paired on the prompts they all ran, and a candidate with fewer than half the "
+        "prompts of the best-covered one is left out (listed in the notes).",
+        "- **Ship rule**: candidates are ranked by point estimate; the best one whose interval's lower bound is above 1 "
+        "ships (when a higher one is uncertain, the verdict names it); if none, *ship no speculation*. Choosing the "
+        "best of many candidates favours a lucky one, so its interval is slightly optimistic.",
+        "- **Best two drafts**: the shipped candidate against the best candidate of another draft: the bootstrap interval "
         "of the ratio of their speedups (significant when it excludes 1) and a Wilcoxon signed-rank test of the "
         "per-prompt log speedup differences (unweighted).",
         "- **α**: accepted / tested positions, a cycle testing positions up to its first rejection, pooled over prompts "
         "and k; interval: cluster bootstrap over prompts (scipy.stats.bootstrap), since positions within a prompt are "
         "correlated. Without per-prompt rows: Wilson, positions taken as independent (too narrow).",
-        "- **Cost model**: c = draft step / target step (median over cells); v(n) = T(n positions) / T(1) fitted as "
-        "1 + b(n − 1) through v(1) = 1, b the median of the measured points' slopes; S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) (Leviathan et al., with the "
+        "- **Cost model** (per target, run conditions, draft, dataset and sampling): c = draft step / target step "
+        "(median over cells); v(n) = T(n positions) / T(1) fitted as 1 + b(n − 1) through v(1) = 1, b the median of "
+        "the measured points' slopes; S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) (Leviathan et al., with the "
         "measured verify cost). The interval of S carries α's uncertainty only.",
         "- **What-if**: α carries over to other hardware, c and v do not; a prompt-lookup draft keeps its measured "
         "lookup time (it runs on the host) when only a target step time is given.",
@@ -422,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     for d in document["decisions"]:
-        print(f"{d['target']} · {d['sampling']}: {d['mix']['verdict']}")
+        print(f"{d['context']}: {d['mix']['verdict']}")
     print(f"report: {Path(document['report_dir']) / 'report.md'}")
     return 0
 

@@ -72,31 +72,41 @@ def prompt_record(i: int, category: str, alpha: Fraction, k: int, c: float, b: f
     }
 
 
+GPU = {"device": "cuda", "device_name": "Synthetic GPU", "dtype": "bfloat16"}
+
+
 def write_cell(root: Path, name: str, kind: str, alpha: Fraction, k: int, c: float, b: float, temperature: float = 0.0,
                categories: tuple[str, ...] = ("chat", "code"), per_category: int = 6, seed: int = 0,
-               params: int | None = None, dataset: str = "synthetic", alphas: dict | None = None) -> Path:
-    """One cell directory as harness.run.run_cell writes it. `alphas` gives a category its own alpha."""
+               params: int | None = None, dataset: str = "synthetic", alphas: dict | None = None,
+               target: str = "org/target", conditions: dict = GPU, config: dict | None = None,
+               time_factors: list[float] | None = None, tag: str = "") -> Path:
+    """One cell directory as harness.run.run_cell writes it. `alphas` gives a category its own alpha;
+    `conditions` the summary's run conditions; `config` extra config keys; `time_factors` sets prompt
+    i's speculative time to its baseline time x time_factors[i] (a speedup of 1 / factor); `tag` ends the cell key."""
     rng = np.random.default_rng(seed)
     records = []
     for g in categories:
         for _ in range(per_category):
             jitter = float(np.exp(rng.normal(0, 0.03)))
             records.append(prompt_record(len(records), g, (alphas or {}).get(g, alpha), k, c, b, jitter, kind))
+            if time_factors:
+                r = records[-1]
+                r["spec"]["time_s"] = r["base"]["time_s"] * time_factors[(len(records) - 1) % len(time_factors)]
+                r["speedup"] = r["base"]["time_s"] / r["spec"]["time_s"]
     verify = [1 + b * (n - 1) for n in range(1, k + 2)]
     costs = {"target_step_s": STEP_S, "draft_step_s": c * STEP_S, "cost_ratio": c,
              "verify_s": [v * STEP_S for v in verify], "verify_cost": verify}
     summary = metrics.summarize(records, k, costs)
-    cell = f"{name}-k{k}-t{temperature}-{dataset}"
+    cell = f"{name}-k{k}-t{temperature}-{dataset}{tag}"
     draft = {"kind": kind, "id": f"org/{name}"} if kind == "model" else {"kind": "ngram", "max_ngram": 3, "min_ngram": 1}
-    summary.update(pair=name, target="org/target", draft=draft.get("id", "ngram"), k=k, temperature=temperature, top_k=0,
-                   top_p=1.0, max_new_tokens=64, prompts_skipped=0, prompt_ids=[r["id"] for r in records],
-                   categories=metrics.by_category(records, k, costs), costs=costs,
-                   conditions={"device": "cuda", "device_name": "Synthetic GPU", "dtype": "bfloat16"},
+    config = {"pair": {"name": name, "target": {"id": target}, "draft": draft}, "dataset": {"name": dataset},
+              "k": k, "temperature": temperature, "top_k": 0, "top_p": 1.0, "seed": 0, "max_new_tokens": 64, **(config or {})}
+    summary.update(pair=name, target=target, draft=draft.get("id", "ngram"), k=k, temperature=temperature, top_k=0,
+                   top_p=1.0, max_new_tokens=config["max_new_tokens"], prompts_skipped=0, prompt_ids=[r["id"] for r in records],
+                   categories=metrics.by_category(records, k, costs), costs=costs, conditions=conditions,
                    peak_rss_mb=100.0, cell=cell, cell_dir=str(root / cell), status="finished")
     if params is not None:
         summary["draft_params"] = params
-    config = {"pair": {"name": name, "target": {"id": "org/target"}, "draft": draft}, "dataset": {"name": dataset},
-              "k": k, "temperature": temperature, "top_k": 0, "top_p": 1.0, "seed": 0, "max_new_tokens": 64}
     out = root / cell
     out.mkdir(parents=True)
     (out / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
@@ -309,8 +319,10 @@ def test_traffic_weights_are_normalised_over_measured_categories():
     assert w == pytest.approx({"chat": 2 / 3, "code": 1 / 3, "qa": 0.0})
     assert any("math" in n and "25%" in n for n in notes) and any("qa" in n for n in notes)
     assert decide_mod.resolve_weights({}, ["a", "b"])[0] == {"a": 0.5, "b": 0.5}
-    with pytest.raises(HarnessError, match="no traffic weight"):
-        decide_mod.resolve_weights({"math": 1}, ["chat"])
+    with pytest.raises(HarnessError, match="no traffic weight"):  # in no context at all: a typo
+        decide_mod.check_weights({"math": 1}, ["chat"])
+    with pytest.raises(HarnessError, match=">= 0"):
+        decide_mod.resolve_weights({"chat": -1}, ["chat"])
 
 
 def test_pareto_front():
@@ -356,7 +368,7 @@ def test_loader_finds_cells_through_hydra_pointers_and_reports_unfinished(sweep,
     notes = load(store).notes
     assert any("half not finished (interrupted, 3/12" in n for n in notes)
     with pytest.raises(HarnessError, match="neither a results directory nor a W&B path"):
-        load(str(tmp_path / "nowhere" / "x" / "y" / "z"))
+        load("not a path")
     with pytest.raises(HarnessError, match="no finished cell"):
         load(tmp_path / "multirun" / "1")
 
@@ -504,7 +516,7 @@ def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, 
     decision = json.loads((out / "decision.json").read_text())
     assert {d["sampling"] for d in decision["decisions"]} == {"T=0", "T=1"}
     assert len(pd.read_csv(out / "cells.csv")) == 18
-    assert report.main([str(tmp_path / "missing" / "a" / "b" / "c")]) == 2
+    assert report.main([str(tmp_path / "missing" / "a" / "b" / "c")]) == 2  # no such results directory
     assert report.main([str(sweep), "--weights", "chat"]) == 2
     assert "expected NAME=NUMBER" in capsys.readouterr().err
 
@@ -539,3 +551,204 @@ def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
     text = (folder / "report.md").read_text()
     assert "## Decision" in text and "llama_7b_68m/ngram" in text
     print(f"tiny multirun {sweep_s:.1f}s")
+
+
+# Contexts: one target, one sampling setting, one set of run conditions
+
+
+CPU = {"device": "cpu", "device_name": "Synthetic CPU", "dtype": "float32"}
+
+
+def test_a_context_and_a_fit_hold_one_device(tmp_path):
+    """A fast GPU and a slow CPU: "a" wins on the GPU, "b" on the CPU; pooled, each device's
+    decision and fit would be some of both."""
+    write_cell(tmp_path / "gpu", "a", "model", Fraction(3, 5), 2, 0.05, SLOPE)
+    write_cell(tmp_path / "gpu", "b", "model", Fraction(1, 2), 2, 0.05, SLOPE, seed=2)
+    write_cell(tmp_path / "cpu", "a", "model", Fraction(3, 5), 2, 0.60, SLOPE, seed=1, conditions=CPU)
+    write_cell(tmp_path / "cpu", "b", "model", Fraction(1, 2), 2, 0.10, SLOPE, seed=3, conditions=CPU)
+    results = load(tmp_path)
+    # the same cell key on two devices (the harness hashes device: auto): both kept, each under its own id
+    assert len(results.cells) == 4 and results.cells["cell"].is_unique and not results.notes
+    assert set(results.cells["cell"]) >= {"a-k2-t0.0-synthetic@Synthetic CPU", "a-k2-t0.0-synthetic@Synthetic GPU"}
+    assert len(results.prompts) == 4 * 12
+    fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=100)
+    assert sorted(fits["cost_ratio"]) == pytest.approx([0.05, 0.05, 0.10, 0.60])
+    decisions = decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=200)
+    ship = {d["device_name"]: d["mix"]["ship"] for d in decisions}
+    assert ship == {"Synthetic GPU": "a", "Synthetic CPU": "b"}
+    assert all(d["prompts"] == 12 and "device=Synthetic" in d["context"] for d in decisions)
+    # a second copy of one cell on one device is a duplicate
+    shutil.copytree(tmp_path / "gpu" / "a-k2-t0.0-synthetic", tmp_path / "again" / "a-k2-t0.0-synthetic")
+    again = load(tmp_path)
+    assert len(again.cells) == 4 and any("found twice" in n for n in again.notes)
+
+
+@pytest.mark.parametrize("change", [{"conditions": {**GPU, "dtype": "float16"}}, {"config": {"max_new_tokens": 256}},
+                                    {"config": {"cache": "static"}}, {"config": {"compile": True}},
+                                    {"conditions": {}}])
+def test_each_run_condition_splits_contexts_and_fits(tmp_path, change):
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3,
+               config={"cache": "dynamic", "compile": False})
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, tag="-other",
+               **{"config": {"cache": "dynamic", "compile": False}, **change})
+    results = load(tmp_path)
+    assert results.cells["setup"].nunique() == 2
+    fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=50)
+    assert len(fits) == 2
+    assert len(decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=50)) == 2
+    if change == {"conditions": {}}:  # older results without conditions: unknown, one setup of their own
+        assert "device=unknown, dtype=unknown" in results.cells["setup"].iloc[-1]
+
+
+def test_ship_rule_ships_the_best_confident_candidate(tmp_path):
+    """"a" measures highest but varies wildly by prompt; "b" is a little slower and steady."""
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE,
+               time_factors=[0.45, 0.5, 0.55, 1.9, 1.0, 0.5, 0.45, 0.5, 0.55, 1.9, 1.0, 0.5])
+    write_cell(tmp_path, "b", "model", Fraction(3, 5), 2, 0.30, SLOPE, seed=5)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=1000)
+    a, b = sorted(d["candidates"], key=lambda c: c["label"])
+    assert a["speedup"] > b["speedup"] and a["low"] < 1 < b["low"]
+    mix = d["mix"]
+    assert (mix["ship"], mix["k"], mix["best"]["label"], mix["top"]["label"]) == ("b", 2, "b", "a")
+    assert mix["verdict"].startswith("Ship b with k=2")
+    assert "a k=2 measures higher" in mix["verdict"] and "not confidently faster than the baseline" in mix["verdict"]
+
+
+def test_a_short_exploratory_cell_does_not_shrink_the_comparison(tmp_path):
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=12)
+    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.25, SLOPE, per_category=12, seed=1)
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 4, 0.05, SLOPE, per_category=1, seed=2, categories=("chat", "code", "qa"))
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=300)
+    assert d["prompts"] == 24 and d["categories"] == {"chat": 12, "code": 12}
+    assert {(c["label"], c["k"]) for c in d["candidates"]} == {("a", 2), ("b", 2)}
+    assert any("left out" in n and "a k=4 (3 prompts)" in n for n in d["notes"])
+    assert (d["mix"]["ship"], d["mix"]["k"]) == ("a", 2)
+
+
+def test_either_is_defensible_only_when_the_runner_up_beats_the_baseline():
+    choice = {"ship": "a", "k": 2, "top": None, "best": {"label": "a", "k": 2, "speedup": 1.33, "low": 1.23, "high": 1.44},
+              "comparison": {"ratio": 1.2, "low": 0.98, "high": 1.47, "wilcoxon_p": 0.28, "prompts": 12, "significant": False}}
+    uncertain = decide_mod._verdict({**choice, "runner_up": {"label": "b", "k": 2, "speedup": 1.1, "low": 0.96, "high": 1.28}}, 0.95)
+    assert "defensible" not in uncertain and "b k=2 is not confidently faster than the baseline" in uncertain
+    confident = decide_mod._verdict({**choice, "runner_up": {"label": "b", "k": 2, "speedup": 1.2, "low": 1.05, "high": 1.3}}, 0.95)
+    assert confident.endswith("either is defensible.")
+
+
+def test_alpha_interval_leaves_out_prompts_that_tested_nothing():
+    accepted, tested = np.array([14.0, 10.0, 0.0]), np.array([20.0, 20.0, 0.0])  # lookup never matched the third
+    interval = fit_mod.alpha_interval(accepted, tested, n_resamples=500)
+    assert interval.value == pytest.approx(0.6) and interval.low == pytest.approx(0.5) and interval.high == pytest.approx(0.7)
+    assert "1 that tested nothing" in interval.method
+
+
+def test_weights_of_one_context_leave_the_others_on_equal_weights(tmp_path):
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE)
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, temperature=1.0, categories=("writing", "roleplay"),
+               dataset="mt_bench")
+    results = load(tmp_path)
+    t0, t1 = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.7, "code": 0.3}, n_resamples=100)
+    assert t0["weights"] == pytest.approx({"chat": 0.7, "code": 0.3})
+    assert t1["weights"] == {"roleplay": 0.5, "writing": 0.5}
+    assert any("none of which is measured here" in n for n in t1["notes"])
+    with pytest.raises(HarnessError, match="no traffic weight falls on a measured category"):
+        decide_mod.decide(results.cells, results.prompts, None, {"math": 1.0}, n_resamples=100)
+
+
+def test_a_mistyped_local_path_is_not_taken_for_wandb(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    for path in ("multirun/2026-11-29/12-00-0", "./multirun/x", "results/typo", str(tmp_path / "resluts")):
+        assert report.main([path]) == 2
+        assert capsys.readouterr().err == f"error: no such results directory: {path}\n"
+    with pytest.raises(HarnessError, match="no finished benchmark run in W&B"):  # still a W&B path
+        load("me/specbench/abc123", api=FakeApi([]))
+
+
+def test_a_config_file_replaces_the_traffic_mix_and_whatif_maps(tmp_path, monkeypatch):
+    default = tmp_path / "report.yaml"
+    default.write_text("weights: {conversation: 0.5, code: 0.3, qa: 0.2}\n"
+                       "whatif: {name: A100, cost_ratio: {big: 0.1}, draft_step_ms: {big: 2.0}}\n")
+    monkeypatch.setattr(report, "DEFAULT_CONFIG", default)
+    product = tmp_path / "product.yaml"
+    product.write_text("weights: {math: 0.9, code: 0.1}\nwhatif: {cost_ratio: {small: 0.02}}\n")
+    cfg = report.settings(report.parser().parse_args(["results", "--config", str(product)]))
+    assert cfg["weights"] == {"math": 0.9, "code": 0.1}
+    assert cfg["whatif"]["cost_ratio"] == {"small": 0.02}
+    assert (cfg["whatif"]["name"], cfg["whatif"]["draft_step_ms"]) == ("A100", {"big": 2.0})  # not defined: kept
+    product.write_text("confidence: 0.9\n")
+    cfg = report.settings(report.parser().parse_args(["results", "--config", str(product)]))
+    assert cfg["weights"] == {"conversation": 0.5, "code": 0.3, "qa": 0.2} and cfg["confidence"] == 0.9
+
+
+# One report over two targets, at --confidence 0.8 and --max-k 8
+
+
+@pytest.fixture(scope="module")
+def two_targets(tmp_path_factory):
+    """report.main over "small" and "big" on org/target and "small" on org/other; the figures kept open."""
+    import analysis.figures as figures_mod
+
+    root = tmp_path_factory.mktemp("two_targets")
+    for k in (1, 2):
+        write_cell(root, "small", "model", Fraction(3, 5), k, 0.05, SLOPE, seed=k, params=1000)
+        write_cell(root, "big", "model", Fraction(4, 5), k, 0.25, SLOPE, seed=10 + k, params=5000)
+        write_cell(root, "small", "model", Fraction(3, 5), k, 0.40, SLOPE, seed=20 + k, params=1000, target="org/other",
+                   tag="-other")
+    drawn = {}
+    save = figures_mod._save
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(figures_mod, "_save", lambda fig, path: drawn.setdefault(path.stem, fig) and save(fig, path))
+        mp.setattr(figures_mod.plt, "close", lambda fig=None: None)
+        assert report.main([str(root), "--out", str(root / "rep"), "--confidence", "0.8", "--max-k", "8",
+                            "--resamples", "200"]) == 0
+    yield root / "rep", drawn
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+def test_figures_and_tables_keep_targets_apart(two_targets):
+    out, drawn = two_targets
+    legend = [t.get_text() for t in drawn["speedup_vs_k"].legends[0].get_texts()]
+    assert sorted(legend) == ["big · org/target", "small · org/other", "small · org/target"]
+    (ax,) = drawn["speedup_vs_k"].axes
+    slow = next(line for line in ax.get_lines() if line.get_label() == "small · org/other")
+    assert list(slow.get_xdata()) == [1, 2] and max(slow.get_ydata()) < 1.3  # org/other's cells alone (c = 0.4)
+    text = (out / "report.md").read_text()
+    for heading in ("## Fitted model", "## Cells"):
+        section = _section(text, heading)
+        assert "| target / conditions |" in section
+        assert "| org/other | small |" in section and "| org/target | small |" in section
+    assert "### org/other · T=0" in text and "### org/target · T=0" in text
+
+
+def test_cell_intervals_are_labelled_at_the_harness_level(two_targets, sweep):
+    out, _ = two_targets
+    text = (out / "report.md").read_text()
+    assert "| 95% CI |" in _section(text, "## Cells") and "80% CI" not in _section(text, "## Cells")
+    assert "| 80% CI |" in _section(text, "## Decision")
+    # without per-prompt rows the decision's intervals are the cells' own 95%
+    results = load(sweep)
+    cells = results.cells.assign(has_prompts=False)
+    d = next(d for d in decide_mod.decide(cells, results.prompts.iloc[:0], None, None, confidence=0.8) if d["sampling"] == "T=0")
+    assert d["confidence"] == 0.95 and "(95% interval)" in d["mix"]["verdict"]
+    assert any("not 80%" in n for n in d["notes"])
+
+
+def test_max_k_reaches_the_text_and_the_figures(two_targets):
+    out, drawn = two_targets
+    text = (out / "report.md").read_text()
+    assert "≤ 16" not in text and "1..16" not in text
+    assert "for k ≤ 8" in _section(text, "## Fitted model") and "k = 1..8" in text
+    decisions = json.loads((out / "decision.json").read_text())["decisions"]
+    lines = [line for d in decisions for line in d["mix"]["what_would_change"] if "pays off" in line]
+    assert lines and all("some k ≤ 8)" in line for line in lines)
+    left, right = drawn["fitted_model"].axes[:2]
+    assert "k ≤ 8" in left.get_title()
+    assert max(max(line.get_xdata()) for line in right.get_lines()) == 9  # v(k + 1) up to k = max_k
