@@ -39,6 +39,16 @@ BUILTIN = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # extension -> datasets builder
 # A template field: a row field, optionally indexed ({translation[de]}); no attribute access.
 FIELD = re.compile(r"^([A-Za-z_]\w*)((?:\[[^\[\]]+\])*)$")
+# How the datasets library says a hub set has no such split or config (read,
+# streamed, or offline with the set cached under other ones): the dataset.<key>
+# at fault, and a pattern whose `there` lists the splits or configs there are.
+UNKNOWN_NAME = [
+    ("split", re.compile(r'Unknown split ".*"\. Should be one of (?P<there>\[.*\])')),
+    ("split", re.compile(r"Bad split: .*\. Available splits: (?P<there>\[.*\])")),
+    ("hf_config", re.compile(r"BuilderConfig '.*' not found\. Available: (?P<there>\[.*\])")),
+    ("hf_config", re.compile(r"for config '.*'\nAvailable configs in the cache: (?P<there>\[.*\])")),
+    ("hf_config", re.compile(r"Config name is missing\.\nPlease pick one among the available configs: (?P<there>\[.*\])")),
+]
 
 
 def load_prompts(dataset_cfg) -> list[dict]:
@@ -136,12 +146,32 @@ def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None]:
     except OSError as err:  # ConnectionError, FileNotFoundError (not cached), network failures
         raise HarnessError(_unavailable(cfg, offline_reason or f"failing ({_one_line(err)})")) from None
     except ValueError as err:  # a config or split the set does not have (or, offline, the cache does not hold)
+        unknown = _unknown_name(cfg, err, cached=offline_reason is not None)
+        if unknown is not None:
+            raise HarnessError(unknown) from None
         if offline_reason is not None:
             raise HarnessError(_unavailable(cfg, offline_reason)) from None
         raise HarnessError(f"dataset {hf_id} ({cfg.name}), dataset.hf_config={cfg.get('hf_config')} dataset.split={cfg.split}: {_one_line(err)}") from None
     except DatasetsError as err:  # e.g. a file of the set that cannot be parsed
         raise HarnessError(f"dataset {hf_id} ({cfg.name}) could not be read: {_one_line(err.__cause__ or err)}") from None
     return rows, _columns(ds)
+
+
+def _unknown_name(cfg, err: ValueError, cached: bool) -> str | None:
+    """The one line for a split or config the set (or the cache) does not
+    have, naming the ones it does; None for any other error."""
+    for key, pattern in UNKNOWN_NAME:
+        match = pattern.search(str(err))
+        if match is not None:
+            break
+    else:
+        return None
+    noun = "split" if key == "split" else "config"
+    bad = cfg.get(key)
+    there = ", ".join(re.findall(r"'([^']*)'", match["there"]))
+    where = " in the cache" if cached else ""
+    return (f"dataset.{key}={'null' if bad is None else bad} is not a {noun} of {cfg.hf_id} ({cfg.name}){where}: "
+            f"its {noun}s{where} are {there}; set dataset.{key} to one of them")
 
 
 # ------------------------------------------------------------ offline handling
@@ -259,12 +289,23 @@ def _first_item(value: Any) -> Any:
     return value
 
 
-class _ListField(list):
-    """A list field in a template: written bare ({turns}) it formats as its
-    first item, indexed ({turns[1]}) it is the list."""
+def _label(value: Any) -> str | None:
+    """An id or category as text (None stays None). An integral float is
+    written as an integer: a csv integer column with gaps reads as floats."""
+    value = _first_item(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return None if value is None else str(value)
 
-    def __format__(self, spec: str) -> str:
-        return format("" if not self else self[0], spec)
+
+class _RowFormatter(string.Formatter):
+    """Formats a template over a row: a list field written bare ({turns}) is
+    its first item, indexed ({turns[1]}) the item; a null field (a jsonl row
+    without it reads as null) is empty."""
+
+    def format_field(self, value: Any, spec: str) -> str:
+        value = _first_item(value)
+        return format("" if value is None else value, spec)
 
 
 def _check_fields(cfg, needed: list[str], columns: list[str]) -> None:
@@ -273,10 +314,12 @@ def _check_fields(cfg, needed: list[str], columns: list[str]) -> None:
     if not missing:
         return
     where = f"dataset.path={cfg.path}" if cfg.get("path") else (cfg.get("hf_id") or cfg.name)
-    if missing == [cfg.get("category_field")]:
-        fix = "set dataset.category_field to one of them, or dataset.category_field=null dataset.category=<name>"
-    else:
-        fix = "set dataset.text_field (and the fields dataset.template names) to fields it has"
+    own_fix = {
+        cfg.get("category_field"): "set dataset.category_field to one of them, or dataset.category_field=null dataset.category=<name>",
+        cfg.get("id_field"): "set dataset.id_field to one of them, or dataset.id_field=null to number the rows",
+    }
+    text_fix = "set dataset.text_field (and the fields dataset.template names) to fields it has"
+    fix = "; ".join(dict.fromkeys(own_fix.get(f, text_fix) for f in missing))
     raise HarnessError(f"{where} has no field {', '.join(repr(f) for f in missing)} (its fields: {', '.join(columns)}): {fix}")
 
 
@@ -287,7 +330,7 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
         raise HarnessError(f"dataset={cfg.name} names no text: set dataset.text_field=<field> or dataset.template='...{{field}}...'")
     id_field, category_field = cfg.get("id_field"), cfg.get("category_field")
     fixed_category = cfg.get("category") or cfg.name
-    needed = list(dict.fromkeys(text_fields + _template_fields(cfg) + ([category_field] if category_field else [])))
+    needed = list(dict.fromkeys(text_fields + _template_fields(cfg) + [f for f in (category_field, id_field) if f]))
     if columns is not None:
         _check_fields(cfg, needed, columns)
 
@@ -303,18 +346,18 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
             continue
         try:
             if template:
-                text = template.format_map({k: _ListField(v) if isinstance(v, list) else v for k, v in row.items()})
+                text = _RowFormatter().vformat(template, (), row)
             else:
                 text = "\n\n".join(str(t) for t in texts)
         except (KeyError, IndexError, TypeError, ValueError) as err:
             raise HarnessError(f"dataset.template does not fit row {index} of {cfg.name} ({type(err).__name__}: {err}): check the fields it names") from None
-        pid = _first_item(row.get(id_field)) if id_field else None
-        pid = f"{cfg.name}-{index}" if pid is None else str(pid)
+        pid = _label(row.get(id_field)) if id_field else None
+        pid = f"{cfg.name}-{index}" if pid is None else pid
         if pid in seen:
             raise HarnessError(f"{cfg.name}: id {pid!r} appears twice in field '{id_field}': ids must be unique (dataset.id_field=null numbers the rows)")
         seen.add(pid)
-        category = _first_item(row.get(category_field)) if category_field else None
-        prompts.append({"id": pid, "category": fixed_category if category is None else str(category), "prompt": text})
+        category = _label(row.get(category_field)) if category_field else None
+        prompts.append({"id": pid, "category": fixed_category if category is None else category, "prompt": text})
 
     if read == 0:
         raise HarnessError(f"{cfg.name} holds no rows: it needs one prompt per row")

@@ -52,11 +52,47 @@ def encode(tokenizer, text: str, template: str) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
+def encode_within(tokenizer, text: str, template: str, budget: int, overlong: str) -> list[int] | None:
+    """Token ids for a user prompt (as `encode` makes them) within `budget` tokens.
+
+    A longer prompt is skipped (None) with overlong=skip. With
+    overlong=truncate the middle of its text is left out, as long-context
+    benchmarks do: the template (BOS, role headers, generation prompt) and
+    both ends of the text (an instruction at the start, a question at the
+    end) are kept. The cut is the smallest that fits, found by bisection on
+    the number of characters kept, re-encoding each time.
+    """
+    ids = encode(tokenizer, text, template)
+    if len(ids) <= budget or overlong != "truncate":
+        return fit_context(ids, budget, overlong)
+    fitting = encode(tokenizer, "", template)
+    if len(fitting) > budget:
+        raise HarnessError(f"the prompt template alone takes {len(fitting)} tokens, more than the {budget}-token context budget: lower max_new_tokens, or use prompts.template=raw")
+    kept, too_many = 0, len(text)  # keeping `kept` characters fits, keeping `too_many` does not
+    while too_many - kept > 1:
+        middle = (kept + too_many) // 2
+        ids = encode(tokenizer, _without_middle(text, middle), template)
+        if len(ids) <= budget:
+            kept, fitting = middle, ids
+        else:
+            too_many = middle
+    return fitting
+
+
+def _without_middle(seq, keep: int):
+    """The first and last items of a str or list, `keep` in all (the odd one at the start)."""
+    head = (keep + 1) // 2
+    return seq[:head] + seq[len(seq) - (keep - head):]
+
+
 def fit_context(ids: list[int], budget: int, overlong: str) -> list[int] | None:
-    """Keep a prompt within the context budget: truncate from the left, or skip (None)."""
+    """Keep token ids within the context budget when only the ids are at hand:
+    skip (None), or truncate by cutting their middle, which keeps the
+    template's head and tail when each is under half the budget.
+    `encode_within`, given the text, cuts the text and keeps all the template."""
     if len(ids) <= budget:
         return ids
-    return ids[-budget:] if overlong == "truncate" else None
+    return _without_middle(ids, budget) if overlong == "truncate" else None
 
 
 def as_tensor(ids: list[int], device: torch.device) -> torch.Tensor:

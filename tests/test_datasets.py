@@ -1,6 +1,7 @@
 """Prompt sets (conf/dataset/): local files through datasets.load_dataset, the
 Spec-Bench question format, every hub config composing and failing in one
-line without the hub, cached hub sets offline, and categories in results.
+line without the hub, cached hub sets offline, overlong prompts cut in the
+middle of their text, and categories in results.
 
 Nothing here reaches the network: the hub sets are either refused (offline)
 or read from a cache laid out the way a connected machine leaves it.
@@ -22,9 +23,10 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
+from conftest import make_tokenizer
 from harness.datasets import load_prompts
 from harness.errors import HarnessError
-from harness.prompts import load_builtin, select
+from harness.prompts import encode, encode_within, fit_context, load_builtin, select
 from harness.run import CONF_DIR, validate, with_default_pair
 
 ROOT = Path(__file__).parent.parent
@@ -170,12 +172,14 @@ def test_more_prompts_than_the_set_warns_and_uses_all(tmp_path, capsys):
         ("", [], "is empty"),
         ("\n", [], "holds no rows"),
         ("{\"turns\": [\"hi\"]}\nnot json\n", [], "cannot be read as json"),
-        ('{"prompt": "hi", "category": "x"}\n', [], "has no field 'turns' (its fields: prompt, category)"),
-        ('{"turns": ["hi"]}\n', [], "set dataset.category_field to one of them"),
+        ('{"question_id": 1, "prompt": "hi", "category": "x"}\n', [], "has no field 'turns' (its fields: question_id, prompt, category)"),
+        ('{"question_id": 1, "turns": ["hi"]}\n', [], "set dataset.category_field to one of them"),
+        ('{"qid": 1, "turns": ["hi"], "category": "x"}\n', [], "has no field 'question_id' (its fields: qid, turns, category): set dataset.id_field to one of them, or dataset.id_field=null"),
+        ('{"turns": ["hi"], "category": "x"}\n', ["dataset.id_field=qid"], "has no field 'qid'"),
         ('{"turns": ["hi"], "category": "x"}\n', ["dataset.template='{turns.__class__}'"], "is not a row field"),
         ('{"question_id": 1, "turns": ["a"], "category": "x"}\n{"question_id": 1, "turns": ["b"], "category": "x"}\n', [], "appears twice"),
     ],
-    ids=["missing", "empty", "blank", "malformed", "no-text-field", "no-category-field", "attribute-template", "duplicate-ids"],
+    ids=["missing", "empty", "blank", "malformed", "no-text-field", "no-category-field", "no-id-field", "misspelled-id-field", "attribute-template", "duplicate-ids"],
 )
 def test_bad_local_files_are_one_line(tmp_path, content, overrides, message):
     path = tmp_path / "p.jsonl"
@@ -184,6 +188,18 @@ def test_bad_local_files_are_one_line(tmp_path, content, overrides, message):
     with pytest.raises(HarnessError) as err:
         load_prompts(composed("dataset=local", f"dataset.path={path}", *overrides).dataset)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_null_fields_and_float_ids(tmp_path):
+    """A null template field is empty (not "None"), as a missing one is; a csv
+    integer id column with a gap reads as floats, and its ids stay '1', not '1.0'."""
+    rows = write_jsonl(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Hi."], "hint": None, "pair": {"de": None}}])
+    [p] = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.template='{turns} [{hint}] [{pair[de]}]'").dataset)
+    assert p["prompt"] == "Hi. [] []"
+    table = tmp_path / "p.csv"
+    table.write_text("uid,text,task\n1,hello,a\n,world,b\n3,again,a\n")
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=text", "dataset.category_field=task", "dataset.id_field=uid").dataset)
+    assert [p["id"] for p in prompts] == ["1", "local-1", "3"]
 
 
 def test_unknown_extension_is_one_line(tmp_path):
@@ -207,6 +223,18 @@ def test_cached_hub_sets_load_offline(offline_cache, tmp_path):
     fake_hub_cache(offline_cache, "abisee/cnn_dailymail", "3.0.0", "test", articles, tmp_path / "cnn")
     prompts = load_prompts(composed("dataset=cnn_dailymail", "dataset.num_prompts=2", "dataset.max_rows=3").dataset)
     assert [p["id"] for p in prompts] == ["n0", "n1", "n2"] and prompts[0]["prompt"].endswith("Story 0.")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("override, key, there", [("dataset.split=tset", "split", "test"), ("dataset.hf_config=mian", "hf_config", "main")])
+def test_a_split_or_config_the_cached_set_lacks_is_named(offline_cache, tmp_path, override, key, there, streaming):
+    """Not 'not in the datasets cache': the wrong value, the ones there are, and the setting to change."""
+    fake_hub_cache(offline_cache, "openai/gsm8k", "main", "test", [{"question": "Q?", "answer": "A"}], tmp_path)
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=gsm8k", override, f"dataset.streaming={streaming}").dataset)
+    message = str(err.value)
+    assert message.startswith(f"{override} is not a ") and f"are {there}; set dataset.{key} to one of them" in message
+    assert "not in the datasets cache" not in message and "\n" not in message
 
 
 def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp_path):
@@ -234,6 +262,52 @@ def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp
     assert "'prompt': 'Q?'" in cached
     seconds, message = failed.split(" ", 1)
     assert float(seconds) < 5 and "openai/openai_humaneval" in message and "unreachable" in message
+
+
+# --------------------------------------------------------- overlong prompts
+
+
+INSTRUCTION, QUESTION = "Answer from the text. ", " Who won?"
+LONG = INSTRUCTION + "The match went on. " * 20 + QUESTION
+
+
+def parts(tok, text: str, template: str) -> tuple[list[int], list[int]]:
+    """The ids before and after the text's in the encoded prompt: BOS, role header / generation prompt."""
+    full, body = encode(tok, text, template), tok(text, add_special_tokens=False)["input_ids"]
+    start = next(i for i in range(len(full)) if full[i:i + len(body)] == body)
+    return full[:start], full[start + len(body):]
+
+
+@pytest.mark.parametrize("template", ["chat", "raw"])
+def test_overlong_prompts_lose_the_middle_of_their_text(template):
+    tok = make_tokenizer()
+    prefix, suffix = parts(tok, LONG, template)
+    assert template == "raw" or (prefix[0] == tok.bos_token_id and suffix)  # the chat template has both
+    instruction, question = (tok(t, add_special_tokens=False)["input_ids"] for t in (INSTRUCTION, QUESTION))
+    for budget in (70, 71, 101):  # room for both ends: the text keeps as much of its start as of its end
+        ids = encode_within(tok, LONG, template, budget, "truncate")
+        assert budget - 1 <= len(ids) <= budget
+        assert ids[:len(prefix)] == prefix and ids[len(ids) - len(suffix):] == suffix
+        body = ids[len(prefix):len(ids) - len(suffix)]
+        assert body[:len(instruction)] == instruction and body[-len(question):] == question
+    full = encode(tok, LONG, template)
+    assert encode_within(tok, LONG, template, len(full), "truncate") == full
+    assert encode_within(tok, LONG, template, len(full) - 1, "skip") is None
+
+
+def test_ids_alone_are_cut_in_the_middle_too():
+    """fit_context has only the ids (harness.exactness): their middle goes, BOS and the generation prompt stay."""
+    tok = make_tokenizer()
+    full = encode(tok, LONG, "chat")
+    prefix, suffix = parts(tok, LONG, "chat")
+    ids = fit_context(full, 60, "truncate")
+    assert len(ids) == 60 and ids[:len(prefix)] == prefix and ids[-len(suffix):] == suffix
+    assert fit_context(full, 60, "skip") is None and fit_context(full, len(full), "skip") == full
+
+
+def test_a_template_longer_than_the_budget_is_one_line():
+    with pytest.raises(HarnessError, match="the prompt template alone takes 18 tokens, more than the 10-token context budget"):
+        encode_within(make_tokenizer(), LONG, "chat", 10, "truncate")
 
 
 # ------------------------------------------------------------------ results
