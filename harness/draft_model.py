@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from harness.errors import HarnessError
+
 
 class SubsetHead(nn.Module):
     """LM head over a subset of the vocabulary; other tokens get logit -inf."""
@@ -71,10 +73,22 @@ def save_shared_draft(draft: PreTrainedModel, out: Path, meta: dict, dtype: torc
     (out / "harness_draft.json").write_text(json.dumps({"format": 1, **meta}, indent=2) + "\n")
 
 
+# What a shared draft's layers and head assume of the target they sit on.
+SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
 def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    config = AutoConfig.from_pretrained(path)
+    mismatched = [f"{key} {getattr(config, key, None)} vs {getattr(target.config, key, None)}"
+                  for key in SHAPE_KEYS if getattr(config, key, None) != getattr(target.config, key, None)]
+    if mismatched:
+        raise HarnessError(f"draft '{path}' shares the weights of the target it was made for, and this target differs "
+                           f"({', '.join(mismatched)}; draft vs target): pair it with that target (see its harness_draft.json)")
+    if dtype != target.dtype:  # the embedding table and head are the target's own tensors
+        raise HarnessError(f"draft '{path}' shares the target's embeddings and head, so it runs in the target's dtype "
+                           f"({str(target.dtype).removeprefix('torch.')}): drop pair.draft.dtype, or set the target's dtype instead")
     state = load_file(path / "weights.safetensors")
     head_token_ids = state.pop("head_token_ids")
-    config = AutoConfig.from_pretrained(path)
     draft = build_shared_draft(target, config.num_hidden_layers, head_token_ids.to(next(target.parameters()).device))
     missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     assert not unexpected and all(k.startswith(("model.embed_tokens", "lm_head")) for k in missing), (missing, unexpected)

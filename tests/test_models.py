@@ -1,0 +1,101 @@
+"""Loading models: one clear line for what cannot be loaded, and caches that survive concurrent first runs."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+
+import harness.embedded as embedded
+from harness import models
+from harness.draft_model import build_shared_draft, save_shared_draft
+from harness.errors import HarnessError
+from harness.models import ModelSpec, load_model, load_tokenizer
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A tiny target, a shared-weights draft made for it, and broken variants."""
+    root = tmp_path_factory.mktemp("models")
+    tok = make_tokenizer()
+    target = make_model(len(tok), seed=1)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    draft = build_shared_draft(target, 1, torch.arange(len(tok)))
+    save_shared_draft(draft, root / "shared_draft", {"made_by": "test"})
+    target.save_pretrained(root / "no_tokenizer")
+    (root / "no_weights").mkdir()
+    shutil.copy(root / "target" / "config.json", root / "no_weights")
+    other_tok = make_tokenizer("abcdefghij")
+    make_model(len(other_tok), seed=3).save_pretrained(root / "other_target")  # another vocabulary
+    other_tok.save_pretrained(root / "other_target")
+    return root
+
+
+def test_a_shared_draft_loads_in_its_target_dtype_only(saved):
+    target = load_model(ModelSpec(str(saved / "target")), CPU)
+    draft = load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=target)
+    assert draft.get_input_embeddings() is target.get_input_embeddings()
+    with pytest.raises(HarnessError, match="runs in the target's dtype \\(float32\\): drop pair.draft.dtype"):
+        load_model(ModelSpec(str(saved / "shared_draft"), dtype="bfloat16"), CPU, "draft", target=target)
+    assert target.get_input_embeddings().weight.dtype == torch.float32  # the target is untouched
+
+
+def test_a_shared_draft_refuses_a_target_it_was_not_made_for(saved):
+    other = load_model(ModelSpec(str(saved / "other_target")), CPU)
+    with pytest.raises(HarnessError, match="this target differs \\(vocab_size 98 vs 13"):
+        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=other)
+
+
+def test_what_cannot_be_loaded_says_why(saved):
+    with pytest.raises(HarnessError, match="could not be loaded: Error no file named model.safetensors") as err:
+        load_model(ModelSpec(str(saved / "no_weights")), CPU)
+    assert "HF cache" not in str(err.value)  # it is a local folder: not an offline hub miss
+    with pytest.raises(HarnessError, match="draft model .* has no tokenizer .*tokenizer.save_pretrained"):
+        load_tokenizer(ModelSpec(str(saved / "no_tokenizer")), "draft")
+
+
+def test_the_hub_probe_uses_the_endpoint_port(monkeypatch):
+    server = socket.create_server(("127.0.0.1", 0))  # a mirror on a port of its own
+    port = server.getsockname()[1]
+    for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+        models.hub_reachable.cache_clear()
+        assert models.hub_reachable()
+        monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:1")  # behind a proxy that is down: unreachable
+        models.hub_reachable.cache_clear()
+        assert not models.hub_reachable()
+    finally:
+        server.close()
+        models.hub_reachable.cache_clear()
+
+
+def test_concurrent_first_runs_share_the_embedded_cache(monkeypatch, tmp_path):
+    """Two runs dequantising the embedded model at once: the one finishing second finds the
+    first one's folder in place, keeps it, and leaves no temporary folder behind."""
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
+    tok, model = make_tokenizer(), make_model(98, seed=1)
+    out = tmp_path / embedded.EMBEDDED["smollm2"]
+    save = model.save_pretrained
+
+    def save_while_another_run_finishes(path, **kwargs):
+        save(path, **kwargs)
+        if not out.exists():  # the other run renames its copy in first
+            save(out, **kwargs)
+            tok.save_pretrained(out)
+
+    model.save_pretrained = save_while_another_run_finishes
+    monkeypatch.setattr(embedded, "find_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: tok)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: model)
+    assert embedded.embedded_model_dir("smollm2") == out
+    assert (out / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
