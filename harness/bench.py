@@ -68,7 +68,7 @@ from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
-from harness.prompts import as_tensor, encode, fit_context, select
+from harness.prompts import as_tensor, encode_within, select
 from harness.run import (
     CONF_DIR, _current_rss_mb, _sync, _write_json_atomic, conditions, load_pair, measure_costs, run_prompt, with_default_pair,
 )
@@ -542,10 +542,10 @@ def main(argv: list[str] | None = None) -> dict:
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
     prompts = all_prompts[: args.prompts]
-    # As `python -m harness` does: prompts cut from the left to leave room for the new tokens and drafts.
+    # As `python -m harness` does: prompts cut to leave room for the new tokens (the same budget at every k).
     new_tokens, k_max = max(args.max_new_tokens, args.memory_new_tokens), max(args.ks)
-    budget = pair.prompt_budget(new_tokens, k_max)
-    all_encoded = [as_tensor(fit_context(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), budget, "truncate"), device)
+    budget = pair.prompt_budget(new_tokens)
+    all_encoded = [as_tensor(encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, "truncate"), device)
                    for p in all_prompts]
     encoded = all_encoded[: args.prompts]
     pair.reserve(max(ids.shape[0] for ids in all_encoded), new_tokens, k_max)

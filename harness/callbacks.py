@@ -4,7 +4,8 @@ Each job writes `cell.json` into its Hydra output directory (`record_job`,
 called by harness.__main__): its overrides, status and results directory. The
 callback finds this sweep's cells from those pointers, not by listing the
 results store, so cells of other sweeps sharing the store stay out and cells
-this sweep skipped as already complete stay in. After each job it rewrites
+this sweep skipped as already complete stay in. Pointers an earlier multirun
+left in the same sweep directory are removed when the multirun starts. After each job it rewrites
 aggregate.csv and aggregate.md in the sweep directory (an interrupted sweep
 still has its table); at the end of the multirun it prints the table, and
 exits 1 if a cell failed.
@@ -157,8 +158,18 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def clear_pointers(sweep_dir: str | Path) -> None:
+    """Remove the job pointers an earlier multirun left in a reused sweep directory
+    (hydra.sweep.dir=multirun/exp), so that only this multirun's jobs are collected."""
+    for path in Path(sweep_dir).rglob(POINTER):
+        path.unlink(missing_ok=True)
+
+
 class AggregateCallback(Callback):
     """Print and save the table over the cells of a multirun."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        clear_pointers(config.hydra.sweep.dir)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:

@@ -650,11 +650,11 @@ def encode_prompts(cfg: DictConfig, pair, length: int) -> list[tuple[str, torch.
     """The first `exactness.num_prompts` prompts of the configured dataset, as
     `python -m harness` chooses and encodes them, cut to fit the context."""
     from harness.datasets import load_prompts
-    from harness.prompts import as_tensor, encode, fit_context, select
+    from harness.prompts import as_tensor, encode_within, select
 
-    budget = pair.prompt_budget(length, cfg.k)
+    budget = pair.prompt_budget(length)
     chosen = select(load_prompts(cfg.dataset), cfg.exactness.num_prompts, cfg.seed, cfg.prompts.shuffle)
-    return [(p["id"], as_tensor(fit_context(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), budget, "truncate"), pair.device))
+    return [(p["id"], as_tensor(encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, "truncate"), pair.device))
             for p in chosen]
 
 

@@ -39,8 +39,8 @@ from harness.datasets import load_prompts
 from harness.drafters import Drafter, ModelDrafter, NgramDrafter, check_lookup_length
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
-from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device
-from harness.prompts import as_tensor, encode, fit_context, select
+from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device, resolve_dtype
+from harness.prompts import as_tensor, encode, encode_within, select
 from harness.sampling import Sampling
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -57,16 +57,27 @@ class Pair:
     eos_ids: set[int]
     device: torch.device
 
-    def prompt_budget(self, new_tokens: int, k: int) -> int:
-        """The longest prompt that leaves room in the target's context for new_tokens
-        and the k drafts (+ 1) of a last cycle."""
-        return self.target.context - new_tokens - k - 1
+    @property
+    def context(self) -> int:
+        """The longest sequence both models take: the target's context, or a draft model's if shorter."""
+        if isinstance(self.drafter, ModelDrafter):
+            return min(self.target.context, self.drafter.lm.context)
+        return self.target.context
+
+    def prompt_budget(self, new_tokens: int) -> int:
+        """The longest prompt that leaves room in the pair's context for new_tokens, the same at
+        every k (so every k of a sweep runs the same prompts): the loop and the baseline never
+        hold more than prompt + new_tokens - 1 positions, since a cycle drafts at most the
+        tokens it can still keep (harness.loop)."""
+        return self.context - new_tokens + 1
 
     def reserve(self, longest_prompt: int, new_tokens: int, k: int) -> None:
-        """Size static KV caches for that prompt, new_tokens and a last cycle's k drafts (+ 1)."""
-        self.target.reserve(longest_prompt + new_tokens + k + 1)
+        """Size static KV caches for that prompt and new_tokens (prompt + new_tokens - 1 positions),
+        or for measure_costs' verify of k + 1 positions after it, whichever is longer."""
+        positions = longest_prompt + max(new_tokens - 1, k)
+        self.target.reserve(positions)
         if isinstance(self.drafter, ModelDrafter):
-            self.drafter.lm.reserve(longest_prompt + new_tokens + k + 1)
+            self.drafter.lm.reserve(positions)
 
     def warm_up(self, k: int) -> None:
         """With compile=true, compile every step shape of a k-draft run before anything is
@@ -130,9 +141,44 @@ def known_settings(extra: dict | None = None) -> set[str]:
     known = walk(base, "") | walk(extra or {}, "")
     for group in ("pair", "dataset"):
         known.add(group)
-        for path in (CONF_DIR / group).glob("*.yaml"):
-            known |= walk(OmegaConf.to_container(OmegaConf.load(path), resolve=False), f"{group}.")
+        for option in group_options(group).values():
+            known |= walk(option, f"{group}.")
     return known
+
+
+def group_options(group: str) -> dict[str, dict]:
+    """Each option of a config group (conf/<group>/<name>.yaml) by name, unresolved."""
+    return {p.stem: OmegaConf.to_container(OmegaConf.load(p), resolve=False) for p in sorted((CONF_DIR / group).glob("*.yaml"))}
+
+
+def chosen_datasets(argv: list[str]) -> list[str]:
+    """The dataset options a command line runs: `dataset=a` (a multirun's a,b), else conf/config.yaml's default."""
+    chosen = None
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name == "dataset" and value:
+            chosen = value.split(",")
+    if chosen is None:
+        defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
+        chosen = [d["dataset"] for d in defaults if isinstance(d, dict) and "dataset" in d]
+    return chosen
+
+
+def dataset_setting(override: str, chosen: list[str], options: dict[str, dict]) -> str | None:
+    """A message if an override sets a `dataset.` key that a chosen dataset option lacks but
+    another has (Hydra's struct error spans several lines; added with '+', the key would be
+    ignored). Keys no option has are left to unknown_setting."""
+    name, equals, _ = override.lstrip("+").partition("=")
+    if not equals or not name.startswith("dataset."):
+        return None
+    key = name.split(".")[1]
+    lacking = [c for c in chosen if c in options and key not in options[c]]
+    having = sorted((o for o, keys in options.items() if key in keys), key=lambda o: (o != "local", o))  # local: any file
+    if not lacking or not having:
+        return None
+    also = f" (also {', '.join(having[1:])})" if len(having) > 1 else ""
+    return (f"unknown setting '{name}' for dataset={lacking[0]}, whose keys are {', '.join(sorted(options[lacking[0]]))}: "
+            f"use a dataset that takes it, e.g. dataset={having[0]} {name}=...{also}")
 
 
 def unknown_setting(override: str, known: set[str]) -> str | None:
@@ -149,25 +195,38 @@ def unknown_setting(override: str, known: set[str]) -> str | None:
 
 def check_choices(argv: list[str], extra: dict | None = None) -> None:
     """Before Hydra composes, for an entry point's command line: unknown `+pair=`/`dataset=`
-    names and unknown settings end the process with one `error:` line ("did you mean")
-    and exit 2. `extra`: a section the entry point adds to conf/config.yaml."""
-    known = known_settings(extra)
+    names, unknown settings and `dataset.` keys the chosen dataset lacks end the process with
+    one `error:` line ("did you mean") and exit 2. `extra`: a section the entry point adds to
+    conf/config.yaml."""
+    known, datasets, chosen = known_settings(extra), group_options("dataset"), chosen_datasets(argv)
+    if not any(arg.startswith("+pair=") for arg in argv):  # pair.* needs the group chosen first, or Hydra's struct error
+        setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.")), None)
+        if setting:
+            default = OmegaConf.load(CONF_DIR / "config.yaml").default_pair
+            print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
+            sys.exit(2)
     for arg in argv:
-        message = unknown_choice(arg) or unknown_setting(arg, known)
+        message = unknown_choice(arg) or dataset_setting(arg, chosen, datasets) or unknown_setting(arg, known)
         if message:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def validate(cfg: DictConfig) -> None:
+    data = cfg.dataset
     checks = [
-        (isinstance(cfg.k, int) and not isinstance(cfg.k, bool) and cfg.k >= 1, f"k={cfg.k} must be a positive integer (e.g. k=4)"),
+        (_positive_int(cfg.k), f"k={cfg.k} must be a positive integer (e.g. k=4)"),
         (isinstance(cfg.temperature, (int, float)) and cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0 is greedy)"),
         (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
         (isinstance(cfg.top_k, int) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
-        (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 1, f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
-        (cfg.dataset.num_prompts is None or (isinstance(cfg.dataset.num_prompts, int) and cfg.dataset.num_prompts >= 1),
-         f"dataset.num_prompts={cfg.dataset.num_prompts} must be a positive integer or null (all)"),
+        (_positive_int(cfg.max_new_tokens), f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
+        (data.num_prompts is None or _positive_int(data.num_prompts), f"dataset.num_prompts={data.num_prompts} must be a positive integer or null (all)"),
+        (data.get("max_rows") is None or _positive_int(data.max_rows), f"dataset.max_rows={data.get('max_rows')} must be a positive integer or null (every row)"),
+        (isinstance(data.get("streaming", False), bool), f"dataset.streaming={data.get('streaming')} must be true or false"),
         (cfg.cache in ("dynamic", "static"), f"cache={cfg.cache} must be dynamic or static"),
         (not cfg.compile or cfg.cache == "static", "compile=true needs fixed shapes: add cache=static"),
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
@@ -177,12 +236,44 @@ def validate(cfg: DictConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise HarnessError(message)
-    check_lookup_length(cfg.pair.draft.get("length", "match"))
+    check_pair(cfg.pair)
 
 
-def cell_key(cfg: DictConfig) -> str:
+def check_pair(pair: DictConfig) -> None:
+    """A pair names a target and a draft the loop can run, before anything loads."""
+    name, draft = pair.get("name"), pair.get("draft")
+    if not pair.get("target") or not pair.target.get("id"):
+        raise HarnessError(f"pair {name} has no target: set pair.target.id (an HF id or a local directory)")
+    if not isinstance(draft, DictConfig) or draft.get("kind") not in ("model", "ngram"):
+        raise HarnessError(f"pair {name} has no draft: set pair.draft.kind=model with pair.draft.id, or pair.draft.kind=ngram")
+    if draft.kind == "model" and not draft.get("id"):
+        raise HarnessError(f"pair {name} has a model draft without an id: set pair.draft.id (an HF id or a local directory)")
+    if draft.kind == "ngram":
+        low, high = draft.get("min_ngram", 1), draft.get("max_ngram", 3)
+        if not (_positive_int(low) and _positive_int(high) and low <= high):
+            raise HarnessError(f"pair.draft.min_ngram={low} and max_ngram={high} must be integers with 1 <= min_ngram <= max_ngram")
+        check_lookup_length(draft.get("length", "match"))
+
+
+def device_identity(device: torch.device) -> dict:
+    """What of a device a cell's results depend on: its type and name (a GPU's model, e.g.
+    "NVIDIA H200"; otherwise the type, e.g. "cpu"), not its index."""
+    return {"type": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}
+
+
+def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
+    """`<pair>-k<k>-t<temperature>-<hash>`, the hash over the resolved config less NOT_IN_KEY, with
+    `device` and every dtype as they resolve on this machine (`device_identity`; auto: bfloat16
+    on CUDA, float32 on CPU) rather than as written, so that a CPU and a GPU process sharing
+    out_dir never share a cell. `device`: the resolved device (default: cfg.device resolved here)."""
+    device = device if device is not None else resolve_device(cfg.device)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     keyed = {k: v for k, v in resolved.items() if k not in NOT_IN_KEY}
+    keyed["device"] = device_identity(device)
+    pair = keyed["pair"]
+    models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") == "model" else [])
+    for node in (keyed, *models):  # the top-level dtype, and each model's (a pair may pin its own)
+        node["dtype"] = str(resolve_dtype(node.get("dtype") or "auto", device)).removeprefix("torch.")
     for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
         if isinstance(keyed.get(name), (int, float)):
             keyed[name] = float(keyed[name])
@@ -260,6 +351,7 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
     lands in the ratios: one compiled run put v(3) 4% under what the loop then paid.
     """
     target, device = pair.target, pair.device
+    ids = ids[-max(pair.context - k, 1):]  # room for the k + 1 positions scored after it (k may exceed max_new_tokens)
     target.reset()
     target.prefill(ids[:-1])
     extra = ids[-1:].repeat(k + 1)  # positions to score; their values do not matter for timing
@@ -407,7 +499,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
     validate(cfg)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    cell_dir = Path(out_dir if out_dir is not None else cfg.out_dir) / cell_key(cfg)
+    cell_dir = Path(out_dir if out_dir is not None else cfg.out_dir) / cell_key(cfg, device)
     try:
         cell_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -419,14 +511,15 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
 
 def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: bool) -> dict:
     """The body of run_cell, run while this process holds the cell's claim."""
-    summary_path, lines_path = cell_dir / "summary.json", cell_dir / "prompts.jsonl"
+    summary_path, status_path, lines_path = cell_dir / "summary.json", cell_dir / "status.json", cell_dir / "prompts.jsonl"
     if summary_path.exists() and not cfg.force:
         summary = json.loads(summary_path.read_text())
         if not quiet:
             print(f"[harness] cell already complete, not re-run (force=true to redo): {cell_dir}", file=sys.stderr)
-        return summary
-    if cfg.force:
-        lines_path.unlink(missing_ok=True)
+        return {**summary, "cell": cell_dir.name, "cell_dir": str(cell_dir)}  # where it is now (the store may have moved)
+    if cfg.force:  # the old results go before any work starts: an interrupted redo must not look complete
+        for path in (summary_path, status_path, lines_path):  # the completion marks first
+            path.unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     # Prompts first: a dataset problem should stop the run before a model loads.
@@ -435,13 +528,13 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
-    budget = pair.prompt_budget(cfg.max_new_tokens, cfg.k)
+    budget = pair.prompt_budget(cfg.max_new_tokens)
     if budget < 1:
-        raise HarnessError(f"max_new_tokens={cfg.max_new_tokens} and k={cfg.k} leave no room for a prompt in the target's {pair.target.context}-token context: lower max_new_tokens")
+        raise HarnessError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the pair's {pair.context}-token context: lower max_new_tokens")
     encoded, skipped, truncated = [], 0, 0
     for p in prompts:
         full = encode(pair.tokenizer, p["prompt"], cfg.prompts.template)
-        ids = fit_context(full, budget, cfg.prompts.overlong)
+        ids = encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong)
         if ids is None:
             skipped += 1
         else:
@@ -453,7 +546,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     pair.warm_up(cfg.k)
 
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
-    run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, OmegaConf.merge(cfg, {"max_new_tokens": 8}), sampling)
+    run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)}), sampling)
     costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
     pair.use_costs(costs)
 
@@ -462,7 +555,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     done = {r["id"] for r in records}
     tracker = tracking.start(cfg, cell_dir)
     todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
-    _write_json_atomic(cell_dir / "status.json", {"status": "running", "done": len(records), "total": len(encoded)})
+    _write_json_atomic(status_path, {"status": "running", "done": len(records), "total": len(encoded)})
     try:
         with lines_path.open("a") as out:
             for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
@@ -476,7 +569,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
                 tracker.log_prompt(record)
     except BaseException as err:
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-        _write_json_atomic(cell_dir / "status.json", {"status": status, "done": len(records), "total": len(encoded), "error": repr(err)})
+        _write_json_atomic(status_path, {"status": status, "done": len(records), "total": len(encoded), "error": repr(err)})
         partial = metrics.summarize(records, cfg.k, costs, cfg.seed) if records else {}
         tracker.finish({**partial, "status": status}, records, status=status)
         raise
@@ -497,6 +590,6 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     )
     summary["status"] = "finished"
     _write_json_atomic(summary_path, summary)
-    _write_json_atomic(cell_dir / "status.json", {"status": "finished", "done": len(records), "total": len(encoded)})
+    _write_json_atomic(status_path, {"status": "finished", "done": len(records), "total": len(encoded)})
     tracker.finish(summary, records)
     return summary

@@ -83,7 +83,7 @@ class WandbTracker:
     as failed, Ctrl-C (and SIGTERM, which run_cell turns into it) as interrupted."""
 
     def __init__(self, run, cell_dir: Path):
-        self.run, self.cell_dir, self.done = run, cell_dir, 0
+        self.run, self.cell_dir = run, cell_dir
         self.closed = self.broken = False
         run.define_metric("prompt/n")
         run.define_metric("prompt/*", step_metric="prompt/n", summary="none")  # curves, not summary keys
@@ -93,11 +93,10 @@ class WandbTracker:
     def log_prompt(self, record: dict) -> None:
         if self.closed or self.broken:
             return
-        self.done += 1
         spec = record["spec"]
         try:
             self.run.log({
-                "prompt/n": self.done,
+                "prompt/n": record["index"] + 1,  # the prompt's place in the cell, also when a resumed run logs from prompt 3 on
                 "prompt/speedup": record["speedup"],
                 "prompt/acceptance_rate": _ratio(spec["accepted"], spec["drafted"]),
                 "prompt/tokens_per_cycle": _ratio(spec["committed"], spec["cycles"]),

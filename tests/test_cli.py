@@ -80,6 +80,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("device=cuda", "CUDA is not available"),
         ("compile=true", "compile=true needs fixed shapes: add cache=static"),
         ("+pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
+        ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tiny_pair, tmp_path, override, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,38 @@ def test_cell_key_changes_with_what_changes_results():
     assert cell_key(base) == cell_key(with_default_pair(composed(["out_dir=/elsewhere", "force=true"])))
     assert cell_key(base) != cell_key(with_default_pair(composed(["seed=1"])))
     assert cell_key(base) != cell_key(with_default_pair(composed(["temperature=1.0"])))
+
+
+def test_cell_key_hashes_the_device_and_dtype_as_they_resolve(monkeypatch):
+    """device=auto / dtype=auto are keyed as what they resolve to: a CPU and a GPU process sharing
+    out_dir get different cells, and writing out what auto resolves to names the same cell."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    auto, cpu = with_default_pair(composed([])), torch.device("cpu")
+    assert cell_key(auto, cpu) == cell_key(with_default_pair(composed(["device=cpu", "dtype=float32"])), cpu)
+    on_gpu = cell_key(auto, torch.device("cuda"))
+    assert on_gpu != cell_key(auto, cpu)
+    assert on_gpu == cell_key(with_default_pair(composed(["device=cuda:1", "dtype=bfloat16"])), torch.device("cuda:1"))
+    assert on_gpu != cell_key(with_default_pair(composed(["+pair=smollm2", "pair.target.dtype=float16"])), torch.device("cuda"))  # a pinned dtype
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert cell_key(auto, torch.device("cuda")) != on_gpu  # another GPU model: another cell
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
+    ("dataset.max_rows=0", "dataset.max_rows=0 must be a positive integer or null"),
+    ("dataset.max_rows=true", "dataset.max_rows=True must be a positive integer or null"),
+    ("dataset.streaming=maybe", "dataset.streaming=maybe must be true or false"),
+    ("dataset.streaming=1", "dataset.streaming=1 must be true or false"),
+])
+def test_dataset_rows_and_streaming_are_validated(override, message):
+    from harness.errors import HarnessError
+
+    with pytest.raises(HarnessError, match=re.escape(message)):
+        validate(with_default_pair(composed([override])))
+    for fine in (["dataset.max_rows=null", "dataset.streaming=true"], ["dataset.max_rows=100"]):
+        validate(with_default_pair(composed(fine)))
 
 
 def test_cfg_job_prints_both_model_ids():

@@ -99,3 +99,33 @@ def test_concurrent_first_runs_share_the_embedded_cache(monkeypatch, tmp_path):
     assert embedded.embedded_model_dir("smollm2") == out
     assert (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+pair=smollm2", "~pair.draft"], "has no draft: set pair.draft.kind=model"),
+    (["+pair=smollm2", "pair.draft.id=null"], "model draft without an id"),
+    (["+pair=smollm2", "pair.target.id=null"], "has no target"),
+    (["+pair=smollm2_ngram", "pair.draft.min_ngram=0"], "1 <= min_ngram <= max_ngram"),
+    (["+pair=smollm2_ngram", "pair.draft.max_ngram=0"], "1 <= min_ngram <= max_ngram"),
+    (["+pair=smollm2_ngram", "pair.draft.min_ngram=3", "pair.draft.max_ngram=2"], "1 <= min_ngram <= max_ngram"),
+])
+def test_a_pair_that_cannot_run_is_one_line_before_loading(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from harness.run import CONF_DIR, validate, with_default_pair
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = with_default_pair(compose(config_name="config", overrides=overrides))
+    with pytest.raises(HarnessError, match=message):
+        validate(cfg)
+
+
+def test_pair_settings_without_a_chosen_pair_are_one_line(capsys):
+    from harness.run import check_choices
+
+    with pytest.raises(SystemExit) as exit:
+        check_choices(["pair.target.id=/models/llama-2-7b", "k=2"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: pair.target.id=/models/llama-2-7b sets the pair, so choose the pair first: "
+                                               "add +pair=NAME (the default is +pair=smollm2)")
+    check_choices(["+pair=smollm2", "pair.target.id=/models/llama-2-7b"])  # with the pair chosen: fine

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_cli import ROOT, harness, tiny_args
 
@@ -26,12 +27,35 @@ from test_cli import ROOT, harness, tiny_args
         (["+pair=smollm2_ngram", "pair.draft.lenght=cost_aware"], "did you mean pair.draft.length?"),
         (["wandb.mdoe=disabled"], "did you mean wandb.mode?"),
         (["banana=1"], "unknown setting 'banana': (--cfg job prints them all; +banana=... adds a new key)"),
+        (["dataset.path=x.jsonl"], "unknown setting 'dataset.path' for dataset=builtin, whose keys are category,"),
     ],
 )
 def test_unknown_names_suggest_the_closest(args, message):
     out = harness(*args)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, bad", [
+    (["dataset.path=x.jsonl"], "builtin"),  # the default dataset
+    (["+dataset.path=x.jsonl"], "builtin"),  # what Hydra's own message suggests: builtin would ignore it
+    (["-m", "dataset=builtin,local", "dataset.path=x.jsonl"], "builtin"),
+    (["dataset=local", "dataset.hf_id=org/set"], "local"),
+    (["dataset=local", "dataset.path=x.jsonl"], None),
+    (["dataset.path=x.jsonl", "dataset=gsm8k"], None),
+])
+def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, capsys):
+    from harness.run import check_choices
+
+    if bad is None:
+        check_choices(args)
+        return
+    with pytest.raises(SystemExit) as exit:
+        check_choices(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and err[0].startswith("error: unknown setting 'dataset.")
+    assert f"for dataset={bad}, whose keys are" in err[0] and "num_prompts" in err[0]  # the keys it does take
+    assert ("e.g. dataset=local dataset.path=" if "path" in args[-1] else "e.g. dataset=cnn_dailymail dataset.hf_id=") in err[0]
 
 
 def test_every_setting_the_configs_offer_is_known():
@@ -57,13 +81,157 @@ def test_every_setting_the_configs_offer_is_known():
     [
         ("dataset.num_prompts=0", "must be a positive integer or null"),
         ("k=2.5", "k=2.5 must be a positive integer"),
-        ("max_new_tokens=600", "leave no room for a prompt"),
+        ("max_new_tokens=600", "max_new_tokens=600 leaves no room for a prompt in the pair's 512-token context"),
         ("wandb.mode=sometimes", "wandb.mode=sometimes must be one of"),
     ],
 )
 def test_more_bad_values(tiny_pair, tmp_path, override, message):
     out = harness(*tiny_args(tiny_pair, tmp_path, override))
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+# The context budget: prompt + max_new_tokens - 1 positions, in both models, at every k.
+
+
+def context_pair(target_context: int, draft_context: int):
+    """The tiny target and draft (static caches) with the given context lengths."""
+    from conftest import make_model, make_tokenizer, perturbed
+
+    from harness.drafters import ModelDrafter
+    from harness.models import CachedLM
+    from harness.run import Pair
+
+    tok = make_tokenizer()
+    target = make_model(len(tok), seed=1)
+    draft = perturbed(target, noise=0.3, seed=2)
+    target.config.max_position_embeddings, draft.config.max_position_embeddings = target_context, draft_context
+    lms = [CachedLM(model, len(tok), "static") for model in (target, draft)]
+    return Pair("p", lms[0], ModelDrafter(lms[1]), tok, set(), torch.device("cpu"))
+
+
+def peak_lengths(pair) -> dict:
+    """The most positions each model's cache holds from now on."""
+    peak = {"target": 0, "draft": 0}
+    for role, lm in (("target", pair.target), ("draft", pair.drafter.lm)):
+        def forward(*args, lm=lm, role=role, real=lm.forward, **kwargs):
+            out = real(*args, **kwargs)
+            peak[role] = max(peak[role], lm.length)
+            return out
+        lm.forward = forward
+    return peak
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_prompt_that_fills_the_context_exactly_runs_at_every_k(k):
+    """prompt + max_new_tokens - 1 == context: the budget keeps the whole prompt whatever k,
+    and the static caches `reserve` sizes hold both models' sequences."""
+    from harness.loop import autoregressive_decode, speculative_decode
+    from harness.prompts import fit_context
+    from harness.sampling import Sampling
+
+    context, new = 64, 8
+    pair = context_pair(context, context)
+    assert pair.prompt_budget(new) == context - new + 1
+    ids = torch.randint(3, pair.target.vocab_size, (context - new + 1,), generator=torch.Generator().manual_seed(k))
+    assert fit_context(ids.tolist(), pair.prompt_budget(new), "skip") == ids.tolist()  # kept whole
+    pair.reserve(ids.shape[0], new, k)
+    assert pair.target.capacity == pair.drafter.lm.capacity == context
+    peak = peak_lengths(pair)
+    for temperature in (0.0, 1.0):
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, Sampling(temperature, 0, 1.0), new, set(),
+                                         torch.Generator().manual_seed(0)))
+        assert sum(len(c.tokens) for c in cycles) == new
+    assert peak["target"] == context and peak["draft"] <= context  # the last slot used, none beyond
+    assert len(list(autoregressive_decode(pair.target, ids, Sampling(0.0, 0, 1.0), new, set(), None))) == new
+
+
+def test_the_budget_is_the_shorter_context_of_target_and_draft():
+    from harness.loop import speculative_decode
+    from harness.prompts import fit_context
+    from harness.sampling import Sampling
+
+    pair = context_pair(512, 64)  # e.g. Llama-2-7b (4096) with llama-68m (2048)
+    budget = pair.prompt_budget(8)
+    assert budget == 64 - 8 + 1
+    ids = torch.tensor(fit_context(list(range(3, 98)), budget, "truncate"))
+    pair.reserve(ids.shape[0], 8, 4)
+    peak = peak_lengths(pair)
+    for k in (1, 4):
+        assert sum(len(c.tokens) for c in speculative_decode(
+            pair.target, pair.drafter, ids, k, Sampling(0.0, 0, 1.0), 8, set(), torch.Generator().manual_seed(0))) == 8
+    assert peak["draft"] <= 64 and pair.drafter.lm.capacity == 64
+
+
+@pytest.fixture(scope="module")
+def context_64_pair(tmp_path_factory) -> dict[str, Path]:
+    """conftest's tiny pair, saved with a 64-token context."""
+    pair, root = context_pair(64, 64), tmp_path_factory.mktemp("ctx64")
+    paths = {"target": root / "target", "draft": root / "draft"}
+    for role, lm in (("target", pair.target), ("draft", pair.drafter.lm)):
+        lm.model.save_pretrained(paths[role])
+        pair.tokenizer.save_pretrained(paths[role])
+    return paths
+
+
+def test_every_k_of_a_sweep_runs_the_same_prompts_at_full_context(context_64_pair, tmp_path):
+    """run_cell end to end with static caches and prompts cut to the budget (prompt + max_new_tokens - 1
+    == context), including k >= max_new_tokens, where measuring the k + 1 verify needs room too."""
+    from test_config import composed
+
+    from harness.run import run_cell
+
+    lengths = {}
+    for k in (1, 4, 8):
+        cfg = composed(tiny_args(context_64_pair, tmp_path, f"k={k}", "cache=static", "max_new_tokens=8",
+                                 "dataset.num_prompts=2", "wandb.mode=disabled"))
+        cell = Path(run_cell(cfg, out_dir=tmp_path, quiet=True)["cell_dir"])
+        lengths[k] = [json.loads(line)["prompt_tokens"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    assert lengths[1] == lengths[4] == lengths[8] and max(lengths[1]) == 64 - 8 + 1
+
+
+# Re-running a cell.
+
+
+def _stored_cell(cfg, out: Path) -> Path:
+    from harness.run import cell_key
+
+    cell = out / cell_key(cfg)
+    cell.mkdir(parents=True)
+    (cell / "summary.json").write_text(json.dumps({"speedup": 1.5, "cell": cell.name, "cell_dir": "/old/store/" + cell.name, "status": "finished"}))
+    (cell / "status.json").write_text(json.dumps({"status": "finished", "done": 2, "total": 2}))
+    (cell / "prompts.jsonl").write_text("".join(json.dumps({"id": f"p{i}"}) + "\n" for i in range(2)))
+    return cell
+
+
+def test_force_removes_the_old_results_before_any_work(tmp_path, monkeypatch):
+    """An interrupted force=true leaves nothing that marks the cell complete: the next plain run redoes it."""
+    from test_config import composed
+
+    from harness import run
+
+    cell = _stored_cell(run.with_default_pair(composed(["wandb.mode=disabled"])), tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "load_prompts", interrupted)  # the first work a run does
+    with pytest.raises(KeyboardInterrupt):
+        run.run_cell(run.with_default_pair(composed(["wandb.mode=disabled", "force=true"])), out_dir=tmp_path, quiet=True)
+    assert not any((cell / name).exists() for name in ("summary.json", "status.json", "prompts.jsonl"))
+    with pytest.raises(KeyboardInterrupt):  # not "already complete": it works on the cell again
+        run.run_cell(run.with_default_pair(composed(["wandb.mode=disabled"])), out_dir=tmp_path, quiet=True)
+
+
+def test_a_skipped_cell_reports_where_it_is_now(tmp_path):
+    """A complete cell in a results store that moved since it ran: the summary names its current place."""
+    from test_config import composed
+
+    from harness import run
+
+    cfg = run.with_default_pair(composed(["wandb.mode=disabled"]))
+    cell = _stored_cell(cfg, tmp_path / "moved")
+    summary = run.run_cell(cfg, out_dir=tmp_path / "moved", quiet=True)
+    assert (summary["cell"], summary["cell_dir"], summary["speedup"]) == (run.cell_key(cfg), str(cell), 1.5)
 
 
 def test_every_prompt_too_long_and_unwritable_out_dir(tiny_pair, tmp_path):

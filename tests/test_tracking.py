@@ -191,6 +191,20 @@ def test_offline_run_matches_the_harness_results(tiny_pair, tmp_path, offline):
     assert results[0] == f"cell-{cell.name}" and set(results[2]) == {"prompts.jsonl", "summary.json", "config.yaml"}
 
 
+def test_a_resumed_cell_logs_each_prompt_at_its_place(tmp_path, offline):
+    """A run resumed after prompts 0 and 1 logs prompt/n 3 and 4 for prompts 2 and 3, not 1 and 2."""
+    def record(index: int) -> dict:
+        return {"index": index, "speedup": 1.0 + index,
+                "spec": {"accepted": 1, "drafted": 2, "committed": 3, "cycles": 1, "new_tokens": 3}}
+
+    tracker = tracking.start(composed(["wandb.mode=offline"]), tmp_path / "cell")
+    for index in (2, 3):
+        tracker.log_prompt(record(index))
+    tracker.finish({"speedup": 1.0}, [])
+    (run,) = runs_in(tmp_path / "wandb")
+    assert [(row["prompt/n"], row["prompt/speedup"]) for row in run["history"] if "prompt/speedup" in row] == [(3, 3.0), (4, 4.0)]
+
+
 def test_exceptions_mark_the_run_interrupted_or_failed(tmp_path, offline):
     cfg = composed(["wandb.mode=offline"])
     for exc, status in ((KeyboardInterrupt, "interrupted"), (RuntimeError, "failed")):
@@ -339,6 +353,25 @@ def test_multirun_logs_one_run_per_cell_loads_once_aggregates_and_resumes(tiny_p
     assert len(runs_in(out / "wandb")) == 5  # one new run: the resumed cell
     rows = (second_sweep / "aggregate.md").read_text()
     assert rows.count("| finished |") == 4 and rows.count("| failed |") == 2
+
+
+def test_a_reused_sweep_dir_aggregates_only_this_multiruns_jobs(tmp_path):
+    """hydra.sweep.dir=multirun/exp twice: the first sweep's jobs 2 and 3 (one failed) are not the second's."""
+    from harness.callbacks import POINTER, AggregateCallback, collect
+
+    sweep = tmp_path / "sweep"
+
+    def job(n: int, overrides: list[str], status: str = "finished") -> None:
+        (sweep / str(n)).mkdir(parents=True, exist_ok=True)
+        pointer = {"job": n, "overrides": overrides, "status": status, "error": None, "cell": None, "cell_dir": None}
+        (sweep / str(n) / POINTER).write_text(json.dumps(pointer))
+
+    for n, k in enumerate([1, 2, 4, 8]):  # the first multirun: k=8 failed
+        job(n, [f"k={k}"], "failed" if k == 8 else "finished")
+    AggregateCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    for n, k in enumerate([1, 2]):
+        job(n, [f"k={k}", "temperature=0.7"])
+    assert [r["overrides"] for r in collect(sweep)] == ["k=1 temperature=0.7", "k=2 temperature=0.7"]
 
 
 # Claims on cells.
