@@ -316,7 +316,7 @@ def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
         f"predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ {max_k}, its interval from α's.", "",
         _table([*where_header, "draft", "dataset", "sampling", "k run", "α ↑", f"{pct} CI", "c ↓", "b ↓", "v measured to", "best k",
                 "predicted ↑", f"{pct} CI", "measured best ↑", "efficiency", "break-even c"], rows), "",
-        "`efficiency`: measured / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
+        "`efficiency`: measured speedup after the first token (TPOT ratio) / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
         f"which some k ≤ {max_k} still predicts a speedup above 1 at this α (none: not even a free draft).", "",
     ]
 

@@ -23,14 +23,19 @@ results file can always be re-summarised. Definitions (README, "Metrics"):
                         c = draft step / target step and v(n) = target time to
                         score n positions / target step (Leviathan et al. with
                         a measured verify cost instead of 1)
-  efficiency            speedup / predicted_speedup
+  decode_speedup        base_tpot_s / spec_tpot_s: the speedup after the first
+                        yield, without the prompt's pass and first cycle
+  efficiency            decode_speedup / predicted_speedup (the prediction
+                        prices decode steps only, so it is held against the
+                        decode phase: `speedup` includes prefill, which both
+                        sides pay alike and which pulls it towards 1)
   predicted_speedup_cycles
                         committed tokens / sum over cycles of (k' c + v(k'+1)),
                         k' the tokens that cycle drafted: the same prediction
                         for the cycles actually run, which also holds when a
                         drafter proposes fewer than k (prompt lookup without a
                         match, pair.draft.length=cost_aware, the budget's end)
-  efficiency_cycles     speedup / predicted_speedup_cycles
+  efficiency_cycles     decode_speedup / predicted_speedup_cycles
 """
 
 from __future__ import annotations
@@ -160,9 +165,10 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     else:
         summary.update(speedup=float("nan"), speedup_ci=(float("nan"),) * 2,
                        speedup_geomean=float("nan"), speedup_geomean_ci=(float("nan"),) * 2)
-    summary["efficiency"] = _ratio(summary["speedup"], predicted)
+    summary["decode_speedup"] = _ratio(summary["base_tpot_s"], summary["spec_tpot_s"])
+    summary["efficiency"] = _ratio(summary["decode_speedup"], predicted)
     summary["predicted_speedup_cycles"] = _predicted_by_cycles(records, k, costs)
-    summary["efficiency_cycles"] = _ratio(summary["speedup"], summary["predicted_speedup_cycles"])
+    summary["efficiency_cycles"] = _ratio(summary["decode_speedup"], summary["predicted_speedup_cycles"])
     return summary
 
 

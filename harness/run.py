@@ -364,13 +364,15 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
         _sync(device)
         return time.perf_counter() - start
 
-    def score(n: int):
-        target.forward(extra[:n], num_logits=n)
+    def score(n: int) -> float:
+        """Seconds of a target pass over n positions; the rollback after it is not timed (a step has none)."""
+        spent = seconds(lambda: target.forward(extra[:n], num_logits=n))
         target.rollback(ids.shape[0] - 1)
+        return spent
 
     verify_s, draft_s = [], []  # [rounds, k + 1] scoring 1..k+1 positions; [rounds] per drafted token
     for _ in range(rounds):
-        verify_s.append([seconds(lambda: score(n)) for n in range(1, k + 2)])
+        verify_s.append([score(n) for n in range(1, k + 2)])
         # As in the loop, the draft runs right after a target pass: on a CPU the
         # target's weights have evicted the draft's from the caches (measured
         # back to back instead, the draft step looks ~25% cheaper than it is).

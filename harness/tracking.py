@@ -48,7 +48,7 @@ MODES = ("auto", "online", "offline", "disabled")
 METRICS = (
     "acceptance_rate", "alpha", "expected_alpha", "tokens_per_cycle", "accepted_per_cycle",
     "theoretical_tokens_per_cycle", "speedup", "speedup_ci_low", "speedup_ci_high", "speedup_geomean",
-    "speedup_geomean_ci_low", "speedup_geomean_ci_high", "predicted_speedup", "efficiency", "predicted_speedup_cycles", "efficiency_cycles", "cost_ratio",
+    "speedup_geomean_ci_low", "speedup_geomean_ci_high", "decode_speedup", "predicted_speedup", "efficiency", "predicted_speedup_cycles", "efficiency_cycles", "cost_ratio",
     "verify_cost", "spec_tpot_s", "base_tpot_s", "spec_ttft_s", "base_ttft_s", "num_prompts", "new_tokens",
     "cycles", "target_passes", "draft_passes", "spec_time_s", "base_time_s", "peak_rss_mb",
 )

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from harness import bench, run
 from harness.errors import HarnessError
@@ -148,16 +149,26 @@ class DriftingClock:
 
 def test_costs_are_measured_interleaved_so_drift_cancels(monkeypatch):
     clock = DriftingClock()
-    target = SimpleNamespace(reset=lambda: None, prefill=lambda ids: None, rollback=lambda n: None,
-                             forward=lambda ids, num_logits: clock.spend(ids.shape[0]))
+    target = SimpleNamespace(reset=lambda: None, prefill=lambda ids: None, forward=lambda ids, num_logits: clock.spend(ids.shape[0]),
+                             rollback=lambda n: setattr(clock, "now", clock.now + 0.5))  # a decode step has none: not timed
     drafter = SimpleNamespace(start=lambda ids: None, propose=lambda ids, k, s, g: [clock.spend(0.2) for _ in range(k)])
-    pair = SimpleNamespace(target=target, drafter=drafter, device=torch.device("cpu"))
+    pair = SimpleNamespace(target=target, drafter=drafter, device=torch.device("cpu"), context=512)
     monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
     costs = run.measure_costs(pair, torch.arange(8), 3, Sampling(0.0))
     # Timed one block per n instead (the previous measure_costs), v(4) read 4.93 here.
     assert costs["verify_cost"][0] == 1.0
     assert costs["verify_cost"][3] == pytest.approx(4.0, rel=0.05)
     assert costs["cost_ratio"] == pytest.approx(0.2, rel=0.1)
+
+
+def test_the_gpu_measured_speedup_pass_runs(tiny_pair):
+    """On CUDA, `limit` takes its measured speedup from uninstrumented passes; the pass runs anywhere."""
+    pair_cfg = OmegaConf.create({"name": "tiny", "target": {"id": str(tiny_pair["target"])},
+                                 "draft": {"kind": "model", "id": str(tiny_pair["draft"])}})
+    pair = run.load_pair(pair_cfg, torch.device("cpu"))
+    encoded = [torch.tensor([5, 17, 42, 8, 3]), torch.tensor([9, 9, 30, 31])]
+    speedup = bench._plain_decode_speedup(pair, encoded, 2, 12, torch.device("cpu"), rep=1)
+    assert 0 < speedup < float("inf")
 
 
 def _lookup_passes_brute_force(prompt: list[int], output: list[int], k: int) -> int:
