@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The performance check on one GPU, in one command (under 10 minutes on one H200):
-#   bash scripts/gpu_check.sh            # writes results/bench/gpu_*.json and prints the figures
+#   bash scripts/gpu_check.sh            # writes results/bench/gpu_*.json ($OUT/ when set) and prints the figures
 # Runs harness.bench on the embedded default pair (offline: no hub access needed)
 #   1. eager, dynamic cache: ours vs HF generate / assisted / prompt lookup, efficiency,
 #      overhead, memory over 100 prompts, and the host syncs per cycle;
@@ -73,12 +73,15 @@ else
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 0)
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv || true
 fi
-mkdir -p results/bench
+dir=${OUT:-results/bench}  # on the device tool, straight into $OUT: a call cut short still brings back what was written
+mkdir -p "$dir"
 status=0
-timeout $t1 $PY -m harness.bench "${eager[@]}" --out results/bench/gpu_eager.json device=$device 2>&1 | tee results/bench/gpu_eager.log || status=1
+timeout $t1 $PY -m harness.bench "${eager[@]}" --out "$dir/gpu_eager.json" device=$device 2>&1 | tee "$dir/gpu_eager.log" || status=1
 t2=$((end - SECONDS))
+if [ "$t2" -lt 60 ]; then
+    echo "[gpu_check] $((SECONDS))s in: no time left for the compiled part (${t2}s)"; exit 1
+fi
 echo "[gpu_check] $((SECONDS))s in: the compiled part gets ${t2}s"
-timeout $t2 $PY -m harness.bench "${compiled[@]}" --out results/bench/gpu_static_compile.json device=$device cache=static compile=true 2>&1 \
-    | tee results/bench/gpu_static_compile.log || status=1
-if [ -n "${OUT:-}" ]; then cp results/bench/gpu_* "$OUT"/ 2>/dev/null || true; fi  # the device tool brings $OUT back
+timeout $t2 $PY -m harness.bench "${compiled[@]}" --out "$dir/gpu_static_compile.json" device=$device cache=static compile=true 2>&1 \
+    | tee "$dir/gpu_static_compile.log" || status=1
 exit $status
