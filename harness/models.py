@@ -306,6 +306,8 @@ def _compile(model: PreTrainedModel):
     """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
     Hooks registered on the model still run."""
     # Input lengths 1..k+1 each compile once: allow more than dynamo's default of 8.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * CachedLM.COMPILED_MAX_TOKENS)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
+    setattr(config, limit, max(getattr(config, limit), 2 * CachedLM.COMPILED_MAX_TOKENS))
     mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
     return torch.compile(model, mode=mode, dynamic=False)

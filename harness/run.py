@@ -277,8 +277,19 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
         if isinstance(keyed.get(name), (int, float)):
             keyed[name] = float(keyed[name])
+    data_file = Path(str(cfg.dataset.get("path") or "")).expanduser()
+    if cfg.dataset.get("source") == "local" and data_file.is_file():  # an edited file is another prompt set
+        keyed["dataset"]["file_sha256"] = _file_sha256(data_file)
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
     return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}-{digest}"
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False) -> Pair:

@@ -67,6 +67,19 @@ def test_cell_key_changes_with_what_changes_results():
     assert cell_key(base) != cell_key(with_default_pair(composed(["temperature=1.0"])))
 
 
+def test_cell_key_changes_when_a_local_prompt_file_is_edited(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"question_id": 1, "category": "qa", "turns": ["What is 2 + 2?"]}\n')
+
+    def key():
+        return cell_key(with_default_pair(composed(["dataset=local", f"dataset.path={data}"])))
+
+    before = key()
+    assert key() == before
+    data.write_text('{"question_id": 1, "category": "qa", "turns": ["What is 3 + 3?"]}\n')
+    assert key() != before
+
+
 def test_cell_key_hashes_the_device_and_dtype_as_they_resolve(monkeypatch):
     """device=auto / dtype=auto are keyed as what they resolve to: a CPU and a GPU process sharing
     out_dir get different cells, and writing out what auto resolves to names the same cell."""
