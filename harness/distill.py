@@ -703,7 +703,8 @@ def build_eval_data(args, model, tok, model_dir: Path) -> dict:
         data[name] = generate(model, prompt_ids, temperature, args.eval_new_tokens, args.gen_batch_size,
                               args.eval_seed, eos, log_every=0)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path)
+    torch.save(data, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)  # an interrupted save is never loaded as the data
     return data
 
 
