@@ -252,7 +252,7 @@ def check_pair(pair: DictConfig) -> None:
         low, high = draft.get("min_ngram", 1), draft.get("max_ngram", 3)
         if not (_positive_int(low) and _positive_int(high) and low <= high):
             raise HarnessError(f"pair.draft.min_ngram={low} and max_ngram={high} must be integers with 1 <= min_ngram <= max_ngram")
-        check_lookup_length(draft.get("length", "match"))
+    check_lookup_length(draft.get("length", "match"))
 
 
 def device_identity(device: torch.device) -> dict:

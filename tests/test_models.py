@@ -108,6 +108,7 @@ def test_concurrent_first_runs_share_the_embedded_cache(monkeypatch, tmp_path):
     (["+pair=smollm2_ngram", "pair.draft.min_ngram=0"], "1 <= min_ngram <= max_ngram"),
     (["+pair=smollm2_ngram", "pair.draft.max_ngram=0"], "1 <= min_ngram <= max_ngram"),
     (["+pair=smollm2_ngram", "pair.draft.min_ngram=3", "pair.draft.max_ngram=2"], "1 <= min_ngram <= max_ngram"),
+    (["+pair=smollm2_ngram", "pair.draft.length=longest"], "pair.draft.length=longest must be match or cost_aware"),
 ])
 def test_a_pair_that_cannot_run_is_one_line_before_loading(overrides, message):
     from hydra import compose, initialize_config_dir
