@@ -100,7 +100,7 @@ def autoregressive_decode(
     """Target-only decoding, one token per step: the baseline. Like HF's
     generate(), the prompt's forward pass also gives the first token's row,
     so n tokens cost one prefill and n - 1 one-token steps."""
-    target.reset()
+    target.reset(rollback=False)
     logits = target.prefill(prompt_ids)  # [V] the row after the whole prompt
     for step in range(max_new_tokens):
         token = logits.argmax() if sampling.greedy else sample(shape_probs(logits, sampling), generator)

@@ -210,7 +210,7 @@ class CachedLM:
         self.context = getattr(model.config, "max_position_embeddings", None) or 2048
         self.capacity = min(max_len or self.context, self.context)
         if self.static:
-            self.cache = self._static_cache(self.capacity)
+            self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)  # `reserve` sizes it for a run
         self.compiled = _compile(model) if compile else None
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
@@ -220,19 +220,23 @@ class CachedLM:
         """Size a static cache for sequences of up to max_len tokens, rounded up
         to a multiple of 256 so that runs with similar lengths share one compiled
         shape. No-op for the dynamic cache."""
+        if not self.static:
+            return
         capacity = min(-(-max_len // 256) * 256, self.context)
-        if self.static and capacity != self.capacity:
+        window = getattr(self.model.config, "sliding_window", None)
+        if window and max_len <= window < capacity:  # sliding-window layers roll back only within their window
+            capacity = window
+        if capacity != self.capacity:
             self.capacity = capacity
-            self.cache = self._static_cache(capacity)
+            self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
             self.reset()
+        self._check_static_rollback()
 
-    def _static_cache(self, capacity: int) -> StaticCache:
-        cache = StaticCache(config=self.model.config, max_cache_len=capacity)
-        if not cache.is_croppable:  # sliding-window layers of a shorter window drop what a rollback needs
+    def _check_static_rollback(self) -> None:
+        if not self.cache.is_croppable:  # sliding-window layers shorter than the cache drop what a rollback restores
             window = getattr(self.model.config, "sliding_window", None)
             raise HarnessError(f"{type(self.model).__name__} has sliding-window attention (window {window}) and a static cache "
-                               f"of {capacity} tokens cannot roll back past the window: use cache=dynamic")
-        return cache
+                               f"of {self.capacity} tokens cannot roll back past the window: use cache=dynamic")
 
     def warm_up(self, shapes: list[tuple[int, int]]) -> None:
         """Compile the steps a run will take now, outside any timing: each
@@ -248,15 +252,19 @@ class CachedLM:
         self.reset()
 
     @torch.inference_mode()
-    def reset(self) -> None:
-        """Empty the cache: a new sequence starts."""
+    def reset(self, rollback: bool = True) -> None:
+        """Empty the cache: a new sequence starts. rollback=False: it will never be rolled back (the baseline)."""
+        self.trims = False  # a dynamic cache to crop after every cycle, rejection or not
         if self.static:
             self.cache.reset()  # in place: the compiled steps keep their addresses
         else:
             self.cache = DynamicCache(config=self.model.config)
-            # Sliding-window layers then keep what leaves the window until the next rollback's crop, so
-            # it can bring it back. From the first pass on: the prompt's pass also verifies the first drafts.
-            self.cache.activate_past_recording()
+            if rollback:
+                # Sliding-window layers then keep what leaves the window until the next crop, which can
+                # bring it back; from the first pass on, as the prompt's pass also verifies the first drafts.
+                # Every cycle's rollback crops them back to the window (`trims`).
+                self.cache.activate_past_recording()
+                self.trims = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
         self.length = 0
 
     @torch.inference_mode()
@@ -291,8 +299,12 @@ class CachedLM:
     def rollback(self, length: int) -> None:
         """Drop cached positions at and beyond `length` (rejected tokens)."""
         if length < self.length:
+            if self.static:
+                self._check_static_rollback()
             self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove; static: moves the position
             self.length = length
+        elif self.trims:
+            self.cache.crop(0)  # nothing rejected: sliding-window layers drop what left the window
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:

@@ -121,18 +121,36 @@ def test_sliding_window_models_roll_back_past_the_window(k):
 
 
 def test_static_cache_of_a_sliding_window_model():
-    """Within the window a static cache rolls back and resets like any other; a static
-    cache longer than the window cannot roll back and says so."""
-    target, draft = sliding_window_pair(window=64)
+    """A static cache is sized within the window when the run fits in it, and then rolls back
+    and resets like any other; a run longer than the window is refused in one line."""
+    target, draft = sliding_window_pair(window=64)  # context 256: longer than the window
     prompt = ids_of("Sliding windows")
     expected = base_tokens(target, prompt, 24, set())
-    drafter = ModelDrafter(CachedLM(draft, 98, "static", 64))
-    lm = CachedLM(target, 98, "static", 64)
+    lm, draft_lm = CachedLM(target, 98, "static"), CachedLM(draft, 98, "static")
+    for model_lm in (lm, draft_lm):
+        model_lm.reserve(prompt.shape[0] + 24)  # as run_cell does: fits in the window
+        assert model_lm.capacity == 64
+    drafter = ModelDrafter(draft_lm)
     for seed in range(3):  # reused across sequences
         cycles = list(speculative_decode(lm, drafter, prompt, 4, GREEDY, 24, set(), torch.Generator().manual_seed(seed)))
         assert [t for c in cycles for t in c.tokens] == expected
     with pytest.raises(HarnessError, match="sliding-window attention .*use cache=dynamic"):
-        CachedLM(target, 98, "static", 128)
+        lm.reserve(65)
+
+
+def test_the_baseline_keeps_a_sliding_window_cache_windowed():
+    """Only a cache that may be rolled back records what leaves the window, and the speculative
+    loop crops it back every cycle: neither side's cache grows with the sequence."""
+    window = 8
+    target, draft = sliding_window_pair(window=window)
+    prompt = ids_of("A long enough prompt")
+    lm = CachedLM(target, 98)
+    list(autoregressive_decode(lm, prompt, GREEDY, 40, set(), None))
+    assert max(layer.keys.shape[-2] for layer in lm.cache.layers) < window
+    drafter = ModelDrafter(CachedLM(draft, 98))
+    list(speculative_decode(lm, drafter, prompt, 4, GREEDY, 40, set(), torch.Generator().manual_seed(0)))
+    assert max(layer.keys.shape[-2] for layer in lm.cache.layers) < window
+    assert max(layer.keys.shape[-2] for layer in drafter.lm.cache.layers) < window + 4
 
 
 class OlderSignature(torch.nn.Module):
