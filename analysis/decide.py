@@ -6,7 +6,7 @@ the run setup (device, dtype, max_new_tokens, cache, compile: a speedup on
 one GPU says little about another). Within a context every candidate is
 measured on the same prompts, so all comparisons are paired by prompt
 (dataset, id); prompts that some candidate lacks are dropped and counted. A
-candidate that ran fewer than half the prompts of the best-covered one (a
+candidate that ran fewer than half the prompts of the typical (median) one (a
 quick exploratory cell) is left out and listed, so that it does not shrink
 every comparison to its few prompts.
 
@@ -63,7 +63,7 @@ from harness.errors import HarnessError
 
 CONTEXT_KEYS = ["target", "sampling", "setup"]
 NO_SPECULATION = "no speculation"
-MIN_COVERAGE = 0.5  # a candidate with fewer prompts than this share of the best-covered one's is left out
+MIN_COVERAGE = 0.5  # a candidate with fewer prompts than this share of the median candidate's is left out
 
 
 @dataclass
@@ -117,7 +117,8 @@ def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str,
 
 def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list[str]]:
     """Align one context's candidates on the prompts they all ran (leaving out those that ran
-    fewer than MIN_COVERAGE of the best-covered candidate's prompts)."""
+    fewer than MIN_COVERAGE of the median candidate's prompts: one cell that ran more prompts than
+    the rest must not push the others out)."""
     notes = []
     chosen = []
     for (label, k, dataset), group in cells.groupby(["label", "k", "dataset"], sort=True):
@@ -129,10 +130,10 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list
     candidates = sorted({(r.label, int(r.k)) for r in cells[cells["cell"].isin(chosen)].itertuples()})
     per_candidate = {c: rows[(rows["label"] == c[0]) & (rows["k"] == c[1])].set_index("prompt_key") for c in candidates}
     coverage = {c: len(df) for c, df in per_candidate.items()}
-    most = max(coverage.values())
-    short = [c for c in candidates if coverage[c] < MIN_COVERAGE * most]
+    typical = float(np.median(list(coverage.values())))
+    short = [c for c in candidates if coverage[c] < MIN_COVERAGE * typical]
     if short:
-        notes.append(f"left out, fewer than half the prompts of the best-covered candidate ({most}): "
+        notes.append(f"left out, fewer than half the prompts of the median candidate ({typical:g}): "
                      + ", ".join(f"{label} k={k} ({coverage[(label, k)]} prompts)" for label, k in short))
         candidates = [c for c in candidates if c not in short]
         per_candidate = {c: per_candidate[c] for c in candidates}

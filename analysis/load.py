@@ -15,9 +15,9 @@ every later step sees one schema:
 A local source may be a cell directory, a results store (`out_dir`), a Hydra
 run or multirun directory (its jobs' `cell.json` point at their cells) or a
 mix; cells are found by their `summary.json` (written only when a cell
-finishes) and deduplicated by (cell key, device name): the harness's cell key
-hashes the unresolved config (device: auto), so the same cell run on a CPU
-and on a GPU box has one key and both are kept. Unfinished or failed cells
+finishes) and deduplicated by (cell key, device name): results from before
+the cell key hashed the resolved device share one key for a CPU
+and a GPU run of the same config, and both are kept. Unfinished or failed cells
 are left out and listed in `Results.notes`.
 
 Each cell's run conditions (CONDITION_KEYS: the device name, dtype,

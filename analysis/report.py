@@ -377,7 +377,7 @@ def _methods_section(pct: str) -> list[str]:
         f"harness's {100 * CELL_CONFIDENCE:g}%.",
         "- **Context**: one decision per target, sampling setting and run conditions (device, dtype, max_new_tokens, "
         "cache, compile); candidates are paired on the prompts they all ran, and a candidate with fewer than half the "
-        "prompts of the best-covered one is left out (listed in the notes).",
+        "prompts of the median candidate is left out (listed in the notes).",
         "- **Ship rule**: candidates are ranked by point estimate; the best one whose interval's lower bound is above 1 "
         "ships (when a higher one is uncertain, the verdict names it); if none, *ship no speculation*. Choosing the "
         "best of many candidates favours a lucky one, so its interval is slightly optimistic.",

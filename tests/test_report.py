@@ -627,6 +627,19 @@ def test_a_short_exploratory_cell_does_not_shrink_the_comparison(tmp_path):
     assert (d["mix"]["ship"], d["mix"]["k"]) == ("a", 2)
 
 
+def test_a_cell_with_more_prompts_than_the_rest_pushes_nobody_out(tmp_path):
+    """Coverage is judged against the median candidate: a longer cell (a superset of the others'
+    prompts) is compared on the shared prompts, not made the yardstick that leaves the sweep out."""
+    write_cell(tmp_path, "a", "model", Fraction(1, 2), 2, 0.1, SLOPE, categories=("chat",), per_category=12)
+    write_cell(tmp_path, "b", "model", Fraction(3, 4), 2, 0.05, SLOPE, categories=("chat",), per_category=12, seed=1)
+    write_cell(tmp_path, "a", "model", Fraction(1, 2), 4, 0.1, SLOPE, categories=("chat",), per_category=30, seed=2)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=300)
+    assert {(c["label"], c["k"]) for c in d["candidates"]} == {("a", 2), ("b", 2), ("a", 4)}
+    assert d["prompts"] == 12 and not any("left out" in n for n in d["notes"])
+    assert (d["mix"]["ship"], d["mix"]["k"]) == ("b", 2)
+
+
 def test_either_is_defensible_only_when_the_runner_up_beats_the_baseline():
     choice = {"ship": "a", "k": 2, "top": None, "best": {"label": "a", "k": 2, "speedup": 1.33, "low": 1.23, "high": 1.44},
               "comparison": {"ratio": 1.2, "low": 0.98, "high": 1.47, "wilcoxon_p": 0.28, "prompts": 12, "significant": False}}
