@@ -342,7 +342,9 @@ def claim(cell_dir: str | Path, poll_s: float | None = None, stale_s: float = 30
             if _is_stale(path, holder, stale_s):
                 if not quiet:
                     print(f"[harness] taking over a stale claim on {path.parent.name} ({_who(holder)})", file=sys.stderr)
-                if _read_claim(path) == holder:  # nobody took it over meanwhile
+                # Nobody took it over meanwhile: the same holder, still stale (a fresh claim another process
+                # has just created and not yet written reads as empty too, but it is not old).
+                if _read_claim(path) == holder and _is_stale(path, holder, stale_s):
                     path.unlink(missing_ok=True)
                 continue
             if not waiting and not quiet:

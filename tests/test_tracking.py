@@ -436,6 +436,31 @@ def test_stale_claims_are_taken_over(tmp_path):
     assert not tracking._is_stale(live / ".claim", {"host": "elsewhere", "pid": 1}, 300)
 
 
+def test_a_fresh_claim_is_not_taken_for_the_torn_one_it_replaced(tmp_path, monkeypatch):
+    """Two processes find the same torn claim; one takes it over and has created, not yet written,
+    its own: the other must not take that fresh, still empty claim for the torn one and remove it."""
+    import threading
+
+    path = tmp_path / ".claim"
+    path.write_text("")
+    os.utime(path, (time.time() - 60,) * 2)
+    real, seen = tracking._is_stale, []
+
+    def another_process_takes_over(p, holder, stale_s):
+        stale = real(p, holder, stale_s)
+        if not seen:  # right after this process judged the torn claim stale
+            p.unlink()
+            p.write_text("")  # the other's claim: created, its content not yet written
+            threading.Timer(0.3, lambda: (seen.append(path.read_text()), path.unlink())).start()  # then it finishes
+            seen.append("taken over")
+        return stale
+
+    monkeypatch.setattr(tracking, "_is_stale", another_process_takes_over)
+    with tracking.claim(tmp_path, poll_s=0.05, stale_s=300, quiet=True):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert seen == ["taken over", ""]  # the other's claim was still its own when it finished
+
+
 # Hydra configs.
 
 
