@@ -63,8 +63,10 @@ def encode_within(tokenizer, text: str, template: str, budget: int, overlong: st
     the number of characters kept, re-encoding each time.
     """
     ids = encode(tokenizer, text, template)
-    if len(ids) <= budget or overlong != "truncate":
-        return fit_context(ids, budget, overlong)
+    if len(ids) <= budget:
+        return ids
+    if overlong != "truncate":
+        return None
     fitting = encode(tokenizer, "", template)
     if len(fitting) > budget:
         raise HarnessError(f"the prompt template alone takes {len(fitting)} tokens, more than the {budget}-token context budget: lower max_new_tokens, or use prompts.template=raw")
@@ -79,20 +81,10 @@ def encode_within(tokenizer, text: str, template: str, budget: int, overlong: st
     return fitting
 
 
-def _without_middle(seq, keep: int):
-    """The first and last items of a str or list, `keep` in all (the odd one at the start)."""
+def _without_middle(text: str, keep: int) -> str:
+    """The first and last characters of text, `keep` in all (the odd one at the start)."""
     head = (keep + 1) // 2
-    return seq[:head] + seq[len(seq) - (keep - head):]
-
-
-def fit_context(ids: list[int], budget: int, overlong: str) -> list[int] | None:
-    """Keep token ids within the context budget when only the ids are at hand:
-    skip (None), or truncate by cutting their middle, which keeps the
-    template's head and tail when each is under half the budget.
-    `encode_within`, given the text, cuts the text and keeps all the template."""
-    if len(ids) <= budget:
-        return ids
-    return _without_middle(ids, budget) if overlong == "truncate" else None
+    return text[:head] + text[len(text) - (keep - head):]
 
 
 def as_tensor(ids: list[int], device: torch.device) -> torch.Tensor:

@@ -547,11 +547,12 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     encoded, skipped, truncated = [], 0, 0
     for p in prompts:
         full = encode(pair.tokenizer, p["prompt"], cfg.prompts.template)
-        ids = encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong)
+        fits = len(full) <= budget
+        ids = full if fits else encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong)
         if ids is None:
             skipped += 1
         else:
-            truncated += len(ids) < len(full)
+            truncated += not fits
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")

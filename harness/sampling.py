@@ -75,7 +75,7 @@ def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     rows = probs.reshape(-1, probs.shape[-1])  # [R, V]
     vocab = rows.shape[-1]
     floor = torch.empty_like(rows[:, :1])  # [R, 1]
-    todo = torch.arange(rows.shape[0], device=rows.device)  # rows whose nucleus may lie beyond the candidates tried
+    todo = ...  # the rows whose nucleus may lie beyond the candidates tried: all (no copy), then their indices
     ladder = [n for n in NUCLEUS_CANDIDATES if n < vocab] if rows.device.type == "cpu" else []
     for n in [*ladder, vocab]:
         top = torch.topk(rows[todo], n).values if n < vocab else rows[todo].sort(descending=True).values  # [R', n]
@@ -83,7 +83,7 @@ def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         kept = (mass - top < top_p).sum(-1, keepdim=True)  # [R', 1] the first always stays
         floor[todo] = top.gather(-1, kept - 1)
         if n < vocab:  # CPU only: the host reads which rows the n candidates did not settle
-            todo = todo[mass[:, -1] < top_p]
+            todo = torch.arange(rows.shape[0])[todo][mass[:, -1] < top_p]
             if todo.numel() == 0:
                 break
     return floor.reshape(*probs.shape[:-1], 1)

@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from conftest import make_tokenizer
 from harness.datasets import load_prompts
 from harness.errors import HarnessError
-from harness.prompts import encode, encode_within, fit_context, load_builtin, select
+from harness.prompts import encode, encode_within, load_builtin, select
 from harness.run import CONF_DIR, validate, with_default_pair
 
 ROOT = Path(__file__).parent.parent
@@ -293,16 +293,7 @@ def test_overlong_prompts_lose_the_middle_of_their_text(template):
     full = encode(tok, LONG, template)
     assert encode_within(tok, LONG, template, len(full), "truncate") == full
     assert encode_within(tok, LONG, template, len(full) - 1, "skip") is None
-
-
-def test_ids_alone_are_cut_in_the_middle_too():
-    """fit_context has only the ids (harness.exactness): their middle goes, BOS and the generation prompt stay."""
-    tok = make_tokenizer()
-    full = encode(tok, LONG, "chat")
-    prefix, suffix = parts(tok, LONG, "chat")
-    ids = fit_context(full, 60, "truncate")
-    assert len(ids) == 60 and ids[:len(prefix)] == prefix and ids[-len(suffix):] == suffix
-    assert fit_context(full, 60, "skip") is None and fit_context(full, len(full), "skip") == full
+    assert encode_within(tok, LONG, template, len(full), "skip") == full
 
 
 def test_a_template_longer_than_the_budget_is_one_line():
