@@ -255,10 +255,22 @@ def check_pair(pair: DictConfig) -> None:
     check_lookup_length(draft.get("length", "match"))
 
 
+def device_name(device: torch.device) -> str:
+    """The model of a GPU (e.g. "NVIDIA H200") or of the CPU (e.g. "AMD EPYC")."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), platform.processor() or device.type)
+
+
 def device_identity(device: torch.device) -> dict:
-    """What of a device a cell's results depend on: its type and name (a GPU's model, e.g.
-    "NVIDIA H200"; otherwise the type, e.g. "cpu"), not its index."""
-    return {"type": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}
+    """What of a device a cell's results depend on: its type and model (`device_name`), not its
+    index; on a CPU also the torch threads, which its timings depend on as much."""
+    identity = {"type": device.type, "name": device_name(device)}
+    if device.type == "cpu":
+        identity["threads"] = torch.get_num_threads()
+    return identity
 
 
 def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
@@ -404,13 +416,8 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
 def conditions(cfg: DictConfig, device: torch.device, dtype: str) -> dict:
     import transformers
 
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                     if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
     return {
-        "device": str(device), "device_name": name, "dtype": dtype, "threads": torch.get_num_threads(),
+        "device": str(device), "device_name": device_name(device), "dtype": dtype, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "seed": cfg.seed, "hostname": platform.node(),
     }

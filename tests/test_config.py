@@ -96,6 +96,27 @@ def test_cell_key_hashes_the_device_and_dtype_as_they_resolve(monkeypatch):
     assert cell_key(auto, torch.device("cuda")) != on_gpu  # another GPU model: another cell
 
 
+def test_cell_key_hashes_the_cpu_model_and_threads(monkeypatch):
+    """CPU timings depend on the processor and torch's threads as a GPU's on its model: a cell
+    measured on one CPU or thread count is not taken as done on another."""
+    import torch
+
+    from harness import run
+
+    cfg, cpu = with_default_pair(composed(["device=cpu"])), torch.device("cpu")
+    monkeypatch.setattr(run, "device_name", lambda device: "Intel(R) Xeon(R) Processor")
+    intel = cell_key(cfg, cpu)
+    monkeypatch.setattr(run, "device_name", lambda device: "AMD EPYC")
+    amd = cell_key(cfg, cpu)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        more_threads = cell_key(cfg, cpu)
+    finally:
+        torch.set_num_threads(threads)
+    assert len({intel, amd, more_threads}) == 3 and cell_key(cfg, cpu) == amd
+
+
 @pytest.mark.parametrize("override, message", [
     ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
     ("dataset.max_rows=0", "dataset.max_rows=0 must be a positive integer or null"),
