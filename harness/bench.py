@@ -474,29 +474,41 @@ def memory(pair, cfg, prompts, encoded, args, device) -> dict:
 
 
 def sync_audit(pair, ids, k: int, n: int, device) -> dict:
-    """CUDA only: every host synchronisation during speculative decoding of one
-    prompt, greedy and sampled, counted by the source line that caused it
-    (torch.cuda.set_sync_debug_mode). The loop's own are the accept count
-    (rule.py) and the committed tokens (loop.py), once per cycle each."""
+    """Every host read of a tensor value during speculative decoding of one
+    prompt, greedy and sampled, counted by the source line that asked for it
+    (`HostReads`, on any device), and on CUDA every synchronisation the device
+    reports (torch.cuda.set_sync_debug_mode), which also sees those made inside
+    kernels. The loop's own are the accept count (rule.py) and the committed
+    tokens (loop.py), once per cycle each; none is per drafted token."""
     import warnings
     from collections import Counter
 
+    from harness.host_syncs import HostReads
+
+    cuda = device.type == "cuda"
     out = {}
     for name, sampling in (("greedy", GREEDY), ("T=1", Sampling(1.0))):
-        generator = torch.Generator(device).manual_seed(0)
-        cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, sampling, n, pair.eos_ids, generator))  # warm
-        torch.cuda.synchronize(device)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, sampling, n, pair.eos_ids, generator))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        generator = torch.Generator(device)
+        decode = lambda: list(speculative_decode(pair.target, pair.drafter, ids, k, sampling, n, pair.eos_ids,
+                                                 generator.manual_seed(0)))  # the same cycles every time
+        decode()  # warm
+        _sync(device)
+        with HostReads() as reads:
+            cycles = decode()
         drafted = sum(c.num_drafted for c in cycles)
-        out[name] = {"cycles": len(cycles), "drafted": drafted, "syncs": sum(where.values()),
-                     "syncs_per_cycle": sum(where.values()) / len(cycles), "by_line": dict(where.most_common())}
+        out[name] = {"cycles": len(cycles), "drafted": drafted, "host_reads": reads.total,
+                     "host_reads_per_cycle": reads.total / len(cycles), "host_reads_by_line": dict(reads.sites.most_common())}
+        if cuda:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    cycles = decode()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+            out[name].update(syncs=sum(where.values()),
+                             syncs_per_cycle=sum(where.values()) / len(cycles), by_line=dict(where.most_common()))
     return out
 
 
@@ -587,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
     if isinstance(pair.drafter, ModelDrafter):
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device, args.reps) for k in args.ks}
         _write(args.out, result)
-    if device.type == "cuda" and isinstance(pair.drafter, ModelDrafter):
+    if isinstance(pair.drafter, ModelDrafter):
         result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
         _write(args.out, result)
     if args.memory_prompts > 0:
@@ -621,7 +633,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"efficiency {lim['efficiency']:.3f} (cycles {lim['efficiency_cycles']:.3f}; in-loop costs {lim['in_loop']['efficiency']:.3f})  "
               f"overhead {100 * lim['overhead_fraction']:.1f}% ({lim['overhead_per_cycle_ms']:.2f} ms/cycle)")
     for name, audit in result.get("sync_audit", {}).items():
-        print(f"host syncs ({name}): {audit['syncs_per_cycle']:.2f} per cycle over {audit['cycles']} cycles; by line: {audit['by_line']}")
+        print(f"host reads of tensor values ({name}): {audit['host_reads_per_cycle']:.2f} per cycle over {audit['cycles']} cycles "
+              f"({audit['drafted']} drafted tokens); by line: {audit['host_reads_by_line']}")
+        if "syncs" in audit:
+            print(f"device syncs ({name}): {audit['syncs_per_cycle']:.2f} per cycle; by line: {audit['by_line']}")
     if "memory" in result:
         mem = result["memory"]
         print(f"memory: {mem['prompts']} prompts, RSS {mem['rss_first_mb']:.0f} -> {mem['rss_last_mb']:.0f} MB, "

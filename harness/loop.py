@@ -19,8 +19,9 @@ queued without waiting. Per cycle the host reads back two things it must
 branch on: the number of accepted tokens (in the rule: it decides the
 rollback lengths) and the committed token ids (below: EOS and the token
 budget decide whether to stop). The baseline reads back each token for the
-same stop check. `python -m harness.bench` on CUDA counts the syncs per
-cycle by source line (torch.cuda.set_sync_debug_mode).
+same stop check. tests/test_host_syncs.py holds the loop to this on any
+device (harness.host_syncs.HostReads); `python -m harness.bench` reports the
+reads per cycle by source line, and on CUDA the device's own count too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,124 @@
+"""The loop waits for the device only where acceptance needs it: checked on a
+CPU by counting the host reads of tensor values (what would synchronise on
+CUDA), by call site, over whole decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.drafters import ModelDrafter
+from harness.host_syncs import HostReads
+from harness.loop import autoregressive_decode, speculative_decode
+from harness.models import CachedLM, ModelSpec, load_model
+from harness.sampling import Sampling
+
+CPU = torch.device("cpu")
+PROMPT = torch.tensor([5, 17, 33, 8, 60, 12])
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    return (load_model(ModelSpec(str(tiny_pair["target"])), CPU),
+            load_model(ModelSpec(str(tiny_pair["draft"])), CPU, "draft"))
+
+
+def reads_per_site(target_lm: CachedLM, drafter, k: int, sampling: Sampling):
+    generator = torch.Generator().manual_seed(0)
+    with HostReads() as reads:
+        cycles = list(speculative_decode(target_lm, drafter, PROMPT, k, sampling, 40, set(), generator))
+    return cycles, reads.sites
+
+
+def by_file(sites) -> dict[str, set[int]]:
+    files: dict[str, set[int]] = {}
+    for site, count in sites.items():
+        files.setdefault(site.rsplit(":", 1)[0], set()).add(count)
+    return files
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("k", [1, 4])
+def test_two_host_reads_per_cycle_whatever_k(models, k, temperature):
+    """Per cycle the host reads the accept count (rule.py) and the committed ids
+    (loop.py), once each; drafting k tokens, shaping, sampling, verifying and
+    rolling back both caches read nothing."""
+    target, draft = models
+    cycles, sites = reads_per_site(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), k, Sampling(temperature))
+    if k > 1:
+        assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)  # a read per drafted token would show
+    assert by_file(sites) == {"harness/rule.py": {len(cycles)}, "harness/loop.py": {len(cycles)}}, sites
+
+
+class CountsLongForwards(CachedLM):
+    long_forwards = 0
+
+    def forward(self, input_ids, num_logits=1):
+        self.long_forwards += input_ids.shape[0] > 1
+        return super().forward(input_ids, num_logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_cache_reads_only_in_transformers_mask_code_for_multi_token_forwards(models, temperature):
+    """With the static cache (eager), transformers' attention-mask code reads the
+    cache's position tensor once per forward of more than one token (a verify,
+    a prompt, the draft catching up two tokens): masking_utils' `q_offset == 0`.
+    The draft's one-token steps read nothing, and our cache check reads once per
+    model. (Compiled, the mask code does not read: it sees a traced tensor.)"""
+    target, draft = models
+    target_lm, draft_lm = CountsLongForwards(target, 98, "static", 256), CountsLongForwards(draft, 98, "static", 256)
+    cycles, sites = reads_per_site(target_lm, ModelDrafter(draft_lm), 4, Sampling(temperature))
+    files = {site.rsplit(":", 1)[0]: 0 for site in sites}
+    for site, count in sites.items():
+        files[site.rsplit(":", 1)[0]] += count
+    assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)
+    mask_reads = files.pop("transformers/masking_utils.py")
+    assert files == {"harness/rule.py": len(cycles), "harness/loop.py": len(cycles), "harness/models.py": 2}, sites
+    long_forwards = target_lm.long_forwards + draft_lm.long_forwards
+    assert long_forwards - 2 <= mask_reads <= long_forwards < 2 * len(cycles)  # a fresh cache's first pass has an int position
+
+
+def test_the_baseline_reads_each_token_once(models):
+    target, _ = models
+    with HostReads() as reads:
+        tokens = list(autoregressive_decode(CachedLM(target, 98), PROMPT, Sampling(1.0), 30, set(), torch.Generator().manual_seed(0)))
+    assert by_file(reads.sites) == {"harness/loop.py": {len(tokens)}}
+
+
+class ReadsEachDraft(ModelDrafter):
+    """Broken on purpose: inspects every drafted token on the host."""
+
+    def propose(self, ids, k, sampling, generator):
+        tokens, probs = super().propose(ids, k, sampling, generator)
+        for token in tokens:
+            int(token)
+        return tokens, probs
+
+
+def test_a_read_per_drafted_token_is_caught(models):
+    target, draft = models
+    cycles, sites = reads_per_site(CachedLM(target, 98), ReadsEachDraft(CachedLM(draft, 98)), 4, Sampling(0.0))
+    drafted = sum(c.num_drafted for c in cycles)
+    assert sum(n for site, n in sites.items() if site.startswith("tests/test_host_syncs.py")) == drafted
+    assert by_file(sites) != {"harness/rule.py": {len(cycles)}, "harness/loop.py": {len(cycles)}}
+
+
+def test_reads_inside_a_model_forward_are_seen(models):
+    """A model whose forward reads a value (as some attention-mask code does)
+    is caught too: the count covers the model's code, not only ours."""
+    target, draft = models
+    handle = draft.model.layers[0].register_forward_hook(lambda module, args, out: None if bool(args[0].isfinite().all()) else None)
+    try:
+        cycles, sites = reads_per_site(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), 4, Sampling(0.0))
+    finally:
+        handle.remove()
+    hook_reads = sum(n for site, n in sites.items() if site.startswith("tests/test_host_syncs.py"))
+    assert hook_reads == sum(c.num_drafted for c in cycles) + 1  # a draft forward per drafted token, and the prompt's
+
+
+def test_host_reads_sees_each_kind_of_read():
+    t = torch.arange(6)
+    with HostReads() as reads:
+        t[0].item(), t.tolist(), int(t[1]), float(t[2]), bool(t[3]), t.nonzero(), t[t > 2], torch.equal(t, t)
+        t.sum(), t.argmax(), t[1:3], torch.cat([t, t])  # stay on the device
+    assert reads.total == 8
