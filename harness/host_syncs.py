@@ -8,6 +8,7 @@ tensor's value to the host (`.item()`, `int(t)`, `bool(t)`, `.tolist()`,
 asked, our code or the model's. It does not see a synchronisation made inside
 a C++ kernel, so on a GPU the debug mode stays the authority; on a CPU it is
 what lets a test hold the loop to its promise of no host wait per drafted token.
+Nor does it look inside a compiled step (`unwatched`).
 """
 
 from __future__ import annotations
@@ -61,3 +62,14 @@ class HostReads(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.sites.values())
+
+
+def unwatched(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with an active HostReads set aside while it runs: for a
+    compiled step. Dynamo guards on the torch function modes, so a step called
+    under one would compile anew (for CUDA graphs, minutes); its reads, if any,
+    are left to the CUDA debug mode."""
+    if not isinstance(torch.overrides._get_current_function_mode(), HostReads):
+        return fn(*args, **kwargs)
+    with torch.overrides._pop_mode_temporarily():
+        return fn(*args, **kwargs)

@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, StaticCache
 
 from harness.errors import HarnessError
+from harness.host_syncs import unwatched
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -274,7 +275,8 @@ class CachedLM:
             raise HarnessError(f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence")
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
-        out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
+        kwargs = {"input_ids": input_ids.unsqueeze(0), self.cache_kwarg: self.cache, "use_cache": True, "logits_to_keep": num_logits}
+        out = unwatched(step, **kwargs) if step is self.compiled else step(**kwargs)
         if not self.cache_checked:  # once per model: reading the cache's length is a host sync on CUDA
             self.cache_checked = True
             if self.cache.get_seq_length() != input_ids.shape[0]:

@@ -122,3 +122,22 @@ def test_host_reads_sees_each_kind_of_read():
         t[0].item(), t.tolist(), int(t[1]), float(t[2]), bool(t[3]), t.nonzero(), t[t > 2], torch.equal(t, t)
         t.sum(), t.argmax(), t[1:3], torch.cat([t, t])  # stay on the device
     assert reads.total == 8
+
+
+def test_compiled_steps_run_unwatched_and_compile_nothing_new(tiny_pair):
+    """Dynamo guards on the torch function modes: a compiled step called under
+    HostReads would compile again (minutes per shape with CUDA graphs). Compiled
+    steps run with it set aside, so the count covers what runs eagerly around
+    them, and nothing compiles anew."""
+    target = load_model(ModelSpec(str(tiny_pair["target"])), CPU)
+    draft = load_model(ModelSpec(str(tiny_pair["draft"])), CPU, "draft")
+    target_lm = CachedLM(target, 98, "static", 256, compile=True)
+    drafter = ModelDrafter(CachedLM(draft, 98, "static", 256, compile=True))
+    target_lm.warm_up([(n, n) for n in range(1, 6)])
+    drafter.lm.warm_up([(1, 1), (2, 1)])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    cycles, sites = reads_per_site(target_lm, drafter, 4, Sampling(0.0))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
+    files = by_file(sites)
+    assert files.pop("transformers/masking_utils.py") == {2}  # the two prompts' passes, eager
+    assert files == {"harness/rule.py": {len(cycles)}, "harness/loop.py": {len(cycles)}}
