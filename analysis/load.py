@@ -59,6 +59,16 @@ SUMMARY_SCALARS = (
 SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
 CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile")
+
+
+def _device_label(conditions: dict) -> str:
+    """The device as the harness keys cells by it: a GPU's model; a CPU's model and its
+    torch threads (its timings depend on both), e.g. "AMD EPYC, 2 threads"."""
+    name = _known(conditions.get("device_name") or conditions.get("device"))
+    threads = conditions.get("threads")
+    if str(conditions.get("device", "")).startswith("cpu") and threads:
+        return f"{name}, {threads} threads"
+    return name
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
 CELL_CONFIDENCE = 0.95
 # A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
@@ -318,7 +328,7 @@ def cell_row(raw: RawCell) -> dict:
         "tested_total": np.nan,
         "device": conditions.get("device"),
         # The run conditions (CONDITION_KEYS); the harness records cache and compile in the config.
-        "device_name": _known(conditions.get("device_name") or conditions.get("device")),
+        "device_name": _device_label(conditions),
         "dtype": _known(conditions.get("dtype")),
         "cache": _known(conditions.get("cache", cfg.get("cache"))),
         "compile": _known(conditions.get("compile", cfg.get("compile"))),

@@ -1,32 +1,35 @@
 """Host reads of tensor values: what would make the host wait for a GPU.
 
 On CUDA, `torch.cuda.set_sync_debug_mode` reports every synchronisation, but
-only on a GPU. `HostReads` finds the same places on any device: it watches,
-through a torch function mode, the Python-level operations that must bring a
-tensor's value to the host (`.item()`, `int(t)`, `bool(t)`, `.tolist()`,
-`nonzero`, a boolean-mask index, ...) and counts them by the source line that
-asked, our code or the model's. It does not see a synchronisation made inside
-a C++ kernel, so on a GPU the debug mode stays the authority; on a CPU it is
-what lets a test hold the loop to its promise of no host wait per drafted token.
-Nor does it look inside a compiled step (`unwatched`).
+only on a GPU. `HostReads` finds the usual places on any device: it watches,
+through a torch function mode, the operations that bring a tensor's value to
+the host (`.item()`, `int(t)`, `bool(t)`, `.tolist()`, `.cpu()`, `nonzero`,
+an index that is a boolean mask or a tensor scalar, ...) and counts them by
+the source line that asked, in our code or the model's. It does not see a
+synchronisation made inside a C++ kernel, nor reads inside torch's own Python
+functions (the mode is set aside while it handles a call), nor inside a
+compiled step (`unwatched`): on a GPU the debug mode stays the authority. On
+a CPU it is what lets a test hold the loop to its promise of no host wait per
+drafted token.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
 
 _T = torch.Tensor
 READS_TO_HOST = frozenset({
-    _T.item, _T.tolist, _T.numpy, _T.__bool__, _T.__int__, _T.__float__, _T.__index__,
-    _T.nonzero, torch.nonzero, _T.masked_select, torch.masked_select, _T.unique, torch.unique,
-    _T.equal, torch.equal,
+    _T.item, _T.tolist, _T.numpy, _T.__bool__, _T.__int__, _T.__float__, _T.__index__, _T.__repr__, _T.__format__,
+    _T.cpu, _T.nonzero, torch.nonzero, torch.argwhere, _T.masked_select, torch.masked_select, _T.unique, torch.unique,
+    _T.equal, torch.equal, torch.allclose, _T.allclose, torch.is_nonzero, _T.is_nonzero,
 })  # `if t.any():` reads through __bool__; t.any() alone stays on the device
-_TORCH_DIR = str(Path(torch.__file__).parent)
+_TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 
 
 def _caller() -> str:
@@ -39,9 +42,46 @@ def _caller() -> str:
     return "?"
 
 
-def _bool_mask(index) -> bool:
+def _reads_index(index) -> bool:
+    """An index that needs values on the host: a mask (its count of True) or a tensor scalar or bound."""
     items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+    for item in items:
+        if isinstance(item, slice):
+            if any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
+                return True
+        elif isinstance(item, torch.Tensor) and (item.dtype in (torch.bool, torch.uint8) or item.dim() == 0):
+            return True
+    return False
+
+
+def _to_host(args, kwargs) -> bool:
+    """Tensor.to(...) from a GPU to the CPU. On a CPU run `.to(device)` is the usual
+    move to the model's device, not a read, so it only counts off the CPU; `.cpu()`
+    always counts (code that calls it means the host)."""
+    if not args or args[0].device.type == "cpu":
+        return False
+    targets = [*args[1:], kwargs.get("device")]
+    return any(isinstance(t, (str, torch.device)) and torch.device(t).type == "cpu" for t in targets if t is not None)
+
+
+def _is_read(func, args, kwargs) -> bool:
+    if func in READS_TO_HOST:
+        return True
+    if func in (_T.__getitem__, _T.__setitem__):
+        return len(args) > 1 and _reads_index(args[1])
+    if func is _T.to:
+        return _to_host(args, kwargs)
+    if func is torch.where:  # torch.where(mask) alone is nonzero
+        return len(args) + len(kwargs) == 1
+    if func in (torch.repeat_interleave, _T.repeat_interleave):  # tensor repeats: the output size
+        if len(args) > 1:
+            repeats = args[1]
+        elif "repeats" in kwargs:
+            repeats = kwargs["repeats"]
+        else:  # torch.repeat_interleave(repeats)
+            repeats = args[0] if args and func is torch.repeat_interleave else None
+        return isinstance(repeats, torch.Tensor) and "output_size" not in kwargs
+    return False
 
 
 class HostReads(TorchFunctionMode):
@@ -54,8 +94,7 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reads = func in READS_TO_HOST or (func is _T.__getitem__ and len(args) > 1 and _bool_mask(args[1]))
-        if reads:
+        if _is_read(func, args, kwargs):
             self.sites[_caller()] += 1
         return func(*args, **kwargs)
 
@@ -65,11 +104,24 @@ class HostReads(TorchFunctionMode):
 
 
 def unwatched(fn, *args, **kwargs):
-    """fn(*args, **kwargs) with an active HostReads set aside while it runs: for a
-    compiled step. Dynamo guards on the torch function modes, so a step called
-    under one would compile anew (for CUDA graphs, minutes); its reads, if any,
-    are left to the CUDA debug mode."""
-    if not isinstance(torch.overrides._get_current_function_mode(), HostReads):
+    """fn(*args, **kwargs) with any active HostReads set aside while it runs (the
+    other torch function modes stay, in order): for a compiled step. Dynamo guards
+    on the torch function modes, so a step called under one it was not compiled
+    with would compile anew (for CUDA graphs, minutes); its reads, if any, are
+    left to the CUDA debug mode."""
+    stack = _get_current_function_mode_stack()
+    if not any(isinstance(mode, HostReads) for mode in stack):
         return fn(*args, **kwargs)
-    with torch.overrides._pop_mode_temporarily():
+    for _ in stack:
+        _pop_mode()
+    for mode in stack:
+        if not isinstance(mode, HostReads):
+            _push_mode(mode)
+    try:
         return fn(*args, **kwargs)
+    finally:
+        for mode in stack:
+            if not isinstance(mode, HostReads):
+                _pop_mode()
+        for mode in stack:
+            _push_mode(mode)

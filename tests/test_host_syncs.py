@@ -30,10 +30,11 @@ def reads_per_site(target_lm: CachedLM, drafter, k: int, sampling: Sampling):
     return cycles, reads.sites
 
 
-def by_file(sites) -> dict[str, set[int]]:
-    files: dict[str, set[int]] = {}
-    for site, count in sites.items():
-        files.setdefault(site.rsplit(":", 1)[0], set()).add(count)
+def by_file(sites) -> dict[str, list[int]]:
+    """{file: the read count of each of its lines}: one line reading n times is [n], two are [n, n]."""
+    files: dict[str, list[int]] = {}
+    for site, count in sorted(sites.items()):
+        files.setdefault(site.rsplit(":", 1)[0], []).append(count)
     return files
 
 
@@ -47,7 +48,7 @@ def test_two_host_reads_per_cycle_whatever_k(models, k, temperature):
     cycles, sites = reads_per_site(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), k, Sampling(temperature))
     if k > 1:
         assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)  # a read per drafted token would show
-    assert by_file(sites) == {"harness/rule.py": {len(cycles)}, "harness/loop.py": {len(cycles)}}, sites
+    assert by_file(sites) == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}, sites
 
 
 class CountsLongForwards(CachedLM):
@@ -68,12 +69,10 @@ def test_static_cache_reads_only_in_transformers_mask_code_for_multi_token_forwa
     target, draft = models
     target_lm, draft_lm = CountsLongForwards(target, 98, "static", 256), CountsLongForwards(draft, 98, "static", 256)
     cycles, sites = reads_per_site(target_lm, ModelDrafter(draft_lm), 4, Sampling(temperature))
-    files = {site.rsplit(":", 1)[0]: 0 for site in sites}
-    for site, count in sites.items():
-        files[site.rsplit(":", 1)[0]] += count
+    files = by_file(sites)
     assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)
-    mask_reads = files.pop("transformers/masking_utils.py")
-    assert files == {"harness/rule.py": len(cycles), "harness/loop.py": len(cycles), "harness/models.py": 2}, sites
+    mask_reads = sum(files.pop("transformers/masking_utils.py"))
+    assert files == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)], "harness/models.py": [2]}, sites
     long_forwards = target_lm.long_forwards + draft_lm.long_forwards
     assert long_forwards - 2 <= mask_reads <= long_forwards < 2 * len(cycles)  # a fresh cache's first pass has an int position
 
@@ -82,7 +81,7 @@ def test_the_baseline_reads_each_token_once(models):
     target, _ = models
     with HostReads() as reads:
         tokens = list(autoregressive_decode(CachedLM(target, 98), PROMPT, Sampling(1.0), 30, set(), torch.Generator().manual_seed(0)))
-    assert by_file(reads.sites) == {"harness/loop.py": {len(tokens)}}
+    assert by_file(reads.sites) == {"harness/loop.py": [len(tokens)]}
 
 
 class ReadsEachDraft(ModelDrafter):
@@ -100,7 +99,7 @@ def test_a_read_per_drafted_token_is_caught(models):
     cycles, sites = reads_per_site(CachedLM(target, 98), ReadsEachDraft(CachedLM(draft, 98)), 4, Sampling(0.0))
     drafted = sum(c.num_drafted for c in cycles)
     assert sum(n for site, n in sites.items() if site.startswith("tests/test_host_syncs.py")) == drafted
-    assert by_file(sites) != {"harness/rule.py": {len(cycles)}, "harness/loop.py": {len(cycles)}}
+    assert by_file(sites) != {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}
 
 
 def test_reads_inside_a_model_forward_are_seen(models):
@@ -117,11 +116,25 @@ def test_reads_inside_a_model_forward_are_seen(models):
 
 
 def test_host_reads_sees_each_kind_of_read():
-    t = torch.arange(6)
-    with HostReads() as reads:
-        t[0].item(), t.tolist(), int(t[1]), float(t[2]), bool(t[3]), t.nonzero(), t[t > 2], torch.equal(t, t)
-        t.sum(), t.argmax(), t[1:3], torch.cat([t, t])  # stay on the device
-    assert reads.total == 8
+    t, mask, i = torch.arange(6), torch.arange(6) > 2, torch.tensor(2)
+    reads = []
+    with HostReads() as counted:
+        for read in (lambda: t[0].item(), t.tolist, lambda: int(t[1]), lambda: float(t[2]), lambda: bool(t[3]),
+                     t.nonzero, lambda: t[mask], lambda: torch.equal(t, t), t.cpu, lambda: torch.where(mask),
+                     lambda: torch.argwhere(t), lambda: t[i], lambda: t[:i], lambda: t.__setitem__(mask, 0),
+                     lambda: torch.allclose(t, t), lambda: torch.is_nonzero(i), lambda: t.repeat_interleave(t),
+                     lambda: repr(t), lambda: f"{i}"):
+            before = counted.total
+            read()
+            reads.append(counted.total - before)
+        t = torch.arange(6)
+        for keep in (t.sum, t.argmax, lambda: t[1:3], lambda: t[[0, 2]], lambda: torch.cat([t, t]),
+                     lambda: torch.where(mask, t, 0), lambda: t.to(torch.float32), lambda: t.to("cpu"),
+                     lambda: t.repeat_interleave(2), t.any):
+            before = counted.total
+            keep()
+            reads.append(counted.total - before - 1)  # -1 each: none counted
+    assert reads == [1] * 19 + [-1] * 10, reads
 
 
 def test_compiled_steps_run_unwatched_and_compile_nothing_new(tiny_pair):
@@ -139,5 +152,29 @@ def test_compiled_steps_run_unwatched_and_compile_nothing_new(tiny_pair):
     cycles, sites = reads_per_site(target_lm, drafter, 4, Sampling(0.0))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
     files = by_file(sites)
-    assert files.pop("transformers/masking_utils.py") == {2}  # the two prompts' passes, eager
-    assert files == {"harness/rule.py": {len(cycles)}, "harness/loop.py": {len(cycles)}}
+    assert files.pop("transformers/masking_utils.py") == [2]  # the two prompts' passes, eager
+    assert files == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}
+
+
+def test_unwatched_sets_aside_only_host_reads():
+    """Under HostReads and another torch function mode (torch.device's, here), a
+    compiled step runs with the other mode alone, as it was compiled; the stack is
+    restored after, also when the step raises."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from harness.host_syncs import unwatched
+
+    def step():
+        return [type(mode).__name__ for mode in _get_current_function_mode_stack()]
+
+    def fails():
+        raise RuntimeError("step failed")
+
+    with HostReads() as reads, torch.device("cpu"):
+        before = step()
+        assert unwatched(step) == [name for name in before if name != "HostReads"] and "HostReads" in before
+        with pytest.raises(RuntimeError):
+            unwatched(fails)
+        assert step() == before
+        torch.ones(2).tolist()
+    assert reads.total == 1 and step() == []

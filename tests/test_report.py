@@ -600,6 +600,19 @@ def test_each_run_condition_splits_contexts_and_fits(tmp_path, change):
         assert "device=unknown, dtype=unknown" in results.cells["setup"].iloc[-1]
 
 
+def test_cpu_threads_split_contexts(tmp_path):
+    """A CPU's timings depend on its torch threads, which the harness keys cells by:
+    the same CPU at 2 and at 4 threads is two setups, never pooled."""
+    for threads, tag in ((2, ""), (4, "-4threads")):
+        write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, tag=tag,
+                   conditions={**CPU, "threads": threads}, config={"cache": "dynamic", "compile": False})
+    results = load(tmp_path)
+    assert results.cells["setup"].nunique() == 2
+    assert {"Synthetic CPU, 2 threads", "Synthetic CPU, 4 threads"} == set(results.cells["device_name"])
+    fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=50)
+    assert len(fits) == 2
+
+
 def test_ship_rule_ships_the_best_confident_candidate(tmp_path):
     """"a" measures highest but varies wildly by prompt; "b" is a little slower and steady."""
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE,
