@@ -51,6 +51,24 @@ def test_two_host_reads_per_cycle_whatever_k(models, k, temperature):
     assert by_file(sites) == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}, sites
 
 
+@pytest.mark.parametrize("ladder", [(), (16,)])
+def test_top_p_reads_nothing_on_the_path_cuda_takes(models, monkeypatch, ladder):
+    """Top-p on CUDA sorts each row at once: a sampled top-p decode reads twice per
+    cycle and never in the sampler. On a CPU a candidate ladder (here 16 of the
+    tiny vocabulary's 98) first tries the most probable tokens, and its early
+    exit is a host read per shaped row: the count sees it."""
+    from harness import sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", ladder)
+    target, draft = models
+    cycles, sites = reads_per_site(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), 4, Sampling(1.0, top_p=0.9, top_k=50))
+    assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)
+    files = by_file(sites)
+    ladder_reads = sum(files.pop("harness/sampling.py", []))
+    assert files == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}, sites
+    assert (ladder_reads > 0) == bool(ladder)
+
+
 class CountsLongForwards(CachedLM):
     long_forwards = 0
 
