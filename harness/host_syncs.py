@@ -21,7 +21,12 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+from torch.overrides import TorchFunctionMode
+
+try:  # private helpers (torch 2.x): without them `unwatched` leaves the modes as they are
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+except ImportError:  # pragma: no cover
+    _get_current_function_mode_stack = None
 
 _T = torch.Tensor
 READS_TO_HOST = frozenset({
@@ -109,7 +114,7 @@ def unwatched(fn, *args, **kwargs):
     on the torch function modes, so a step called under one it was not compiled
     with would compile anew (for CUDA graphs, minutes); its reads, if any, are
     left to the CUDA debug mode."""
-    stack = _get_current_function_mode_stack()
+    stack = _get_current_function_mode_stack() if _get_current_function_mode_stack else []
     if not any(isinstance(mode, HostReads) for mode in stack):
         return fn(*args, **kwargs)
     for _ in stack:
