@@ -60,15 +60,6 @@ SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_toke
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
 CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile")
 
-
-def _device_label(conditions: dict) -> str:
-    """The device as the harness keys cells by it: a GPU's model; a CPU's model and its
-    torch threads (its timings depend on both), e.g. "AMD EPYC, 2 threads"."""
-    name = _known(conditions.get("device_name") or conditions.get("device"))
-    threads = conditions.get("threads")
-    if str(conditions.get("device", "")).startswith("cpu") and threads:
-        return f"{name}, {threads} threads"
-    return name
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
 CELL_CONFIDENCE = 0.95
 # A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
@@ -387,6 +378,16 @@ def _labels(cells: pd.DataFrame) -> pd.Series:
         return f"{row['pair']}/{short}"
 
     return cells.apply(label, axis=1)
+
+
+def _device_label(conditions: dict) -> str:
+    """The device as the harness keys cells by it: a GPU's model; a CPU's model and its
+    torch threads (its timings depend on both), e.g. "AMD EPYC, 2 threads"."""
+    name = _known(conditions.get("device_name") or conditions.get("device"))
+    threads = conditions.get("threads")
+    if str(conditions.get("device", "")).startswith("cpu") and threads:
+        return f"{name}, {threads} threads"
+    return name
 
 
 def _known(value: Any) -> str:
