@@ -275,8 +275,7 @@ class CachedLM:
             raise HarnessError(f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence")
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
-        kwargs = {"input_ids": input_ids.unsqueeze(0), self.cache_kwarg: self.cache, "use_cache": True, "logits_to_keep": num_logits}
-        out = unwatched(step, **kwargs) if step is self.compiled else step(**kwargs)
+        out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
         if not self.cache_checked:  # once per model: reading the cache's length is a host sync on CUDA
             self.cache_checked = True
             if self.cache.get_seq_length() != input_ids.shape[0]:
@@ -318,10 +317,11 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 
 def _compile(model: PreTrainedModel):
     """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
-    Hooks registered on the model still run."""
+    Hooks registered on the model still run. Calls run `unwatched`: a host-read count
+    (harness.host_syncs) active around them would make dynamo compile them anew."""
     # Input lengths 1..k+1 each compile once: allow more than dynamo's default of 8.
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
     setattr(config, limit, max(getattr(config, limit), 2 * CachedLM.COMPILED_MAX_TOKENS))
     mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-    return torch.compile(model, mode=mode, dynamic=False)
+    return functools.partial(unwatched, torch.compile(model, mode=mode, dynamic=False))
