@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=args.overrides))
     device = resolve_device(cfg.device)
-    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
     prompts = all_prompts[: args.prompts]
     # As `python -m harness` does: prompts cut to leave room for the new tokens (the same budget at every k).
@@ -591,7 +591,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
 
     result: dict = {"setup": setup(cfg, args, argv, prompts, encoded),
-                    "conditions": conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."))}
+                    "conditions": conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."),
+                                             pair.linear)}
     # Each part is written as soon as it is done: a run cut short (the GPU check's timeouts) keeps what it measured.
     if not args.skip_throughput:
         result.update(throughput(pair, encoded, args, device))

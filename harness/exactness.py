@@ -684,7 +684,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
 
     device = resolve_device(cfg.device)
     # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
-    pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False))
+    pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"))
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     length = e.length if e.length is not None else cfg.k + 2
     prompts = encode_prompts(cfg, pair, length)
@@ -703,7 +703,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     dtype = str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")
     report.update(pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
                   detect_tv_asked=None if e.samples is not None else e.detect_tv, time_s=time.perf_counter() - started,
-                  conditions=conditions(cfg, device, dtype), run_dir=str(run_dir))
+                  conditions=conditions(cfg, device, dtype, pair.linear), run_dir=str(run_dir))
     for p in report["prompts"].values():
         for c in p["worst_cells"]:
             c["text"] = pair.tokenizer.decode(c["prefix"])

@@ -26,7 +26,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from harness import metrics, tracking
+from harness import cpu_linear, metrics, tracking
 from harness.datasets import load_prompts
 from harness.drafters import Drafter, ModelDrafter, NgramDrafter, check_lookup_length
 from harness.errors import HarnessError
@@ -56,6 +56,7 @@ class Pair:
     tokenizer: Any
     eos_ids: set[int]
     device: torch.device
+    linear: dict = field(default_factory=dict)  # harness.cpu_linear.choose: the product the linear layers use, and why
 
     @property
     def context(self) -> int:
@@ -229,6 +230,7 @@ def validate(cfg: DictConfig) -> None:
         (isinstance(data.get("streaming", False), bool), f"dataset.streaming={data.get('streaming')} must be true or false"),
         (cfg.cache in ("dynamic", "static"), f"cache={cfg.cache} must be dynamic or static"),
         (not cfg.compile or cfg.cache == "static", "compile=true needs fixed shapes: add cache=static"),
+        (cfg.cpu_linear in cpu_linear.MODES, f"cpu_linear={cfg.cpu_linear} must be one of {', '.join(cpu_linear.MODES)}"),
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
@@ -282,6 +284,8 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     keyed = {k: v for k, v in resolved.items() if k not in NOT_IN_KEY}
     keyed["device"] = device_identity(device)
+    if device.type != "cpu":
+        keyed.pop("cpu_linear", None)  # it changes nothing off the CPU
     pair = keyed["pair"]
     models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") == "model" else [])
     for node in (keyed, *models):  # the top-level dtype, and each model's (a pair may pin its own)
@@ -304,9 +308,11 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False) -> Pair:
-    """Load (or reuse) a pair. `cache` is dynamic or static; `compile` wraps both forwards."""
-    key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + f"{device}{cache}{compile}"
+def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False,
+              linear: str = "auto") -> Pair:
+    """Load (or reuse) a pair. `cache` is dynamic or static; `compile` wraps both forwards;
+    `linear` is the cpu_linear mode (harness.cpu_linear)."""
+    key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + f"{device}{cache}{compile}{linear}"
     if key in _loaded:
         return _loaded[key]
     _loaded.clear()  # free the previous pair before loading the next
@@ -334,7 +340,15 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device)
+    models = [target_model] + ([drafter.lm.model] if isinstance(drafter, ModelDrafter) else [])
+    product = cpu_linear.choose(linear, models, device)
+    if "probe" in product:
+        probe = product["probe"]
+        print(f"[harness] cpu_linear=auto: {product['product']} (linear layers, 1/2/3/5 rows: torch "
+              f"{'/'.join(f'{t:.1f}' for t in probe['torch_ms'])} ms, transposed "
+              f"{'/'.join(f'{t:.1f}' for t in probe['transposed_ms'])} ms)", file=sys.stderr)
+    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device,
+                linear=product)
     _loaded[key] = pair
     return pair
 
@@ -413,13 +427,14 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
     }
 
 
-def conditions(cfg: DictConfig, device: torch.device, dtype: str) -> dict:
+def conditions(cfg: DictConfig, device: torch.device, dtype: str, linear: dict | None = None) -> dict:
+    """What a run's figures depend on beyond its config. `linear`: the pair's cpu_linear choice (Pair.linear)."""
     import transformers
 
     return {
         "device": str(device), "device_name": device_name(device), "dtype": dtype, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "seed": cfg.seed, "hostname": platform.node(),
+        "seed": cfg.seed, "hostname": platform.node(), **({"linear": linear} if linear else {}),
     }
 
 
@@ -544,7 +559,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
 
     # Prompts first: a dataset problem should stop the run before a model loads.
     prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
-    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
@@ -603,7 +618,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
         prompt_ids=[p["id"] for p, _ in encoded],
         categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs, **draft_size(pair),
-        conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")),
+        conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."), pair.linear),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory

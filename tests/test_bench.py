@@ -65,6 +65,7 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert all(g["met"] == (g["value"] >= g["goal"] if g["side"] == "min" else g["value"] <= g["goal"]) for g in goals.values())
     assert len(goals) == len(bench.GOALS)
     assert result["setup"]["cache"] == "dynamic" and result["conditions"]["device"] == "cpu"
+    assert result["conditions"]["linear"]["mode"] == "auto" and "probe" in result["conditions"]["linear"]
     for audit in result["sync_audit"].values():  # on a CPU too: host reads, 2 per cycle, none per drafted token
         assert audit["drafted"] > audit["cycles"] and audit["host_reads_per_cycle"] == 2.0 and "syncs" not in audit
 

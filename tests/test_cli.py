@@ -42,6 +42,7 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["acceptance_rate"] == last["acceptance_rate"]
     assert summary["conditions"]["torch"] and summary["conditions"]["threads"] >= 1
+    assert summary["conditions"]["linear"]["product"] in ("transposed", "torch")  # cpu_linear=auto: timed at load
     assert len(summary["categories"]) == 6
 
 
@@ -79,6 +80,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("max_new_tokens=0", "must be a positive integer"),
         ("device=cuda", "CUDA is not available"),
         ("compile=true", "compile=true needs fixed shapes: add cache=static"),
+        ("cpu_linear=fast", "cpu_linear=fast must be one of auto, transposed, torch"),
         ("+pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
         ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
     ],

@@ -92,6 +92,8 @@ def test_cell_key_hashes_the_device_and_dtype_as_they_resolve(monkeypatch):
     assert on_gpu != cell_key(auto, cpu)
     assert on_gpu == cell_key(with_default_pair(composed(["device=cuda:1", "dtype=bfloat16"])), torch.device("cuda:1"))
     assert on_gpu != cell_key(with_default_pair(composed(["+pair=smollm2", "pair.target.dtype=float16"])), torch.device("cuda"))  # a pinned dtype
+    assert on_gpu == cell_key(with_default_pair(composed(["cpu_linear=torch"])), torch.device("cuda"))  # CPU only: not keyed on a GPU
+    assert cell_key(auto, cpu) != cell_key(with_default_pair(composed(["cpu_linear=torch"])), cpu)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert cell_key(auto, torch.device("cuda")) != on_gpu  # another GPU model: another cell
 
