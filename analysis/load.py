@@ -382,11 +382,13 @@ def _labels(cells: pd.DataFrame) -> pd.Series:
 
 def _device_label(conditions: dict) -> str:
     """The device as the harness keys cells by it: a GPU's model; a CPU's model and its
-    torch threads (its timings depend on both), e.g. "AMD EPYC, 2 threads"."""
+    torch threads (its timings depend on both), e.g. "AMD EPYC, 2 threads", and ", W @ x.T"
+    when its linear layers took few rows that way (harness.cpu_linear; torch's product otherwise)."""
     name = _known(conditions.get("device_name") or conditions.get("device"))
     threads = conditions.get("threads")
     if str(conditions.get("device", "")).startswith("cpu") and threads:
-        return f"{name}, {threads} threads"
+        transposed = (conditions.get("linear") or {}).get("product") == "transposed"
+        return f"{name}, {threads} threads" + (", W @ x.T" if transposed else "")
     return name
 
 

@@ -613,6 +613,18 @@ def test_cpu_threads_split_contexts(tmp_path):
     assert len(fits) == 2
 
 
+def test_the_cpu_linear_product_splits_contexts(tmp_path):
+    """cpu_linear changes a CPU's step times as much as its threads do: cells run with the
+    transposed product are another setup than those with torch's (or older results, which used torch's)."""
+    for linear, tag in (({"product": "torch"}, ""), ({"product": "transposed"}, "-transposed"), (None, "-older")):
+        conditions = {**CPU, "threads": 2, **({"linear": linear} if linear else {})}
+        write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, tag=tag,
+                   conditions=conditions, config={"cache": "dynamic", "compile": False})
+    results = load(tmp_path)
+    assert sorted(results.cells["device_name"]) == ["Synthetic CPU, 2 threads"] * 2 + ["Synthetic CPU, 2 threads, W @ x.T"]
+    assert results.cells["setup"].nunique() == 2
+
+
 def test_ship_rule_ships_the_best_confident_candidate(tmp_path):
     """"a" measures highest but varies wildly by prompt; "b" is a little slower and steady."""
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE,
