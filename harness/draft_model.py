@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from harness.cpu_linear import transposed_linear
+from harness import cpu_linear
 from harness.errors import HarnessError
 
 
@@ -38,7 +38,7 @@ class SubsetHead(nn.Module):
         self.transposed_product = False  # harness.cpu_linear sets it where W @ x.T is the faster product
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V]
-        subset_logits = transposed_linear(hidden, self.weight) if self.transposed_product else hidden @ self.weight.T  # [B, T, S]
+        subset_logits = cpu_linear.transposed_linear(hidden, self.weight) if self.transposed_product else hidden @ self.weight.T  # [B, T, S]
         logits = subset_logits.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., self.token_ids] = subset_logits
         return logits

@@ -88,6 +88,19 @@ class Pair:
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.lm.warm_up([(1, 1), (2, 1)])
 
+    def models(self) -> list:
+        """The pair's models: the target, and the draft when it is a model."""
+        return [self.target.model] + ([self.drafter.lm.model] if isinstance(self.drafter, ModelDrafter) else [])
+
+    def follow_linear(self, records: list[dict]) -> None:
+        """A resumed cell keeps the CPU linear product its earlier prompts ran with: cpu_linear=auto
+        times the products anew in each process and, where they are close, may pick the other one."""
+        earlier = {r["linear"] for r in records if r.get("linear")}
+        if self.linear.get("mode") == "auto" and len(earlier) == 1 and earlier != {self.linear.get("product")}:
+            product = earlier.pop()
+            cpu_linear.choose(product, self.models(), self.device)
+            self.linear = {**self.linear, "product": product, "why": "resumed: the cell's earlier prompts ran with this product"}
+
     def use_costs(self, costs: dict) -> None:
         """Hand measure_costs' v(n) to a drafter that weighs its proposals by it
         (prompt lookup with length=cost_aware proposes whole matches until then)."""
@@ -340,15 +353,13 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    models = [target_model] + ([drafter.lm.model] if isinstance(drafter, ModelDrafter) else [])
-    product = cpu_linear.choose(linear, models, device)
-    if "probe" in product:
-        probe = product["probe"]
-        print(f"[harness] cpu_linear=auto: {product['product']} (linear layers, 1/2/3/5 rows: torch "
-              f"{'/'.join(f'{t:.1f}' for t in probe['torch_ms'])} ms, transposed "
-              f"{'/'.join(f'{t:.1f}' for t in probe['transposed_ms'])} ms)", file=sys.stderr)
-    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device,
-                linear=product)
+    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device)
+    pair.linear = cpu_linear.choose(linear, pair.models(), device)  # before the first forward compiles anything
+    if "probe" in pair.linear:
+        probe = pair.linear["probe"]
+        print(f"[harness] cpu_linear=auto: {pair.linear['product']} (a step's linear layers at "
+              f"{'/'.join(map(str, probe['rows']))} rows: torch {'/'.join(f'{t:.1f}' for t in probe['torch_ms'])} ms, "
+              f"transposed {'/'.join(f'{t:.1f}' for t in probe['transposed_ms'])} ms)", file=sys.stderr)
     _loaded[key] = pair
     return pair
 
@@ -578,6 +589,8 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
+    records = _read_records(lines_path)
+    pair.follow_linear(records)
     pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k)
     pair.warm_up(cfg.k)
 
@@ -586,7 +599,6 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
     pair.use_costs(costs)
 
-    records = _read_records(lines_path)
     resumed = len(records)  # records[resumed:] are run by this process
     done = {r["id"] for r in records}
     tracker = tracking.start(cfg, cell_dir)
@@ -597,6 +609,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
                 record = run_prompt(pair, p, ids, i, cfg, sampling)
                 record["rss_mb"] = _current_rss_mb()
+                record["linear"] = pair.linear.get("product")
                 if device.type == "cuda":
                     record["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
                 out.write(json.dumps(record) + "\n")

@@ -26,7 +26,7 @@ def tiny_args(tiny_pair, out: Path, *extra: str) -> list[str]:
 
 
 def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
-    out = harness(*tiny_args(tiny_pair, tmp_path, "k=3"))
+    out = harness(*tiny_args(tiny_pair, tmp_path, "k=3", "cpu_linear=transposed"))
     assert out.returncode == 0, out.stderr
     last = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("acceptance_rate", "tokens_per_cycle", "speedup", "speedup_ci", "predicted_speedup", "efficiency", "conditions"):
@@ -42,7 +42,9 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["acceptance_rate"] == last["acceptance_rate"]
     assert summary["conditions"]["torch"] and summary["conditions"]["threads"] >= 1
-    assert summary["conditions"]["linear"]["product"] in ("transposed", "torch")  # cpu_linear=auto: timed at load
+    assert summary["conditions"]["linear"] == {"mode": "transposed", "product": "transposed"}
+    assert "threads, linear W @ x.T, torch" in out.stdout  # the conditions line of the table
+    assert {r["linear"] for r in records} == {"transposed"}  # each prompt's record names its product
     assert len(summary["categories"]) == 6
 
 

@@ -12,6 +12,7 @@ from harness import cpu_linear
 from harness.cpu_linear import TransposedLinear, choose, transposed_linear
 from harness.draft_model import build_shared_draft
 from harness.drafters import ModelDrafter
+from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, ModelSpec, load_model
 from harness.sampling import Sampling
@@ -29,16 +30,43 @@ def linear_types(model) -> set[type]:
     return {type(m) for m in model.modules() if isinstance(m, nn.Linear)}
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, cpu_linear.FEW_ROWS, cpu_linear.FEW_ROWS + 1])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (1, 5, 48), (3, 5, 48), (48,), (0, 48),
+                                   (1, cpu_linear.FEW_ROWS, 48), (1, cpu_linear.FEW_ROWS + 1, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_transposed_product_is_torch_s_up_to_rounding(rows, bias):
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(1, rows, 48, generator=gen)  # [B, T, K]
-    weight = torch.randn(40, 48, generator=gen)  # [N, K]
-    b = torch.randn(40, generator=gen) if bias else None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_transposed_product_is_torch_s_up_to_rounding(shape, bias, dtype):
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=gen).to(dtype)  # [..., K]
+    weight = torch.randn(40, 48, generator=gen).to(dtype)  # [N, K]
+    b = torch.randn(40, generator=gen).to(dtype) if bias else None
     out = transposed_linear(x, weight, b)
-    assert out.shape == (1, rows, 40) and out.is_contiguous()
+    assert out.shape == (*shape[:-1], 40) and out.is_contiguous() and out.dtype == dtype
     torch.testing.assert_close(out, F.linear(x, weight, b))
+
+
+def test_a_strided_input_gives_the_same_product():
+    x = torch.randn(1, 48, 5).transpose(1, 2)  # [1, 5, 48], not contiguous
+    weight = torch.randn(40, 48)
+    torch.testing.assert_close(transposed_linear(x, weight), F.linear(x, weight))
+
+
+def test_the_layers_really_take_the_transposed_product(tiny_pair, monkeypatch):
+    """The wiring, not only the arithmetic: after choose("transposed") every linear layer of a
+    forward, the draft's subset head included, goes through transposed_linear; after "torch" none."""
+    target = fresh(tiny_pair)
+    draft = build_shared_draft(target, 1, torch.arange(60))
+    calls = []
+    real = cpu_linear.transposed_linear
+    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b=None: calls.append(w) or real(x, w, b))
+    ids = torch.arange(5, 9)[None]  # [1, 4]
+    choose("transposed", [target, draft], CPU)
+    target(ids), draft(ids)
+    linears = cpu_linear._linears([target, draft])
+    assert {id(w) for w in calls} == {id(m.weight) for m in linears} and len(calls) == len(linears)
+    calls.clear()
+    choose("torch", [target, draft], CPU)
+    target(ids), draft(ids)
+    assert calls == []
 
 
 def test_choosing_a_product_sets_every_linear_layer_and_keeps_the_logits(tiny_pair):
@@ -77,17 +105,21 @@ def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, m
     target = fresh(tiny_pair)
     layers = cpu_linear._linears([target, target])  # a module shared by two models counts once
     assert len(layers) == sum(isinstance(m, nn.Linear) for m in target.modules())
+    size = {id(layer.weight): layer.weight.numel() * 4 for layer in layers}
     calls = []
     monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w: calls.append(w) or F.linear(x, w))
     monkeypatch.setattr(cpu_linear, "_median_ms", lambda fn, reps: fn() and 1.0)  # one pass each
     found = cpu_linear.probe([target])
+    assert found["rows"] == list(cpu_linear.PROBE_ROWS)
     assert found["torch_ms"] == found["transposed_ms"] == [1.0] * len(cpu_linear.PROBE_ROWS)
-    assert [id(w) for w in calls] == [id(layer.weight) for layer in layers] * len(cpu_linear.PROBE_ROWS)  # every weight, once a pass
-    monkeypatch.setattr(cpu_linear, "PROBE_BYTES", -(-sum(l.weight.numel() * 4 for l in layers) // 3))  # a cap: every 3rd, scaled up
+    assert sorted(id(w) for w in calls) == sorted(list(size) * len(cpu_linear.PROBE_ROWS))  # every weight, once a pass
+    cap = sum(size.values()) // 3
+    monkeypatch.setattr(cpu_linear, "PROBE_BYTES", cap)  # past the cap: a sample, its time scaled up by bytes
     calls.clear()
     found = cpu_linear.probe([target], rows=(1,))
-    assert len(calls) == len(layers[::3]) and found["torch_ms"][0] == pytest.approx(
-        sum(l.weight.numel() for l in layers) / sum(l.weight.numel() for l in layers[::3]))
+    taken = sum(size[id(w)] for w in calls)
+    assert 0 < taken <= cap and len(calls) < len(layers)
+    assert found["torch_ms"][0] == pytest.approx(sum(size.values()) / taken)
     monkeypatch.undo()
 
     record = choose("auto", [target], CPU)  # measured: whichever is faster by the margin
@@ -105,3 +137,43 @@ def test_off_the_cpu_nothing_is_timed_or_changed(tiny_pair):
     target = fresh(tiny_pair)
     record = choose("auto", [target], torch.device("cuda"))
     assert record["product"] == "torch" and "probe" not in record and linear_types(target) == {nn.Linear}
+
+
+def test_what_choose_leaves_alone_and_refuses(tiny_pair):
+    target = fresh(tiny_pair)
+    hooked = target.model.layers[0].mlp.down_proj
+    hooked.forward = lambda x: F.linear(x, hooked.weight)  # as accelerate's offloading hooks replace it
+    choose("transposed", [target], CPU)
+    assert type(hooked) is nn.Linear and hooked not in cpu_linear._linears([target])
+    assert choose("auto", [nn.Sequential(nn.ReLU())], CPU) == {"mode": "auto", "product": "torch"}  # nothing to time
+    with pytest.raises(HarnessError, match="cpu_linear=fast must be one of auto, transposed, torch"):
+        choose("fast", [target], CPU)  # harness.bench does not run validate(): choose checks for itself
+
+
+def test_a_resumed_cell_keeps_the_product_its_earlier_prompts_ran_with(tiny_pair, tmp_path):
+    """cpu_linear=auto times the products in each process; where they are close a resumed cell
+    could switch and mix two timing regimes. It follows its earlier prompts' product instead."""
+    import json
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from harness import run
+
+    overrides = ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
+                 "dataset.num_prompts=3", "max_new_tokens=8", "wandb.mode=disabled"]
+    with initialize_config_dir(config_dir=str(run.CONF_DIR), version_base="1.3"):
+        cfg = run.with_default_pair(compose(config_name="config", overrides=overrides))
+    try:
+        first = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
+        cell = Path(first["cell_dir"])
+        other = {"transposed": "torch", "torch": "transposed"}[first["conditions"]["linear"]["product"]]
+        kept = (cell / "prompts.jsonl").read_text().splitlines()[:2]  # as if the first process ran these with `other`
+        (cell / "prompts.jsonl").write_text("".join(json.dumps({**json.loads(line), "linear": other}) + "\n" for line in kept))
+        (cell / "summary.json").unlink()
+        second = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
+        assert second["conditions"]["linear"]["product"] == other and "resumed" in second["conditions"]["linear"]["why"]
+        records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
+        assert len(records) == 3 and {r["linear"] for r in records} == {other}
+    finally:
+        run._loaded.clear()  # the cached pair now has the other product: later tests load their own
