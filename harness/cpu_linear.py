@@ -29,7 +29,7 @@ from torch import nn
 from harness.errors import HarnessError
 
 MODES = ("auto", "transposed", "torch")
-FEW_ROWS = 16  # k + 1 for any k a sweep uses; more rows (a prompt's pass): torch's own product
+FEW_ROWS = 17  # k + 1 for k up to 16 (analysis' MAX_K); more rows (a prompt's pass): torch's own product
 PROBE_ROWS = (1, 2, 3, 5, FEW_ROWS)  # a decoding step, a catch-up, verifies at k = 2, 4 and the most rows it takes
 MARGIN = 0.9  # auto takes the transposed product only when it is clearly faster
 PROBE_BYTES = 2**30  # weights a probe pass reads, about (at least one layer): 0.1 s at 10 GB/s
@@ -97,8 +97,9 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = PROBE_ROWS, reps: int
     scale = sum(size.values()) / taken
     weights = [layer.weight for layer in sample]
     totals: dict[str, list[float]] = {"torch_ms": [], "transposed_ms": []}
+    gen = torch.Generator().manual_seed(0)  # the global generator's state stays the run's
     for m in rows:
-        inputs = {(w.shape[1], w.dtype, w.device): torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+        inputs = {(w.shape[1], w.dtype, w.device): torch.randn(m, w.shape[1], generator=gen).to(w.device, w.dtype) for w in weights}
         pairs = [(inputs[w.shape[1], w.dtype, w.device], w) for w in weights]  # ([M, K], [N, K]) per layer
         totals["torch_ms"].append(scale * _median_ms(lambda: [F.linear(x, w) for x, w in pairs], reps))
         totals["transposed_ms"].append(scale * _median_ms(lambda: [transposed_linear(x, w) for x, w in pairs], reps))

@@ -57,6 +57,7 @@ class Pair:
     eos_ids: set[int]
     device: torch.device
     linear: dict = field(default_factory=dict)  # harness.cpu_linear.choose: the product the linear layers use, and why
+    linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
 
     @property
     def context(self) -> int:
@@ -93,13 +94,20 @@ class Pair:
         return [self.target.model] + ([self.drafter.lm.model] if isinstance(self.drafter, ModelDrafter) else [])
 
     def follow_linear(self, records: list[dict]) -> None:
-        """A resumed cell keeps the CPU linear product its earlier prompts ran with: cpu_linear=auto
-        times the products anew in each process and, where they are close, may pick the other one."""
-        earlier = {r["linear"] for r in records if r.get("linear")}
-        if self.linear.get("mode") == "auto" and len(earlier) == 1 and earlier != {self.linear.get("product")}:
-            product = earlier.pop()
-            cpu_linear.choose(product, self.models(), self.device)
-            self.linear = {**self.linear, "product": product, "why": "resumed: the cell's earlier prompts ran with this product"}
+        """Set the CPU linear product for a cell whose earlier prompts are `records`: the product they
+        ran with (cpu_linear=auto times the products anew in each process and, where they are close,
+        may pick the other one), else the one chosen at load, which a previous cell in this process
+        may have changed. Records that do not name one ran on torch's product."""
+        linear = self.linear_at_load
+        earlier = {r.get("linear") or "torch" for r in records}
+        if linear.get("mode") == "auto" and len(earlier) == 1 and earlier != {linear.get("product")}:
+            linear = {**linear, "product": earlier.pop(), "why": "resumed: the cell's earlier prompts ran with this product"}
+        elif len(earlier) > 1:
+            print(f"[harness] warning: this cell's earlier prompts ran with different CPU linear products ({', '.join(sorted(earlier))}); "
+                  f"force=true runs it anew with one", file=sys.stderr)
+        if linear.get("product") != self.linear.get("product"):
+            cpu_linear.choose(linear["product"], self.models(), self.device)
+        self.linear = linear
 
     def use_costs(self, costs: dict) -> None:
         """Hand measure_costs' v(n) to a drafter that weighs its proposals by it
@@ -354,7 +362,7 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device)
-    pair.linear = cpu_linear.choose(linear, pair.models(), device)  # before the first forward compiles anything
+    pair.linear = pair.linear_at_load = cpu_linear.choose(linear, pair.models(), device)  # before the first forward compiles
     if "probe" in pair.linear:
         probe = pair.linear["probe"]
         print(f"[harness] cpu_linear=auto: {pair.linear['product']} (a step's linear layers at "
