@@ -59,7 +59,6 @@ SUMMARY_SCALARS = (
 SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
 CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile")
-
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
 CELL_CONFIDENCE = 0.95
 # A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
@@ -387,7 +386,7 @@ def _device_label(conditions: dict) -> str:
     name = _known(conditions.get("device_name") or conditions.get("device"))
     threads = conditions.get("threads")
     if str(conditions.get("device", "")).startswith("cpu") and threads:
-        transposed = (conditions.get("linear") or {}).get("product") == "transposed"
+        transposed = (conditions.get("linear") or {}).get("product") == "transposed"  # harness.cpu_linear's record
         return f"{name}, {threads} threads" + (", W @ x.T" if transposed else "")
     return name
 

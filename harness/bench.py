@@ -591,8 +591,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
 
     result: dict = {"setup": setup(cfg, args, argv, prompts, encoded),
-                    "conditions": conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."),
-                                             pair.linear)}
+                    "conditions": conditions(cfg, pair)}
     # Each part is written as soon as it is done: a run cut short (the GPU check's timeouts) keeps what it measured.
     if not args.skip_throughput:
         result.update(throughput(pair, encoded, args, device))

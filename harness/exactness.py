@@ -700,10 +700,9 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
             print(f"[harness] {samples} continuations per prompt detect a TV of {e.detect_tv} (exactness.samples= to override)", file=sys.stderr)
     report = check(pair.target, pair.drafter, prompts, k=cfg.k, sampling=sampling, length=length, samples=samples,
                    eos_ids=pair.eos_ids, seed=cfg.seed, alpha=e.alpha, max_cells=e.max_cells, progress=not quiet)
-    dtype = str(next(pair.target.model.parameters()).dtype).removeprefix("torch.")
     report.update(pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
                   detect_tv_asked=None if e.samples is not None else e.detect_tv, time_s=time.perf_counter() - started,
-                  conditions=conditions(cfg, device, dtype, pair.linear), run_dir=str(run_dir))
+                  conditions=conditions(cfg, pair), run_dir=str(run_dir))
     for p in report["prompts"].values():
         for c in p["worst_cells"]:
             c["text"] = pair.tokenizer.decode(c["prefix"])

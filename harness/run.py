@@ -446,14 +446,16 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
     }
 
 
-def conditions(cfg: DictConfig, device: torch.device, dtype: str, linear: dict | None = None) -> dict:
-    """What a run's figures depend on beyond its config. `linear`: the pair's cpu_linear choice (Pair.linear)."""
+def conditions(cfg: DictConfig, pair: Pair) -> dict:
+    """What a run's figures depend on beyond its config: the device, the target's dtype, threads,
+    versions, and the CPU linear product the pair's layers use (Pair.linear)."""
     import transformers
 
     return {
-        "device": str(device), "device_name": device_name(device), "dtype": dtype, "threads": torch.get_num_threads(),
+        "device": str(pair.device), "device_name": device_name(pair.device),
+        "dtype": str(next(pair.target.model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "seed": cfg.seed, "hostname": platform.node(), **({"linear": linear} if linear else {}),
+        "seed": cfg.seed, "hostname": platform.node(), **({"linear": pair.linear} if pair.linear else {}),
     }
 
 
@@ -639,7 +641,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
         prompt_ids=[p["id"] for p, _ in encoded],
         categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs, **draft_size(pair),
-        conditions=conditions(cfg, device, str(next(pair.target.model.parameters()).dtype).removeprefix("torch."), pair.linear),
+        conditions=conditions(cfg, pair),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
