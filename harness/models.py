@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from harness.errors import HarnessError
 from harness.host_syncs import unwatched
+from harness.kv_cache import GrowingLayer, in_place
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -186,8 +187,9 @@ class CachedLM:
     loop keeps the cache one token behind the committed sequence: the last
     committed token is fed with the next forward, which yields its logits.
 
-    Two caches: `dynamic` (HF DynamicCache; rollback crops the tensors) and
-    `static` (HF StaticCache of `capacity` slots, allocated once; positions
+    Two caches: `dynamic` (HF DynamicCache, its full-attention layers
+    written in place by `harness.kv_cache.GrowingLayer` rather than grown by
+    concatenation; rollback moves their length) and `static` (HF StaticCache of `capacity` slots, allocated once; positions
     are written by index and rollback only moves `length` back, the causal
     mask hiding the stale slots beyond it, as gpt-fast does). Attention reads
     every slot of a static cache, so `reserve` sizes it to the longest
@@ -215,13 +217,16 @@ class CachedLM:
         self.compiled = _compile(model) if compile else None
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
+        self.growing: dict[int, GrowingLayer] = {}  # the dynamic cache's in-place layers, kept across sequences
         self.reset()
 
     def reserve(self, max_len: int) -> None:
         """Size a static cache for sequences of up to max_len tokens, rounded up
         to a multiple of 256 so that runs with similar lengths share one compiled
-        shape. No-op for the dynamic cache."""
+        shape. The dynamic cache allocates room for max_len at its next sequence."""
         if not self.static:
+            for layer in self.growing.values():
+                layer.reserve(max_len)
             return
         capacity = min(-(-max_len // 256) * 256, self.context)
         window = getattr(self.model.config, "sliding_window", None)
@@ -259,7 +264,7 @@ class CachedLM:
         if self.static:
             self.cache.reset()  # in place: the compiled steps keep their addresses
         else:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = in_place(DynamicCache(config=self.model.config), self.growing)
             if rollback:
                 # Sliding-window layers then keep what leaves the window until the next crop, which can
                 # bring it back; from the first pass on, as the prompt's pass also verifies the first drafts.
