@@ -9,11 +9,20 @@ from memory: 35 ms for one row (a matrix-vector product, on one thread) and
 52 ms for two, against 16 and 15 ms computed as W @ x.T (one row padded to
 two). The two differ only in float rounding.
 
-`cpu_linear=auto` (the default) times both over the pair's own weights when
-the pair is loaded and keeps the transposed product when it takes under
-MARGIN of torch's time; `transposed` or `torch` pick one. The choice is per process and recorded in a run's conditions. It
-changes the models' modules, so HF generate() in the bench runs on the same
-products as our loop and the comparison stays like for like.
+The BLAS also runs some row counts much slower than a few more: on the same
+EPYC, W @ x.T over those weights took 20.3 ms at four rows but 24.8 at
+three, and 56.0 at sixteen but 86.9 to 106.2 at thirteen to fifteen. A
+plan (`rows_to`) therefore says, for each row count, how many rows to
+compute it with: the real ones, padded with zero rows.
+
+`cpu_linear=auto` (the default) times both products at every row count up
+to FEW_ROWS over the pair's own weights when the pair is loaded, and gives
+each row count the transposed product at its fastest padding where that
+takes under MARGIN of torch's time, else torch's own; `transposed` (one row
+padded to two, no other padding) or `torch` pick one. The choice is per
+process and recorded in a run's conditions. It changes the models' modules,
+so HF generate() in the bench runs on the same products as our loop and the
+comparison stays like for like.
 """
 
 from __future__ import annotations
@@ -30,42 +39,47 @@ from harness.errors import HarnessError
 
 MODES = ("auto", "transposed", "torch")
 FEW_ROWS = 17  # k + 1 for k up to 16 (analysis' MAX_K); more rows (a prompt's pass): torch's own product
-PROBE_ROWS = (1, 2, 3, 5, FEW_ROWS)  # a decoding step, a catch-up, verifies at k = 2, 4 and the most rows it takes
-MARGIN = 0.9  # auto takes the transposed product only when it is clearly faster
+MARGIN = 0.9  # auto takes the transposed product for a row count only when it is clearly faster
+NEAR = 1.05  # and pads a row count only to save more than this: closer times are within the probe's noise
 PROBE_BYTES = 2**30  # weights a probe pass reads, about (at least one layer): 0.1 s at 10 GB/s
+AS_IS = tuple(range(FEW_ROWS + 1))  # a plan computing each row count as it is
+ONE_AS_TWO = (0, 2, *range(2, FEW_ROWS + 1))  # cpu_linear=transposed: one row runs as a matrix-vector product, padded to two
 
 
-def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] and weight [N, K], computed as (weight @ rows.T).T
-    when x has at most FEW_ROWS rows."""
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      rows_to: tuple[int, ...] = ONE_AS_TWO) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] and weight [N, K]. The plan `rows_to` gives, for
+    each row count M up to FEW_ROWS, the rows to compute it with as (weight @ rows.T).T, M padded
+    with zero rows up to rows_to[M] (a count the BLAS runs faster), or 0 for torch's product."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if m > FEW_ROWS:
+    if m > FEW_ROWS or not rows_to[m]:
         return F.linear(x, weight, bias)
     rows = x.reshape(m, x.shape[-1])  # [M, K]
-    if m == 1:
-        rows = torch.cat([rows, rows])  # [2, K]: one row would run as a matrix-vector product
-    out = torch.mm(weight, rows.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, rows.T)  # [N, M]
+    if rows_to[m] > m:
+        rows = F.pad(rows, (0, 0, 0, rows_to[m] - m))  # [rows_to[M], K]
+    out = torch.mm(weight, rows.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, rows.T)  # [N, rows_to[M]]
     out = out.T[:m].contiguous()  # [M, N]; contiguous, as the next layers run faster on it
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class TransposedLinear(nn.Linear):
-    """nn.Linear computing few-row products as W @ x.T (`transposed_linear`)."""
+    """nn.Linear computing few-row products as W @ x.T (`transposed_linear`) by its plan `rows_to`."""
+
+    rows_to: tuple[int, ...] = ONE_AS_TWO  # choose() sets each layer's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return transposed_linear(x, self.weight, self.bias)
+        return transposed_linear(x, self.weight, self.bias, self.rows_to)
 
 
 def _linears(models: list[nn.Module]) -> list[nn.Module]:
     """The linear layers of the models, each once (a shared module counted once). A module
-    that is not an nn.Linear takes part when it has a `transposed_product` flag (a draft's subset
-    head); one whose forward is replaced on the instance (accelerate's offloading hooks) does not."""
+    that is not an nn.Linear takes part when it has a `rows_to` plan (a draft's subset head); one whose forward is replaced on the instance (accelerate's offloading hooks) does not."""
     seen: dict[int, nn.Module] = {}
     for model in models:
         for module in model.modules():
             if "forward" in vars(module):
                 continue
-            if type(module) in (nn.Linear, TransposedLinear) or hasattr(module, "transposed_product"):
+            if type(module) in (nn.Linear, TransposedLinear) or hasattr(module, "rows_to"):
                 seen.setdefault(id(module), module)
     return list(seen.values())
 
@@ -81,11 +95,12 @@ def _median_ms(fn, reps: int) -> float:
 
 
 @torch.inference_mode()
-def probe(models: list[nn.Module], rows: tuple[int, ...] = PROBE_ROWS, reps: int = 3) -> dict:
+def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int = 2) -> dict:
     """Time of one step through the models' linear layers for each row count, ms, with torch's
-    product and with the transposed one. Each pass reads every layer's own weight once, as a
+    product and with the transposed one (unpadded). Each pass reads every layer's own weight once, as a
     step does, so that the weights come from memory rather than a warm cache; past PROBE_BYTES
     of weights, a seeded random sample of the layers, the time scaled up by bytes."""
+    started = time.perf_counter()
     layers = _linears(models)
     size = {id(layer): layer.weight.numel() * layer.weight.element_size() for layer in layers}
     sample, taken = [], 0
@@ -102,29 +117,62 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = PROBE_ROWS, reps: int
         inputs = {(w.shape[1], w.dtype, w.device): torch.randn(m, w.shape[1], generator=gen).to(w.device, w.dtype) for w in weights}
         pairs = [(inputs[w.shape[1], w.dtype, w.device], w) for w in weights]  # ([M, K], [N, K]) per layer
         totals["torch_ms"].append(scale * _median_ms(lambda: [F.linear(x, w) for x, w in pairs], reps))
-        totals["transposed_ms"].append(scale * _median_ms(lambda: [transposed_linear(x, w) for x, w in pairs], reps))
-    return {"rows": list(rows), **totals}
+        totals["transposed_ms"].append(scale * _median_ms(lambda: [transposed_linear(x, w, None, AS_IS) for x, w in pairs], reps))
+    return {"rows": list(rows), **totals, "seconds": time.perf_counter() - started}
+
+
+def plan(found: dict) -> tuple[int, ...]:
+    """rows_to from a probe: for each row count M, the transposed product at the fewest rows
+    M' >= M that run within NEAR of the fastest (M padded to M'), where that takes under MARGIN
+    of torch's time at M; else torch's product (0), as for row counts not probed."""
+    torch_ms = dict(zip(found["rows"], found["torch_ms"]))
+    transposed_ms = dict(zip(found["rows"], found["transposed_ms"]))
+    rows_to = [0] * (FEW_ROWS + 1)
+    for m, own in torch_ms.items():
+        at_least_m = {n: t for n, t in transposed_ms.items() if n >= m}
+        fastest = min(at_least_m.values())
+        rows = min(n for n, t in at_least_m.items() if t <= NEAR * fastest)
+        if at_least_m[rows] < MARGIN * own:
+            rows_to[m] = rows
+    return tuple(rows_to)
+
+
+def describe(rows_to: tuple[int, ...] | list[int] | None) -> str:
+    """A plan in a few words: which row counts are padded, and which take torch's product."""
+    if not rows_to or not any(rows_to):
+        return "torch's product"
+    padded = [f"{m}->{n}" for m, n in enumerate(rows_to) if n and n != m]
+    own = [str(m) for m, n in enumerate(rows_to) if m and not n]
+    return ("W @ x.T" + (f", rows padded {', '.join(padded)}" if padded else "")
+            + (f"; torch's product at {', '.join(own)} rows" if own else ""))
+
+
+def apply(models: list[nn.Module], rows_to: tuple[int, ...] | list[int] | None) -> None:
+    """Give the models' linear layers the plan rows_to (None: torch's own product)."""
+    rows_to = tuple(rows_to) if rows_to else None
+    for layer in _linears(models):
+        if type(layer) not in (nn.Linear, TransposedLinear):  # a subset head: it reads its plan
+            layer.rows_to = rows_to
+        else:
+            layer.__class__ = TransposedLinear if rows_to else nn.Linear
+            if rows_to:
+                layer.rows_to = rows_to
 
 
 def choose(mode: str, models: list[nn.Module], device: torch.device) -> dict:
-    """Set the models' linear layers to the product `mode` asks for (auto: the faster by `probe`,
-    on a CPU); returns what was chosen and why, for a run's conditions."""
+    """Set the models' linear layers to the product `mode` asks for (auto: per row count, the
+    faster by `probe`, on a CPU); returns what was chosen and why, for a run's conditions."""
     if mode not in MODES:
         raise HarnessError(f"cpu_linear={mode} must be one of {', '.join(MODES)}")
     if device.type != "cpu":
         return {"mode": mode, "product": "torch", "why": f"{device.type}: torch's own product"}
-    found = None
-    if mode == "auto" and not _linears(models):
-        product = "torch"
-    elif mode == "auto":
+    found, rows_to = None, None
+    if mode == "auto" and _linears(models):
         found = probe(models)
-        faster = sum(found["transposed_ms"]) < MARGIN * sum(found["torch_ms"])
-        product = "transposed" if faster else "torch"
-    else:
-        product = mode
-    for layer in _linears(models):
-        if hasattr(layer, "transposed_product"):
-            layer.transposed_product = product == "transposed"
-        else:
-            layer.__class__ = TransposedLinear if product == "transposed" else nn.Linear
-    return {"mode": mode, "product": product, **({"probe": found} if found else {})}
+        rows_to = plan(found)
+        rows_to = rows_to if any(rows_to) else None
+    elif mode == "transposed":
+        rows_to = ONE_AS_TWO
+    apply(models, rows_to)
+    chosen = {"mode": mode, "product": "transposed" if rows_to else "torch"}
+    return {**chosen, **({"rows_to": list(rows_to)} if rows_to else {}), **({"probe": found} if found else {})}

@@ -35,10 +35,13 @@ class SubsetHead(nn.Module):
         self.register_buffer("token_ids", token_ids, persistent=False)  # [S]
         self.weight = nn.Parameter(weight[token_ids].clone(), requires_grad=weight.requires_grad)  # [S, H]
         self.vocab_size = vocab_size
-        self.transposed_product = False  # harness.cpu_linear sets it where W @ x.T is the faster product
+        self.rows_to: tuple[int, ...] | None = None  # harness.cpu_linear's plan where W @ x.T is the faster product
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V]
-        subset_logits = cpu_linear.transposed_linear(hidden, self.weight) if self.transposed_product else hidden @ self.weight.T  # [B, T, S]
+        if self.rows_to:
+            subset_logits = cpu_linear.transposed_linear(hidden, self.weight, None, self.rows_to)  # [B, T, S]
+        else:
+            subset_logits = hidden @ self.weight.T  # [B, T, S]
         logits = subset_logits.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., self.token_ids] = subset_logits
         return logits

@@ -101,12 +101,15 @@ class Pair:
         linear = self.linear_at_load
         earlier = {r.get("linear") or "torch" for r in records}
         if linear.get("mode") == "auto" and len(earlier) == 1 and earlier != {linear.get("product")}:
-            linear = {**linear, "product": earlier.pop(), "why": "resumed: the cell's earlier prompts ran with this product"}
+            product = earlier.pop()
+            linear = {key: value for key, value in linear.items() if key != "rows_to"} | {
+                "product": product, "why": "resumed: the cell's earlier prompts ran with this product",
+                **({"rows_to": list(cpu_linear.ONE_AS_TWO)} if product == "transposed" else {})}
         elif len(earlier) > 1:
             print(f"[harness] warning: this cell's earlier prompts ran with different CPU linear products ({', '.join(sorted(earlier))}); "
                   f"force=true runs it anew with one", file=sys.stderr)
-        if linear.get("product") != self.linear.get("product"):
-            cpu_linear.choose(linear["product"], self.models(), self.device)
+        if linear.get("rows_to") != self.linear.get("rows_to"):
+            cpu_linear.apply(self.models(), linear.get("rows_to"))
         self.linear = linear
 
     def use_costs(self, costs: dict) -> None:
@@ -364,10 +367,8 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device)
     pair.linear = pair.linear_at_load = cpu_linear.choose(linear, pair.models(), device)  # before the first forward compiles
     if "probe" in pair.linear:
-        probe = pair.linear["probe"]
-        print(f"[harness] cpu_linear=auto: {pair.linear['product']} (a step's linear layers at "
-              f"{'/'.join(map(str, probe['rows']))} rows: torch {'/'.join(f'{t:.1f}' for t in probe['torch_ms'])} ms, "
-              f"transposed {'/'.join(f'{t:.1f}' for t in probe['transposed_ms'])} ms)", file=sys.stderr)
+        print(f"[harness] cpu_linear=auto: {cpu_linear.describe(pair.linear.get('rows_to'))} (a step's linear layers, "
+              f"timed at 1 to {cpu_linear.FEW_ROWS} rows, in {pair.linear['probe']['seconds']:.1f} s)", file=sys.stderr)
     _loaded[key] = pair
     return pair
 

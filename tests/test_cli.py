@@ -42,7 +42,7 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["acceptance_rate"] == last["acceptance_rate"]
     assert summary["conditions"]["torch"] and summary["conditions"]["threads"] >= 1
-    assert summary["conditions"]["linear"] == {"mode": "transposed", "product": "transposed"}
+    assert summary["conditions"]["linear"] == {"mode": "transposed", "product": "transposed", "rows_to": [0, 2, *range(2, 18)]}
     assert "threads, linear W @ x.T, torch" in out.stdout  # the conditions line of the table
     assert {r["linear"] for r in records} == {"transposed"}  # each prompt's record names its product
     assert len(summary["categories"]) == 6

@@ -44,6 +44,44 @@ def test_the_transposed_product_is_torch_s_up_to_rounding(shape, bias, dtype):
     torch.testing.assert_close(out, F.linear(x, weight, b))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, cpu_linear.FEW_ROWS - 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_padded_rows_give_the_same_product(rows, bias, monkeypatch):
+    """A plan padding every row count to FEW_ROWS: the BLAS really computes FEW_ROWS rows, and the
+    real ones come out as torch's up to rounding."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(1, rows, 48, generator=gen), torch.randn(40, 48, generator=gen)  # [1, M, K], [N, K]
+    b = torch.randn(40, generator=gen) if bias else None
+    padded = (0,) + (cpu_linear.FEW_ROWS,) * cpu_linear.FEW_ROWS
+    computed = []
+    for name in ("mm", "addmm"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, real=real: computed.append(args[-1].shape[1]) or real(*args))
+    out = transposed_linear(x, weight, b, padded)
+    monkeypatch.undo()
+    assert computed == [cpu_linear.FEW_ROWS] and out.shape == (1, rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, b))
+
+
+def ms(times: dict[int, float]) -> list[float]:
+    return [times.get(m, 1.0) for m in range(1, cpu_linear.FEW_ROWS + 1)]
+
+
+def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins():
+    """torch's product at 1 ms for every row count; the transposed one mostly 0.5 ms, but 0.7 at
+    3 rows (4 is faster: padded), 0.51 at 5 (6 is faster, within NEAR: not padded), 0.95 at 9
+    to 11 (not under MARGIN alone, but 12 is faster: padded to 12) and 2.0 from 13 on (torch's)."""
+    transposed = {m: 0.5 for m in range(1, 13)} | {3: 0.7, 5: 0.51, 9: 0.95, 10: 0.95, 11: 0.95} | {m: 2.0 for m in range(13, 18)}
+    found = {"rows": list(range(1, cpu_linear.FEW_ROWS + 1)), "torch_ms": ms({}), "transposed_ms": ms(transposed)}
+    rows_to = cpu_linear.plan(found)
+    assert rows_to[1:] == (1, 2, 4, 4, 5, 6, 7, 8, 12, 12, 12, 12, 0, 0, 0, 0, 0)
+    assert cpu_linear.describe(rows_to) == "W @ x.T, rows padded 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
+    equal = cpu_linear.plan({**found, "transposed_ms": ms({m: 0.5 for m in range(1, 18)})})
+    assert equal == cpu_linear.AS_IS  # among equal times, the fewest rows: no padding
+    assert cpu_linear.plan({**found, "transposed_ms": ms({m: 0.95 for m in range(1, 18)})}) == (0,) * 18
+    assert cpu_linear.describe(None) == cpu_linear.describe((0,) * 18) == "torch's product"
+
+
 def test_a_strided_input_gives_the_same_product():
     x = torch.randn(1, 48, 5).transpose(1, 2)  # [1, 5, 48], not contiguous
     weight = torch.randn(40, 48)
@@ -57,7 +95,7 @@ def test_the_layers_really_take_the_transposed_product(tiny_pair, monkeypatch):
     draft = build_shared_draft(target, 1, torch.arange(60))
     calls = []
     real = cpu_linear.transposed_linear
-    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b=None: calls.append(w) or real(x, w, b))
+    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b=None, plan=cpu_linear.ONE_AS_TWO: calls.append(w) or real(x, w, b, plan))
     ids = torch.arange(5, 9)[None]  # [1, 4]
     choose("transposed", [target, draft], CPU)
     target(ids), draft(ids)
@@ -74,13 +112,14 @@ def test_choosing_a_product_sets_every_linear_layer_and_keeps_the_logits(tiny_pa
     draft = build_shared_draft(target, 1, torch.arange(60))  # its subset head is not an nn.Linear: it has a flag
     ids = torch.arange(5, 17)[None]  # [1, 12]
     before = [m(ids).logits for m in (target, draft)]
-    assert choose("transposed", [target, draft], CPU) == {"mode": "transposed", "product": "transposed"}
-    assert linear_types(target) == {TransposedLinear} and draft.lm_head.transposed_product
+    assert choose("transposed", [target, draft], CPU) == {"mode": "transposed", "product": "transposed",
+                                                          "rows_to": list(cpu_linear.ONE_AS_TWO)}
+    assert linear_types(target) == {TransposedLinear} and draft.lm_head.rows_to == cpu_linear.ONE_AS_TWO
     for model, logits in zip((target, draft), before):
         torch.testing.assert_close(model(ids).logits, logits, rtol=1e-4, atol=1e-3)
         torch.testing.assert_close(model(ids[:, :1]).logits, logits[:, :1], rtol=1e-4, atol=1e-3)  # one row: padded to two
     assert choose("torch", [target, draft], CPU)["product"] == "torch"
-    assert linear_types(target) == {nn.Linear} and not draft.lm_head.transposed_product
+    assert linear_types(target) == {nn.Linear} and draft.lm_head.rows_to is None
 
 
 def test_greedy_speculation_with_the_transposed_product_is_the_target_s_greedy(tiny_pair):
@@ -107,12 +146,14 @@ def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, m
     assert len(layers) == sum(isinstance(m, nn.Linear) for m in target.modules())
     size = {id(layer.weight): layer.weight.numel() * 4 for layer in layers}
     calls = []
-    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w: calls.append(w) or F.linear(x, w))
+    plans = set()
+    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b, plan: calls.append(w) or plans.add(plan) or F.linear(x, w))
     monkeypatch.setattr(cpu_linear, "_median_ms", lambda fn, reps: fn() and 1.0)  # one pass each
     found = cpu_linear.probe([target])
-    assert found["rows"] == list(cpu_linear.PROBE_ROWS)
-    assert found["torch_ms"] == found["transposed_ms"] == [1.0] * len(cpu_linear.PROBE_ROWS)
-    assert sorted(id(w) for w in calls) == sorted(list(size) * len(cpu_linear.PROBE_ROWS))  # every weight, once a pass
+    rows = list(range(1, cpu_linear.FEW_ROWS + 1))  # every row count a step can have
+    assert found["rows"] == rows and found["torch_ms"] == found["transposed_ms"] == [1.0] * len(rows)
+    assert sorted(id(w) for w in calls) == sorted(list(size) * len(rows))  # every weight, once a pass
+    assert plans == {cpu_linear.AS_IS}  # the transposed product timed unpadded at each row count
     cap = sum(size.values()) // 3
     monkeypatch.setattr(cpu_linear, "PROBE_BYTES", cap)  # past the cap: a sample, its time scaled up by bytes
     calls.clear()
@@ -131,7 +172,7 @@ def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, m
     target = fresh(tiny_pair)
     used = set()
     real = cpu_linear.transposed_linear
-    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b=None: used.add("t") or real(x, w, b))
+    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b, plan: used.add("t") or real(x, w, b, plan))
 
     def timed(fn, reps):
         used.clear()
@@ -140,7 +181,8 @@ def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, m
 
     monkeypatch.setattr(cpu_linear, "_median_ms", timed)
     record = choose("auto", [target], CPU)
-    assert record["probe"]["transposed_ms"] == [transposed_ms] * len(cpu_linear.PROBE_ROWS)
+    assert record["probe"]["transposed_ms"] == [transposed_ms] * cpu_linear.FEW_ROWS
+    assert record.get("rows_to") == (list(cpu_linear.AS_IS) if product == "transposed" else None)
     assert record["product"] == product and linear_types(target) == {TransposedLinear if product == "transposed" else nn.Linear}
 
 
@@ -161,9 +203,10 @@ def test_what_choose_leaves_alone_and_refuses(tiny_pair):
         choose("fast", [target], CPU)  # harness.bench does not run validate(): choose checks for itself
 
 
-def test_a_resumed_cell_keeps_the_product_its_earlier_prompts_ran_with(tiny_pair, tmp_path):
+def test_a_resumed_cell_keeps_the_product_its_earlier_prompts_ran_with(tiny_pair, tmp_path, monkeypatch):
     """cpu_linear=auto times the products in each process; where they are close a resumed cell
-    could switch and mix two timing regimes. It follows its earlier prompts' product instead."""
+    could switch and mix two timing regimes. It follows its earlier prompts' product instead.
+    The probe here finds the transposed product faster, three rows best padded to four."""
     import json
     from pathlib import Path
 
@@ -172,6 +215,10 @@ def test_a_resumed_cell_keeps_the_product_its_earlier_prompts_ran_with(tiny_pair
 
     from harness import run
 
+    rows = list(range(1, cpu_linear.FEW_ROWS + 1))
+    found = {"rows": rows, "torch_ms": ms({}), "transposed_ms": ms({m: 0.5 for m in rows} | {3: 0.7}), "seconds": 0.0}
+    monkeypatch.setattr(cpu_linear, "probe", lambda models: found)
+    run._loaded.clear()  # a pair loaded by another test was probed for real
     overrides = ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
                  "dataset.num_prompts=3", "max_new_tokens=8", "wandb.mode=disabled"]
     with initialize_config_dir(config_dir=str(run.CONF_DIR), version_base="1.3"):
@@ -179,17 +226,21 @@ def test_a_resumed_cell_keeps_the_product_its_earlier_prompts_ran_with(tiny_pair
     try:
         first = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
         cell = Path(first["cell_dir"])
-        other = {"transposed": "torch", "torch": "transposed"}[first["conditions"]["linear"]["product"]]
+        assert first["conditions"]["linear"]["rows_to"][3] == 4
+        other = "torch"
         kept = (cell / "prompts.jsonl").read_text().splitlines()[:2]  # as if the first process ran these with `other`
         (cell / "prompts.jsonl").write_text("".join(json.dumps({**json.loads(line), "linear": other}) + "\n" for line in kept))
         (cell / "summary.json").unlink()
         second = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
         assert second["conditions"]["linear"]["product"] == other and "resumed" in second["conditions"]["linear"]["why"]
+        assert "rows_to" not in second["conditions"]["linear"]  # the load's plan is not what these prompts ran with
         records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
         assert len(records) == 3 and {r["linear"] for r in records} == {other}
         # the next cell of the same process (a multirun reuses the loaded pair) is a new one: back to the load's choice
         third = run.run_cell(OmegaConf.merge(cfg, {"k": 2}), out_dir=tmp_path, quiet=True)
         assert third["conditions"]["linear"] == first["conditions"]["linear"]
+        layers = cpu_linear._linears(next(iter(run._loaded.values())).models())  # and the layers have the load's plan again
+        assert {None if type(layer) is nn.Linear else layer.rows_to for layer in layers} == {cpu_linear.plan(found)}
         assert {json.loads(line)["linear"] for line in Path(third["cell_dir"], "prompts.jsonl").read_text().splitlines()} == {
             first["conditions"]["linear"]["product"]}
     finally:
