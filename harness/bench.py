@@ -82,7 +82,9 @@ class TimedLM(CachedLM):
     forwards and of its rollbacks. Shares the wrapped model."""
 
     def __init__(self, lm: CachedLM):
-        self.__dict__.update(lm.__dict__)
+        self.__dict__.update(lm.__dict__)  # a static cache stays shared: the compiled steps are bound to it
+        if not self.static:
+            self.own_cache()
         self.forward_s = self.rollback_s = 0.0
         self.forwards = 0
 

@@ -65,7 +65,7 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 class TransposedLinear(nn.Linear):
     """nn.Linear computing few-row products as W @ x.T (`transposed_linear`) by its plan `rows_to`."""
 
-    rows_to: tuple[int, ...] = ONE_AS_TWO  # choose() sets each layer's
+    rows_to: tuple[int, ...] = ONE_AS_TWO  # apply() sets each layer's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return transposed_linear(x, self.weight, self.bias, self.rows_to)

@@ -220,6 +220,22 @@ class CachedLM:
         self.growing: dict[int, GrowingLayer] = {}  # the dynamic cache's in-place layers, kept across sequences
         self.reset()
 
+    def __copy__(self) -> "CachedLM":
+        """The same model with a cache of its own (the draft-is-target control drafts with a copy
+        of the target): a shallow copy would share the cache and its in-place layers."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        if self.static:
+            other.cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+        other.own_cache()
+        return other
+
+    def own_cache(self) -> None:
+        """Start an empty cache whose in-place layers are this object's own, as reserved so far
+        (for a copy sharing another's model: it must not write into the other's storage)."""
+        self.growing = {index: GrowingLayer(layer.capacity) for index, layer in self.growing.items()}
+        self.reset()
+
     def reserve(self, max_len: int) -> None:
         """Size a static cache for sequences of up to max_len tokens, rounded up
         to a multiple of 256 so that runs with similar lengths share one compiled

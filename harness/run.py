@@ -94,20 +94,21 @@ class Pair:
         return [self.target.model] + ([self.drafter.lm.model] if isinstance(self.drafter, ModelDrafter) else [])
 
     def follow_linear(self, records: list[dict]) -> None:
-        """Set the CPU linear product for a cell whose earlier prompts are `records`: the product they
-        ran with (cpu_linear=auto times the products anew in each process and, where they are close,
-        may pick the other one), else the one chosen at load, which a previous cell in this process
-        may have changed. Records that do not name one ran on torch's product."""
+        """Set the CPU linear products for a cell whose earlier prompts are `records`: the plan they
+        ran with (cpu_linear=auto times the products anew in each process, and where times are close
+        may choose another), else the one chosen at load, which a previous cell in this process
+        may have changed."""
         linear = self.linear_at_load
-        earlier = {r.get("linear") or "torch" for r in records}
-        if linear.get("mode") == "auto" and len(earlier) == 1 and earlier != {linear.get("product")}:
-            product = earlier.pop()
+        earlier = {_linear_plan(r) for r in records}
+        at_load = tuple(linear["rows_to"]) if linear.get("rows_to") else None
+        if linear.get("mode") == "auto" and len(earlier) == 1 and earlier != {at_load}:
+            rows_to = earlier.pop()
             linear = {key: value for key, value in linear.items() if key != "rows_to"} | {
-                "product": product, "why": "resumed: the cell's earlier prompts ran with this product",
-                **({"rows_to": list(cpu_linear.ONE_AS_TWO)} if product == "transposed" else {})}
+                "product": "transposed" if rows_to else "torch", "why": "resumed: the cell's earlier prompts ran with this plan",
+                **({"rows_to": list(rows_to)} if rows_to else {})}
         elif len(earlier) > 1:
-            print(f"[harness] warning: this cell's earlier prompts ran with different CPU linear products ({', '.join(sorted(earlier))}); "
-                  f"force=true runs it anew with one", file=sys.stderr)
+            print(f"[harness] warning: this cell's earlier prompts ran with different CPU linear products "
+                  f"({'; '.join(sorted(cpu_linear.describe(plan) for plan in earlier))}); force=true runs it anew with one", file=sys.stderr)
         if linear.get("rows_to") != self.linear.get("rows_to"):
             cpu_linear.apply(self.models(), linear.get("rows_to"))
         self.linear = linear
@@ -330,6 +331,14 @@ def _file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _linear_plan(record: dict) -> tuple[int, ...] | None:
+    """The cpu_linear plan a prompt record names: its `linear_rows_to`, else (records written
+    before plans) the one the transposed product then had, cpu_linear=transposed's; None: torch's."""
+    if record.get("linear_rows_to"):
+        return tuple(record["linear_rows_to"])
+    return cpu_linear.ONE_AS_TWO if record.get("linear") == "transposed" else None
 
 
 def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False,
@@ -621,6 +630,8 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
                 record = run_prompt(pair, p, ids, i, cfg, sampling)
                 record["rss_mb"] = _current_rss_mb()
                 record["linear"] = pair.linear.get("product")
+                if pair.linear.get("rows_to"):
+                    record["linear_rows_to"] = pair.linear["rows_to"]
                 if device.type == "cuda":
                     record["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
                 out.write(json.dumps(record) + "\n")

@@ -109,7 +109,7 @@ def test_the_layers_really_take_the_transposed_product(tiny_pair, monkeypatch):
 
 def test_choosing_a_product_sets_every_linear_layer_and_keeps_the_logits(tiny_pair):
     target = fresh(tiny_pair)
-    draft = build_shared_draft(target, 1, torch.arange(60))  # its subset head is not an nn.Linear: it has a flag
+    draft = build_shared_draft(target, 1, torch.arange(60))  # its subset head is not an nn.Linear: it has a plan
     ids = torch.arange(5, 17)[None]  # [1, 12]
     before = [m(ids).logits for m in (target, draft)]
     assert choose("transposed", [target, draft], CPU) == {"mode": "transposed", "product": "transposed",
@@ -203,9 +203,19 @@ def test_what_choose_leaves_alone_and_refuses(tiny_pair):
         choose("fast", [target], CPU)  # harness.bench does not run validate(): choose checks for itself
 
 
-def test_a_resumed_cell_keeps_the_product_its_earlier_prompts_ran_with(tiny_pair, tmp_path, monkeypatch):
+def plan_of(model_layers) -> set:
+    """The plans a set of linear layers have (None: torch's product)."""
+    return {None if type(layer) is nn.Linear else layer.rows_to for layer in model_layers}
+
+
+@pytest.mark.parametrize("earlier, plan", [
+    ({"linear": "torch"}, None),
+    ({"linear": "transposed", "linear_rows_to": list(cpu_linear.AS_IS)}, cpu_linear.AS_IS),  # another process's plan
+    ({"linear": "transposed"}, cpu_linear.ONE_AS_TWO),  # a record from before plans
+], ids=["torch", "another-plan", "before-plans"])
+def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, tmp_path, monkeypatch, earlier, plan):
     """cpu_linear=auto times the products in each process; where they are close a resumed cell
-    could switch and mix two timing regimes. It follows its earlier prompts' product instead.
+    could switch and mix two timing regimes. It follows its earlier prompts' plan instead.
     The probe here finds the transposed product faster, three rows best padded to four."""
     import json
     from pathlib import Path
@@ -226,22 +236,23 @@ def test_a_resumed_cell_keeps_the_product_its_earlier_prompts_ran_with(tiny_pair
     try:
         first = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
         cell = Path(first["cell_dir"])
-        assert first["conditions"]["linear"]["rows_to"][3] == 4
-        other = "torch"
-        kept = (cell / "prompts.jsonl").read_text().splitlines()[:2]  # as if the first process ran these with `other`
-        (cell / "prompts.jsonl").write_text("".join(json.dumps({**json.loads(line), "linear": other}) + "\n" for line in kept))
+        assert first["conditions"]["linear"]["rows_to"] == list(cpu_linear.plan(found)) and cpu_linear.plan(found)[3] == 4
+        records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
+        assert {tuple(r["linear_rows_to"]) for r in records} == {cpu_linear.plan(found)}  # each record names its plan
+        as_if = [{**{key: value for key, value in r.items() if not key.startswith("linear")}, **earlier} for r in records[:2]]
+        (cell / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in as_if))  # as if another process ran these
         (cell / "summary.json").unlink()
         second = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
-        assert second["conditions"]["linear"]["product"] == other and "resumed" in second["conditions"]["linear"]["why"]
-        assert "rows_to" not in second["conditions"]["linear"]  # the load's plan is not what these prompts ran with
-        records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
-        assert len(records) == 3 and {r["linear"] for r in records} == {other}
-        # the next cell of the same process (a multirun reuses the loaded pair) is a new one: back to the load's choice
+        linear = second["conditions"]["linear"]
+        assert linear["product"] == earlier["linear"] and "resumed" in linear["why"]
+        assert linear.get("rows_to") == (list(plan) if plan else None)  # not the load's plan
+        pair = next(iter(run._loaded.values()))
+        assert plan_of(cpu_linear._linears(pair.models())) == {plan}
+        last = json.loads((cell / "prompts.jsonl").read_text().splitlines()[-1])
+        assert last["linear"] == earlier["linear"] and last.get("linear_rows_to") == linear.get("rows_to")
+        # the next cell of the same process (a multirun reuses the loaded pair) is a new one: back to the load's plan
         third = run.run_cell(OmegaConf.merge(cfg, {"k": 2}), out_dir=tmp_path, quiet=True)
         assert third["conditions"]["linear"] == first["conditions"]["linear"]
-        layers = cpu_linear._linears(next(iter(run._loaded.values())).models())  # and the layers have the load's plan again
-        assert {None if type(layer) is nn.Linear else layer.rows_to for layer in layers} == {cpu_linear.plan(found)}
-        assert {json.loads(line)["linear"] for line in Path(third["cell_dir"], "prompts.jsonl").read_text().splitlines()} == {
-            first["conditions"]["linear"]["product"]}
+        assert plan_of(cpu_linear._linears(pair.models())) == {cpu_linear.plan(found)}
     finally:
         run._loaded.clear()  # the cached pair now has the other product: later tests load their own

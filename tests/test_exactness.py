@@ -630,7 +630,8 @@ def tiny_cached_pair(tiny_pair):
 
 
 def test_missing_rollback_is_caught_on_tiny_transformer_pair(tiny_pair):
-    """The real DynamicCache, not rolled back: stale keys and shifted positions, at the N above."""
+    """The real dynamic cache (DynamicCache with harness.kv_cache's layers), not rolled back:
+    stale keys and shifted positions, at the N above."""
     target, drafter, prompt = tiny_cached_pair(tiny_pair)
     variant = next(v for v in BROKEN if v.name == "no_rollback")
     with plugged(variant, target, drafter) as (t, d, rule):

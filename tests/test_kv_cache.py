@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from harness.kv_cache import GrowingLayer, in_place
 from harness.models import CachedLM
-from tests.conftest import make_model
 from tests.test_loop import sliding_window_pair
 
 
@@ -38,23 +37,52 @@ def hf_reference(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return steps(forward, rollback, ids)
 
 
+def llama(kv_heads: int, attention: str):
+    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, max_position_embeddings=512, tie_word_embeddings=False,
+                         attn_implementation=attention)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
 @pytest.mark.parametrize("capacity", [4, 64])  # 4: storage outgrown several times
-def test_logits_are_those_of_hfs_dynamic_cache_bit_for_bit(capacity):
-    model = make_model(vocab_size=40, seed=3, layers=2)
-    ids = torch.randint(3, 40, (48,), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("kv_heads, attention", [(2, "sdpa"), (4, "sdpa"), (4, "eager")])  # GQA copies K/V; MHA reads the views
+def test_logits_are_those_of_hfs_dynamic_cache_bit_for_bit(capacity, kv_heads, attention):
+    model = llama(kv_heads, attention)
     lm = CachedLM(model, vocab_size=40)
     for layer in lm.growing.values():
         layer.capacity = capacity
-    for _ in range(2):  # the second sequence reuses the first's storage
+    for seed in (0, 1):  # the second sequence reuses the first's storage, filled with NaN in between
+        ids = torch.randint(3, 40, (48,), generator=torch.Generator().manual_seed(seed))
         lm.reset()
         ours = steps(lambda chunk, n: lm.forward(chunk, n), lm.rollback, ids)
         assert all(type(layer) is GrowingLayer for layer in lm.cache.layers)
         for mine, theirs in zip(ours, hf_reference(model, ids), strict=True):
             assert torch.equal(mine, theirs)
+        with torch.inference_mode():  # the storage is an inference tensor, as the loop's
+            for layer in lm.growing.values():
+                layer._keys.fill_(float("nan")), layer._values.fill_(float("nan"))
+
+
+def test_a_copy_has_a_cache_of_its_own():
+    """The draft-is-target control drafts with copy.copy(target): the two must not share storage."""
+    import copy
+
+    lm = CachedLM(llama(2, "sdpa"), vocab_size=40)
+    lm.reserve(300)
+    other = copy.copy(lm)
+    assert other.model is lm.model and other.cache is not lm.cache
+    assert all(other.growing[i] is not layer and other.growing[i].capacity == 300 for i, layer in lm.growing.items())
+    lm.forward(torch.arange(3, 13))
+    other.forward(torch.arange(3, 6))
+    assert lm.cache.get_seq_length() == 10 and other.cache.get_seq_length() == 3
 
 
 def test_storage_is_kept_across_sequences_and_reserved_ahead():
-    lm = CachedLM(make_model(vocab_size=40, seed=3, layers=2), vocab_size=40)
+    lm = CachedLM(llama(2, "sdpa"), vocab_size=40)
     lm.reserve(300)
     lm.forward(torch.arange(3, 13))
     storage = {i: layer._keys.data_ptr() for i, layer in lm.growing.items()}
@@ -84,7 +112,7 @@ def test_growing_keeps_what_was_written():
 def test_hf_keeps_its_own_layers_and_sliding_windows_keep_theirs():
     """Importing the module registers nothing with transformers, so HF generate() in the bench
     runs on its own DynamicCache; sliding-window layers are not swapped."""
-    model = make_model(vocab_size=40, seed=3, layers=2)
+    model = llama(2, "sdpa")
     assert all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
     sliding, _ = sliding_window_pair(window=8)
     kept: dict = {}
