@@ -8,7 +8,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from harness.kv_cache import GrowingLayer, in_place
-from harness.models import CachedLM
+from harness.models import CachedLM, cache_kwarg
 from tests.test_loop import sliding_window_pair
 
 
@@ -29,7 +29,7 @@ def hf_reference(model, ids: torch.Tensor) -> list[torch.Tensor]:
     cache = DynamicCache(config=model.config)
 
     def forward(chunk, n):
-        return model(input_ids=chunk.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=n).logits[0]
+        return model(input_ids=chunk.unsqueeze(0), **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=n).logits[0]
 
     def rollback(length):
         if length < cache.get_seq_length():
