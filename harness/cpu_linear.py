@@ -84,22 +84,20 @@ def _linears(models: list[nn.Module]) -> list[nn.Module]:
     return list(seen.values())
 
 
-def _median_ms(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def _ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
 
 
 @torch.inference_mode()
-def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int = 2) -> dict:
+def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int = 3) -> dict:
     """Time of one step through the models' linear layers for each row count, ms, with torch's
-    product and with the transposed one (unpadded). Each pass reads every layer's own weight once, as a
-    step does, so that the weights come from memory rather than a warm cache; past PROBE_BYTES
-    of weights, a seeded random sample of the layers, the time scaled up by bytes."""
+    product and with the transposed one (unpadded): the median of `reps` sweeps over the row
+    counts, so that a passing disturbance lands in one sweep and a drift in all row counts
+    alike. Each pass reads every layer's own weight once, as a step does, so that the weights
+    come from memory rather than a warm cache; past PROBE_BYTES of weights, a seeded random
+    sample of the layers, the time scaled up by bytes."""
     started = time.perf_counter()
     layers = _linears(models)
     size = {id(layer): layer.weight.numel() * layer.weight.element_size() for layer in layers}
@@ -111,14 +109,23 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int 
         taken += size[id(layer)]
     scale = sum(size.values()) / taken
     weights = [layer.weight for layer in sample]
-    totals: dict[str, list[float]] = {"torch_ms": [], "transposed_ms": []}
     gen = torch.Generator().manual_seed(0)  # the global generator's state stays the run's
+    passes = {}  # row count -> (torch's pass, the transposed pass), each through every sampled layer
     for m in rows:
         inputs = {(w.shape[1], w.dtype, w.device): torch.randn(m, w.shape[1], generator=gen).to(w.device, w.dtype) for w in weights}
         pairs = [(inputs[w.shape[1], w.dtype, w.device], w) for w in weights]  # ([M, K], [N, K]) per layer
-        totals["torch_ms"].append(scale * _median_ms(lambda: [F.linear(x, w) for x, w in pairs], reps))
-        totals["transposed_ms"].append(scale * _median_ms(lambda: [transposed_linear(x, w, None, AS_IS) for x, w in pairs], reps))
-    return {"rows": list(rows), **totals, "seconds": time.perf_counter() - started}
+        passes[m] = (lambda pairs=pairs: [F.linear(x, w) for x, w in pairs],
+                     lambda pairs=pairs: [transposed_linear(x, w, None, AS_IS) for x, w in pairs])
+        one_per_shape = list({(w.shape, w.dtype, w.device): (x, w) for x, w in pairs}.values())
+        for x, w in one_per_shape:  # warm-up: each product, shape and row count once (allocations, BLAS set-up)
+            F.linear(x, w), transposed_linear(x, w, None, AS_IS)
+    times = {m: ([], []) for m in rows}
+    for _ in range(reps):
+        for m in rows:
+            for product, timed in zip(passes[m], times[m]):
+                timed.append(scale * _ms(product))
+    return {"rows": list(rows), "torch_ms": [statistics.median(times[m][0]) for m in rows],
+            "transposed_ms": [statistics.median(times[m][1]) for m in rows], "seconds": time.perf_counter() - started}
 
 
 def plan(found: dict) -> tuple[int, ...]:

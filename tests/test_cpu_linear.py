@@ -145,19 +145,35 @@ def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, m
     layers = cpu_linear._linears([target, target])  # a module shared by two models counts once
     assert len(layers) == sum(isinstance(m, nn.Linear) for m in target.modules())
     size = {id(layer.weight): layer.weight.numel() * 4 for layer in layers}
-    calls = []
-    plans = set()
-    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b, plan: calls.append(w) or plans.add(plan) or F.linear(x, w))
-    monkeypatch.setattr(cpu_linear, "_median_ms", lambda fn, reps: fn() and 1.0)  # one pass each
+    calls, plans, timing, order = [], set(), [], []
+
+    def transposed(x, w, b, plan):
+        if timing:  # not the warm-up
+            calls.append(w), plans.add(plan), order.append(x.shape[0])
+        return F.linear(x, w)
+
+    def one_pass(fn):
+        timing.append(True)
+        fn()
+        timing.pop()
+        return 1.0
+
+    monkeypatch.setattr(cpu_linear, "transposed_linear", transposed)
+    monkeypatch.setattr(cpu_linear, "_ms", one_pass)
     found = cpu_linear.probe([target])
     rows = list(range(1, cpu_linear.FEW_ROWS + 1))  # every row count a step can have
     assert found["rows"] == rows and found["torch_ms"] == found["transposed_ms"] == [1.0] * len(rows)
-    assert sorted(id(w) for w in calls) == sorted(list(size) * len(rows))  # every weight, once a pass
+    assert sorted(id(w) for w in calls) == sorted(list(size) * len(rows) * 3)  # every weight, once a pass, 3 sweeps
+    assert [m for i, m in enumerate(order) if i == 0 or order[i - 1] != m] == rows * 3  # sweeps over the row counts
     assert plans == {cpu_linear.AS_IS}  # the transposed product timed unpadded at each row count
+    outlier = iter([50.0] + [1.0] * 1000)  # a disturbance in the first sweep's first pass
+    monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(outlier))
+    assert cpu_linear.probe([target])["torch_ms"] == [1.0] * len(rows)  # the median of the sweeps leaves it out
+    monkeypatch.setattr(cpu_linear, "_ms", one_pass)
     cap = sum(size.values()) // 3
     monkeypatch.setattr(cpu_linear, "PROBE_BYTES", cap)  # past the cap: a sample, its time scaled up by bytes
     calls.clear()
-    found = cpu_linear.probe([target], rows=(1,))
+    found = cpu_linear.probe([target], rows=(1,), reps=1)
     taken = sum(size[id(w)] for w in calls)
     assert 0 < taken <= cap and len(calls) < len(layers)
     assert found["torch_ms"][0] == pytest.approx(sum(size.values()) / taken)
@@ -174,12 +190,12 @@ def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, m
     real = cpu_linear.transposed_linear
     monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b, plan: used.add("t") or real(x, w, b, plan))
 
-    def timed(fn, reps):
+    def timed(fn):
         used.clear()
         fn()
         return transposed_ms if used else 1.0
 
-    monkeypatch.setattr(cpu_linear, "_median_ms", timed)
+    monkeypatch.setattr(cpu_linear, "_ms", timed)
     record = choose("auto", [target], CPU)
     assert record["probe"]["transposed_ms"] == [transposed_ms] * cpu_linear.FEW_ROWS
     assert record.get("rows_to") == (list(cpu_linear.AS_IS) if product == "transposed" else None)
