@@ -10,8 +10,9 @@ from memory: 35 ms for one row (a matrix-vector product, on one thread) and
 two). The two differ only in float rounding.
 
 The BLAS also runs some row counts much slower than a few more: on the same
-EPYC, W @ x.T over those weights took 20.3 ms at four rows but 24.8 at
-three, and 56.0 at sixteen but 86.9 to 106.2 at thirteen to fifteen. A
+EPYC, W @ x.T over the pair's weights took 23.6 ms at four rows but 26.3 at
+three, and 56.2 at sixteen but 86.0 to 105.2 at thirteen to fifteen (the
+probe in docs/bench/cpu-amd-smollm2.json). A
 plan (`rows_to`) therefore says, for each row count, how many rows to
 compute it with: the real ones, padded with zero rows.
 

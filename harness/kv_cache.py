@@ -4,8 +4,9 @@ HF's DynamicCache appends a step's keys and values with `torch.cat`, so every
 forward copies the whole cache of every layer: O(context) work per step,
 which the loop would charge to speculative decoding. On the 2-core EPYC
 (SmolLM2-135M, float32) a target step over 1, 2 and 5 positions after a
-1,000-token context took 29.3, 35.5 and 44.7 ms with DynamicCache and 27.8,
-32.2 and 42.5 ms writing in place; after 150 tokens the gain is 1-2%.
+1,000-token context took 28.1-29.6, 34.1-36.3 and 44.4-44.9 ms with
+DynamicCache and 27.4-28.3, 31.7-32.4 and 42.2-42.8 ms writing in place
+(4 rounds); after 150 tokens the gain is 0-2%, within the rounds' spread.
 
 `GrowingLayer` keeps a full-attention layer's keys and values in storage
 allocated ahead ([batch, heads, capacity, head_dim]) and written in place;

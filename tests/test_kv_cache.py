@@ -77,8 +77,10 @@ def test_a_copy_has_a_cache_of_its_own():
     assert other.model is lm.model and other.cache is not lm.cache
     assert all(other.growing[i] is not layer and other.growing[i].capacity == 300 for i, layer in lm.growing.items())
     lm.forward(torch.arange(3, 13))
-    other.forward(torch.arange(3, 6))
+    keys = [layer.keys.clone() for layer in lm.cache.layers]
+    other.forward(torch.arange(20, 23))
     assert lm.cache.get_seq_length() == 10 and other.cache.get_seq_length() == 3
+    assert all(torch.equal(layer.keys, before) for layer, before in zip(lm.cache.layers, keys))  # nothing written into lm's
 
 
 def test_storage_is_kept_across_sequences_and_reserved_ahead():
@@ -118,3 +120,16 @@ def test_hf_keeps_its_own_layers_and_sliding_windows_keep_theirs():
     kept: dict = {}
     cache = in_place(DynamicCache(config=sliding.config), kept)
     assert all(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers) and not kept
+
+
+def test_the_benchs_timed_wrapper_has_a_cache_of_its_own():
+    from harness.bench import TimedLM
+
+    lm = CachedLM(llama(2, "sdpa"), vocab_size=40)
+    lm.reserve(300)
+    timed = TimedLM(lm)
+    assert timed.model is lm.model and timed.cache is not lm.cache
+    assert all(timed.growing[i] is not layer and timed.growing[i].capacity == 300 for i, layer in lm.growing.items())
+    lm.forward(torch.arange(3, 13))
+    timed.forward(torch.arange(20, 23))
+    assert lm.cache.get_seq_length() == 10 and timed.cache.get_seq_length() == 3 and timed.forwards == 1
