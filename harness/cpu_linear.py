@@ -18,8 +18,8 @@ compute it with: the real ones, padded with zero rows.
 
 `cpu_linear=auto` (the default) times both products at every row count up
 to FEW_ROWS over the pair's own weights when the pair is loaded, and gives
-each row count the transposed product at its fastest padding where that
-takes under MARGIN of torch's time, else torch's own; `transposed` (one row
+each row count the transposed product, padded to the fewest rows within NEAR
+of its fastest, where that takes under MARGIN of torch's time, else torch's own; `transposed` (one row
 padded to two, no other padding) or `torch` pick one. The choice is per
 process and recorded in a run's conditions. It changes the models' modules,
 so HF generate() in the bench runs on the same products as our loop and the
@@ -129,10 +129,11 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int 
             "transposed_ms": [statistics.median(times[m][1]) for m in rows], "seconds": time.perf_counter() - started}
 
 
-def plan(found: dict) -> tuple[int, ...]:
+def plan(found: dict) -> tuple[int, ...] | None:
     """rows_to from a probe: for each row count M, the transposed product at the fewest rows
     M' >= M that run within NEAR of the fastest (M padded to M'), where that takes under MARGIN
-    of torch's time at M; else torch's product (0), as for row counts not probed."""
+    of torch's time at M; else torch's product (0), as for row counts not probed. None: torch's
+    product at every row count."""
     torch_ms = dict(zip(found["rows"], found["torch_ms"]))
     transposed_ms = dict(zip(found["rows"], found["transposed_ms"]))
     rows_to = [0] * (FEW_ROWS + 1)
@@ -142,12 +143,12 @@ def plan(found: dict) -> tuple[int, ...]:
         rows = min(n for n, t in at_least_m.items() if t <= NEAR * fastest)
         if at_least_m[rows] < MARGIN * own:
             rows_to[m] = rows
-    return tuple(rows_to)
+    return tuple(rows_to) if any(rows_to) else None
 
 
 def describe(rows_to: tuple[int, ...] | list[int] | None) -> str:
     """A plan in a few words: which row counts are padded, and which take torch's product."""
-    if not rows_to or not any(rows_to):
+    if not rows_to:
         return "torch's product"
     padded = [f"{m}->{n}" for m, n in enumerate(rows_to) if n and n != m]
     own = [str(m) for m, n in enumerate(rows_to) if m and not n]
@@ -178,7 +179,6 @@ def choose(mode: str, models: list[nn.Module], device: torch.device) -> dict:
     if mode == "auto" and _linears(models):
         found = probe(models)
         rows_to = plan(found)
-        rows_to = rows_to if any(rows_to) else None
     elif mode == "transposed":
         rows_to = ONE_AS_TWO
     apply(models, rows_to)

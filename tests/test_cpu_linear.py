@@ -78,8 +78,8 @@ def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins(
     assert cpu_linear.describe(rows_to) == "W @ x.T, rows padded 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
     equal = cpu_linear.plan({**found, "transposed_ms": ms({m: 0.5 for m in range(1, 18)})})
     assert equal == cpu_linear.AS_IS  # among equal times, the fewest rows: no padding
-    assert cpu_linear.plan({**found, "transposed_ms": ms({m: 0.95 for m in range(1, 18)})}) == (0,) * 18
-    assert cpu_linear.describe(None) == cpu_linear.describe((0,) * 18) == "torch's product"
+    assert cpu_linear.plan({**found, "transposed_ms": ms({m: 0.95 for m in range(1, 18)})}) is None  # torch's everywhere
+    assert cpu_linear.describe(None) == "torch's product"
 
 
 def test_a_strided_input_gives_the_same_product():
