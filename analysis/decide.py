@@ -227,18 +227,29 @@ def decide(cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame | None
 def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float) -> dict:
     """The fallback without per-prompt rows: each cell's own speedup and interval over all its
     prompts (the dataset's own mix, no traffic weights), no paired comparison, same ship rule.
-    The intervals are the cells' own, at the harness's CELL_CONFIDENCE whatever `confidence` asks."""
+    The intervals are the cells' own, at the harness's CELL_CONFIDENCE whatever `confidence` asks.
+    Speedups on different prompt sets do not compare: the candidates are the cells of the dataset
+    the most drafts ran (one cell per draft and k, the one with the most prompts)."""
+    notes = ["no per-prompt rows: each candidate's speedup and interval are its cell's own, over all its prompts"]
+    per_dataset = cells.groupby("dataset")["label"].nunique()
+    dataset = max(sorted(per_dataset.index), key=lambda d: (per_dataset[d], cells.loc[cells["dataset"] == d, "num_prompts"].sum()))
+    if len(per_dataset) > 1:
+        others = cells[cells["dataset"] != dataset]
+        notes.append(f"decided on {dataset}; left out, run on other prompt sets: "
+                     + ", ".join(f"{r.label} k={r.k} ({r.dataset})" for r in others.itertuples()))
+    cells = cells[cells["dataset"] == dataset].sort_values("num_prompts", ascending=False, kind="stable")
+    cells = cells.drop_duplicates(["label", "k"])
     candidates = [{"label": r.label, "k": int(r.k), "draft_kind": r.draft_kind, "speedup": float(r.speedup),
                    "low": float(r.speedup_ci_low), "high": float(r.speedup_ci_high), "categories": {}}
                   for r in cells.sort_values("speedup", ascending=False).itertuples()]
     choice, _, _ = _select(candidates, [(c["speedup"], c["low"], c["high"]) for c in candidates])
     choice["verdict"] = _verdict(choice, CELL_CONFIDENCE) + " (From cell summaries: unweighted, unpaired, no test.)"
     choice["what_would_change"] = []
-    notes = ["no per-prompt rows: each candidate's speedup and interval are its cell's own, over all its prompts"]
     if confidence != CELL_CONFIDENCE:
         notes.append(f"the intervals are the cells' own {100 * CELL_CONFIDENCE:g}% intervals (the harness's), "
                      f"not {100 * confidence:g}%: recomputing them needs the per-prompt rows")
-    return {**context, "prompts": int(cells["num_prompts"].max()), "categories": {}, "weights": {},
+    prompts = cells["num_prompts"].max()
+    return {**context, "prompts": int(prompts) if prompts == prompts else 0, "categories": {}, "weights": {},
             "confidence": CELL_CONFIDENCE, "n_resamples": 0, "candidates": candidates, "mix": choice, "per_category": {},
             "notes": notes}
 

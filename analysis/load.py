@@ -28,6 +28,7 @@ do not record is "unknown" (one setup).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -51,7 +52,7 @@ WANDB_PATH = re.compile(r"^(?:wandb:)?([\w.-]+)/([\w.-]+)(?:/(?:sweeps/)?([\w-]+
 # Summary scalars copied into the cells frame as they are.
 SUMMARY_SCALARS = (
     "num_prompts", "alpha", "acceptance_rate", "expected_alpha", "tokens_per_cycle", "theoretical_tokens_per_cycle",
-    "accepted_per_cycle", "speedup", "speedup_geomean", "predicted_speedup", "efficiency", "cost_ratio",
+    "accepted_per_cycle", "speedup", "speedup_geomean", "decode_speedup", "predicted_speedup", "efficiency", "cost_ratio",
     "verify_cost", "cycles", "new_tokens", "base_new_tokens", "spec_time_s", "base_time_s", "spec_tpot_s",
     "base_tpot_s", "spec_ttft_s", "base_ttft_s", "max_new_tokens", "peak_rss_mb",
 )
@@ -59,6 +60,11 @@ SUMMARY_SCALARS = (
 SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
 CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile")
+# W&B job types of the harness's runs that are not benchmark cells.
+NOT_CELLS = ("exactness", "report")
+# Dataset fields that choose which of a set's prompts run, not what a prompt is: cells that
+# differ only in these share prompt ids that name the same prompts.
+PROMPT_SELECTION = ("num_prompts", "max_rows", "streaming")
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
 CELL_CONFIDENCE = 0.95
 # A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
@@ -195,13 +201,15 @@ def load_wandb(path: str, api: Any = None) -> Results:
         raise HarnessError(f"cannot read W&B {path}: {type(err).__name__}: {err}".splitlines()[0]) from None
     raws, notes, bare = [], [], []
     for run in runs:
-        config = {k: v for k, v in dict(run.config).items() if not k.startswith("_")}
+        config = _unshadow({k: v for k, v in dict(run.config).items() if not k.startswith("_")})
         summary = _summary_dict(run)
-        if "k" not in summary or "pair" not in config:
-            continue  # not a benchmark cell (e.g. an earlier report run)
-        if summary.get("status") != "finished":
+        if "pair" not in config or "k" not in config or getattr(run, "job_type", None) in NOT_CELLS:
+            continue  # not a benchmark cell: a report run, an exactness check
+        if summary.get("status") != "finished":  # a failed cell's summary may hold no metric at all
             notes.append(f"run {run.id} ({getattr(run, 'name', '')}) is {summary.get('status') or run.state}: left out")
             continue
+        if "k" not in summary or "costs" not in summary:
+            continue  # finished but not a benchmark cell (an exactness check logged without its job type)
         records = _artifact_records(run)
         if records is None:
             bare.append(run.id)
@@ -213,6 +221,16 @@ def load_wandb(path: str, api: Any = None) -> Results:
     if results.cells.empty:
         raise HarnessError(f"no finished benchmark run in W&B {path}")
     return results
+
+
+def _unshadow(config: dict) -> dict:
+    """Under `wandb agent` a swept config group (dataset=gsm8k) shows as its option's name, and
+    harness.tracking keeps the group's resolved fields as `<group>_config`: put them back."""
+    for key, value in list(config.items()):
+        fields = config.get(f"{key}_config")
+        if not isinstance(value, dict) and isinstance(fields, dict):
+            config[key] = fields
+    return config
 
 
 def _summary_dict(run) -> dict:
@@ -253,6 +271,7 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
             continue
         seen[key] = raw.origin
         kept.append((row, raw.records))
+    _dataset_names([row for row, _ in kept])
     devices = Counter(row["cell"] for row, _ in kept)
     cell_rows, prompt_rows = [], []
     for row, records in kept:
@@ -280,6 +299,7 @@ def cell_row(raw: RawCell) -> dict:
     costs = s.get("costs") or {}
     conditions = s.get("conditions") or cfg.get("conditions") or {}
     kind = draft.get("kind", "model")
+    dataset = cfg["dataset"] if isinstance(cfg.get("dataset"), dict) else {}
     if kind == "ngram":
         length = draft.get("length", "match")
         draft_id = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" + ("" if length == "match" else f"-{length}")
@@ -297,7 +317,9 @@ def cell_row(raw: RawCell) -> dict:
         "target": str(s.get("target") or (pair.get("target") or {}).get("id")),
         "draft": draft_id,
         "draft_kind": kind,
-        "dataset": (cfg.get("dataset") or {}).get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown"),
+        "dataset": dataset.get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown"),
+        "dataset_identity": _dataset_identity(dataset, cfg, s),
+        "dataset_path": dataset.get("path"),
         "k": int(s["k"]),
         "temperature": temperature,
         "top_k": top_k,
@@ -345,6 +367,36 @@ def cell_row(raw: RawCell) -> dict:
     size = draft_size(kind, draft.get("id"), conditions.get("dtype"), s)
     row.update(draft_params=size["params"], draft_bytes=size["bytes"], draft_size_source=size["source"])
     return row
+
+
+def _dataset_identity(dataset: dict, cfg: dict, summary: dict) -> str:
+    """What makes a prompt id name one prompt: the dataset's fields less PROMPT_SELECTION, the
+    prompt encoding (`prompts.template`, `prompts.overlong`), and a local file's SHA-256 where the
+    summary records it (in place of its path: an edited file is another set, a moved one is not)."""
+    fields = {k: v for k, v in dataset.items() if k not in PROMPT_SELECTION}
+    prompts = cfg.get("prompts") if isinstance(cfg.get("prompts"), dict) else {}
+    fields.update(prompts_template=prompts.get("template"), prompts_overlong=prompts.get("overlong"))
+    if summary.get("dataset_sha256"):
+        fields.update(path=None, file_sha256=summary["dataset_sha256"])
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+def _dataset_names(rows: list[dict]) -> None:
+    """Give each distinct prompt set its own `dataset` name: a local file is `local:<file name>`,
+    and a name two sets share (two files of one name, one hub set with two templates) gets a
+    short hash of its identity, so that prompts of different sets are never paired as one."""
+    path = {}  # per set, the file it was first read from (one moved file is one set)
+    for row in rows:
+        path.setdefault(row["dataset_identity"], row["dataset_path"])
+    for row in rows:
+        if row["dataset"] == "local" and path[row["dataset_identity"]]:
+            row["dataset"] = f"local:{Path(str(path[row['dataset_identity']])).name}"
+    identities: dict[str, set[str]] = {}
+    for row in rows:
+        identities.setdefault(row["dataset"], set()).add(row["dataset_identity"])
+    for row in rows:
+        if len(identities[row["dataset"]]) > 1:
+            row["dataset"] += "#" + hashlib.sha256(row["dataset_identity"].encode()).hexdigest()[:6]
 
 
 def prompt_row(cell: str, r: dict, dataset: str) -> dict:

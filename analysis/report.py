@@ -54,20 +54,22 @@ _ABSENT = object()  # OmegaConf.select's answer for a key the file does not defi
 CAPTIONS = {
     "speedup_vs_k": "Measured speedup against k for each draft, one panel per sampling setting. Bands: "
                     f"{100 * CELL_CONFIDENCE:g}% paired bootstrap interval of each cell (the harness's); dashed: the "
-                    "fitted model.",
+                    "fitted model, which prices the decode phase only (the measured speedup includes each "
+                    "prompt's prefill, so long prompts sit further from it).",
     "acceptance_by_sampling": "α (accepted / tested positions) per draft and sampling setting, pooled over k.",
     "acceptance_by_category": "α per draft and prompt category, pooled over k.",
     "position_acceptance": "P(drafted position i accepted | positions before it accepted), pooled over each draft's "
                            "cells. A flat curve at α is the i.i.d. acceptance the formulas assume.",
     "tokens_per_cycle": "Measured tokens per cycle (bonus included) against (1 − α^(k+1)) / (1 − α). Measured sits "
                         "slightly below where max_new_tokens or EOS cut a last cycle short.",
-    "measured_vs_predicted": f"Measured speedup ({100 * CELL_CONFIDENCE:g}% interval) against the speedup predicted from the cell's own α, "
-                             "c and v(k+1). Below the diagonal: overhead the model does not count (sampling, "
-                             "bookkeeping, cache rollback).",
+    "measured_vs_predicted": "Measured speedup after the first token (TPOT ratio; results that predate it: the "
+                             "whole-run speedup) against the speedup predicted from the cell's own α, c and v(k+1), "
+                             "which prices decode steps only. Below the diagonal: overhead the model does not count "
+                             "(sampling, bookkeeping, cache rollback).",
     "speedup_vs_size": "Each draft at its best measured k against its size (parameters; weight memory at the run's "
                        "dtype). Ringed: the Pareto front (no smaller draft is faster).",
     "fitted_model": "Left: predicted speedup for k = 1..{max_k} from the fitted α (band: α's interval), c and v; ★ best "
-                    "k, ● measured. Right: the verify cost v(n) measured (dots) and fitted (lines).",
+                    "k, ● measured after the first token. Right: the verify cost v(n) measured (dots) and fitted (lines).",
 }
 
 
@@ -316,7 +318,8 @@ def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
         f"predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ {max_k}, its interval from α's.", "",
         _table([*where_header, "draft", "dataset", "sampling", "k run", "α ↑", f"{pct} CI", "c ↓", "b ↓", "v measured to", "best k",
                 "predicted ↑", f"{pct} CI", "measured best ↑", "efficiency", "break-even c"], rows), "",
-        "`efficiency`: measured speedup after the first token (TPOT ratio) / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
+        "`measured best`: the whole-run speedup (prefill included) of the best k run. `efficiency`: measured "
+        "speedup after the first token (TPOT ratio) / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
         f"which some k ≤ {max_k} still predicts a speedup above 1 at this α (none: not even a free draft).", "",
     ]
 

@@ -318,11 +318,16 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
         if isinstance(keyed.get(name), (int, float)):
             keyed[name] = float(keyed[name])
-    data_file = Path(str(cfg.dataset.get("path") or "")).expanduser()
-    if cfg.dataset.get("source") == "local" and data_file.is_file():  # an edited file is another prompt set
-        keyed["dataset"]["file_sha256"] = _file_sha256(data_file)
+    if (sha256 := dataset_sha256(cfg)) is not None:  # an edited file is another prompt set
+        keyed["dataset"]["file_sha256"] = sha256
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
     return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}-{digest}"
+
+
+def dataset_sha256(cfg: DictConfig) -> str | None:
+    """The SHA-256 of a local dataset's file (None for other sources)."""
+    data_file = Path(str(cfg.dataset.get("path") or "")).expanduser()
+    return _file_sha256(data_file) if cfg.dataset.get("source") == "local" and data_file.is_file() else None
 
 
 def _file_sha256(path: Path) -> str:
@@ -582,7 +587,11 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         summary = json.loads(summary_path.read_text())
         if not quiet:
             print(f"[harness] cell already complete, not re-run (force=true to redo): {cell_dir}", file=sys.stderr)
-        return {**summary, "cell": cell_dir.name, "cell_dir": str(cell_dir)}  # where it is now (the store may have moved)
+        summary = {**summary, "cell": cell_dir.name, "cell_dir": str(cell_dir)}  # where it is now (the store may have moved)
+        if os.environ.get("WANDB_SWEEP_ID"):  # the sweep's run gets the stored numbers: its metric, its report's cell
+            with tracking.start(cfg, cell_dir) as tracker:
+                tracker.finish({**summary, "reused": True}, _read_records(lines_path))
+        return summary
     if cfg.force:  # the old results go before any work starts: an interrupted redo must not look complete
         for path in (summary_path, status_path, lines_path):  # the completion marks first
             path.unlink(missing_ok=True)
@@ -651,6 +660,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
         dataset=cfg.dataset.name, prompts_skipped=skipped, prompts_truncated=truncated,
         prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
+        dataset_sha256=dataset_sha256(cfg),  # the analysis pairs prompts of one file only
         prompt_ids=[p["id"] for p, _ in encoded],
         categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs, **draft_size(pair),
         conditions=conditions(cfg, pair),

@@ -386,8 +386,9 @@ class FakeArtifact:
 
 
 class FakeRun:
-    def __init__(self, run_id: str, config: dict, summary: dict, artifacts: list, state: str = "finished"):
-        self.id, self.name, self.state = run_id, run_id, state
+    def __init__(self, run_id: str, config: dict, summary: dict, artifacts: list, state: str = "finished",
+                 job_type: str = "benchmark"):
+        self.id, self.name, self.state, self.job_type = run_id, run_id, state, job_type
         self.config, self.summary_metrics, self._artifacts = config, summary, artifacts
 
     def logged_artifacts(self):
@@ -443,6 +444,64 @@ def test_wandb_sweep_loads_into_the_same_frames_as_the_local_tree(sweep):
     assert small["alpha"] == pytest.approx(0.6) and small["alpha_method"].startswith("Wilson")
     d = next(d for d in decide_mod.decide(bare.cells, bare.prompts, fits) if d["sampling"] == "T=0")
     assert (d["mix"]["ship"], d["mix"]["k"]) == ("small", 3) and "From cell summaries" in d["mix"]["verdict"]
+
+
+def test_wandb_project_with_a_swept_dataset_exactness_checks_and_failed_cells(sweep):
+    """A project holds more than finished cells: runs whose swept `dataset` group shows as its
+    name (its fields in `dataset_config`, as harness.tracking logs them under `wandb agent`),
+    exactness checks (k in their summary, alpha their test level) and failed cells (a summary
+    with no metric at all). The first load as cells, the second are not cells, the third are noted."""
+    runs = fake_runs(sweep)[:-2]
+    for run in runs:
+        run.config = {**run.config, "dataset": run.config["dataset"]["name"], "dataset_config": run.config["dataset"]}
+    config, summary = runs[0].config, runs[0].summary_metrics
+    runs.append(FakeRun("exact", config, {"k": summary["k"], "alpha": 0.01, "status": "finished"}, [], job_type="exactness"))
+    runs.append(FakeRun("exact-untyped", config, {"k": summary["k"], "alpha": 0.01, "status": "finished"}, [], job_type=None))
+    runs.append(FakeRun("exact-failed", config, {"status": "failed"}, [], state="failed", job_type="exactness"))
+    runs.append(FakeRun("failed", config, {"status": "failed"}, [], state="failed"))
+    loaded = load_wandb("me/specbench", api=FakeApi(runs))
+    local = load(sweep)
+    assert sorted(loaded.cells["cell"]) == sorted(local.cells["cell"])
+    assert list(loaded.cells["dataset"]) == list(local.cells["dataset"]) == ["synthetic"] * len(local.cells)
+    assert [n for n in loaded.notes if "left out" in n] == ["run failed (failed) is failed: left out"]
+
+
+def test_prompts_of_two_local_files_are_never_paired(tmp_path):
+    """Every local file runs as dataset `local`, and ids like local-0 recur from file to file: a
+    file is its own prompt set, named by its file (and told apart by a hash where two share a
+    name), and one moved file is still one set when the summaries record its SHA-256."""
+    def local(path):
+        return {"dataset": {"name": "local", "source": "local", "path": path}}
+
+    write_cell(tmp_path, "a", "model", Fraction(4, 5), 2, 0.05, SLOPE, config=local("/data/easy.jsonl"))
+    write_cell(tmp_path, "b", "model", Fraction(1, 5), 2, 0.05, SLOPE, seed=1, config=local("/data/hard.jsonl"))
+    write_cell(tmp_path, "b", "model", Fraction(1, 5), 3, 0.05, SLOPE, seed=2, config=local("/other/hard.jsonl"))
+    results = load(tmp_path)
+    names = dict(zip(results.cells["cell"].str[:4], results.cells["dataset"]))
+    assert names["a-k2"] == "local:easy.jsonl" and names["b-k2"] != names["b-k3"]
+    assert {names["b-k2"][:-7], names["b-k3"][:-7]} == {"local:hard.jsonl"}
+    assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=100)
+    assert len(d["candidates"]) == 1 and any("disjoint prompt sets" in n for n in d["notes"])
+
+    for cell in tmp_path.glob("b-*"):  # the same file, moved: one set
+        summary = json.loads((cell / "summary.json").read_text())
+        (cell / "summary.json").write_text(json.dumps({**summary, "dataset_sha256": "ab" * 32}))
+    results = load(tmp_path)
+    assert set(results.cells["dataset"]) == {"local:easy.jsonl", "local:hard.jsonl"}
+
+
+def test_a_decision_from_summaries_compares_cells_of_one_prompt_set(tmp_path):
+    """Without per-prompt rows there is nothing to pair: a cell measured on another prompt set
+    (here an easier one) is left out and named, not ranked against the others."""
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, dataset="hard")
+    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, SLOPE, seed=1, dataset="hard")
+    write_cell(tmp_path, "a", "model", Fraction(9, 10), 4, 0.01, SLOPE, seed=2, dataset="easy")
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells.assign(has_prompts=False), results.prompts.iloc[:0], None, None)
+    assert {(c["label"], c["k"]) for c in d["candidates"]} == {("a", 2), ("b", 2)}
+    assert (d["mix"]["ship"], d["mix"]["k"]) == ("b", 2)
+    assert any("decided on hard" in n and "a k=4 (easy)" in n for n in d["notes"])
 
 
 def test_report_from_wandb_logs_figures_back(sweep, tmp_path, monkeypatch):

@@ -117,3 +117,40 @@ def test_an_agent_run_logs_the_sweep_and_the_full_config(monkeypatch, tmp_path):
     assert run["config"]["+pair"] == values["+pair"] and run["config"]["pair"] == resolved["pair"]
     assert run["config"]["dataset"] == values["dataset"] and run["config"]["dataset_config"] == resolved["dataset"]
     assert run["config"]["k"] == values["k"]
+
+
+def test_an_agent_run_of_a_complete_cell_logs_the_stored_results(monkeypatch, tmp_path):
+    """Two sweeps sharing a results store may both list a cell: the second sweep's run finds it
+    complete and does not recompute it, but still logs its stored numbers, so that the sweep's
+    metric and its report have every cell."""
+    import json
+
+    import wandb
+    from test_tracking import read_run
+
+    from harness.run import run_cell
+
+    sweep = yaml.safe_load((ROOT / "sweeps" / "pair_k.yaml").read_text())
+    values = grid(sweep["parameters"])[0]
+    command = agent_command(sweep, values, monkeypatch, tmp_path, run_id="run1")
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = with_default_pair(compose(config_name="config", overrides=[*command[4:-1], "wandb.mode=offline"]))
+    cell_dir = tmp_path / "results" / cell_key(cfg)
+    cell_dir.mkdir(parents=True)
+    (cell_dir / "summary.json").write_text(json.dumps({"speedup": 1.25, "k": cfg.k, "status": "finished"}))
+    (cell_dir / "prompts.jsonl").write_text("")
+    wandb.teardown()
+    try:
+        summary = run_cell(cfg, out_dir=tmp_path / "results", quiet=True)
+    finally:
+        wandb.teardown()
+    assert summary["speedup"] == 1.25
+    (run_dir,) = (tmp_path / "results" / "wandb").glob("offline-run-*")
+    run = read_run(run_dir)
+    assert (run["run"].sweep_id, run["run"].run_id) == ("sweep0", "run1")
+    assert run["summary"]["speedup"] == 1.25 and run["summary"]["reused"] is True and run["summary"]["status"] == "finished"
+    monkeypatch.delenv("WANDB_SWEEP_ID")  # outside a sweep a complete cell makes no run
+    run_cell(cfg, out_dir=tmp_path / "results", quiet=True)
+    assert len(list((tmp_path / "results" / "wandb").glob("offline-run-*"))) == 1
