@@ -120,6 +120,7 @@ def _f(value: Any, fmt: str) -> str:
 
 def to_markdown(rows: list[dict]) -> str:
     shown = [(name, header, fmt) for name, header, fmt in COLUMNS if header]
+    shared = set.intersection(*(set((r.get("overrides") or "").split()) for r in rows)) if len(rows) > 1 else set()
     lines = ["| " + " | ".join(h for _, h, _ in shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]
     for row in rows:
         cells = []
@@ -127,6 +128,9 @@ def to_markdown(rows: list[dict]) -> str:
             if name == "speedup_ci":
                 low, high = row["speedup_ci_low"], row["speedup_ci_high"]
                 cells.append(f"[{_f(low, '.3f')}, {_f(high, '.3f')}]" if low is not None else "")
+            elif name == "status" and row["status"] != "finished" and set((row.get("overrides") or "").split()) - shared:
+                own = " ".join(o for o in row["overrides"].split() if o not in shared)  # what tells this job apart
+                cells.append(f"{row['status']} ({own})")  # which cell: a failed one has no pair or k
             else:
                 cells.append(_f(row[name], fmt))
         lines.append("| " + " | ".join(cells) + " |")

@@ -50,9 +50,13 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise HarnessError(f"device={device} was asked for but CUDA is not available here: use device=cpu or device=auto")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError:
         raise HarnessError(f"device={device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise HarnessError(f"device={device} was asked for but this process sees {torch.cuda.device_count()} GPU(s), "
+                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)")
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

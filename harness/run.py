@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import hashlib
 import json
 import os
 import platform
+import re
 import resource
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -134,11 +137,14 @@ def with_default_pair(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+SWEEP_SYNTAX = re.compile(r"[()\[\]{}'\"]")  # Hydra's sweep functions (choice, range, glob), lists and quoting
+
+
 def unknown_choice(override: str) -> str | None:
     """A message if a command-line override picks a pair or dataset config that does not exist."""
     prefix = override[: len(override) - len(override.lstrip("+~"))]
     name, _, value = override[len(prefix):].partition("=")
-    if name not in ("pair", "dataset") or not value:
+    if name not in ("pair", "dataset") or not value or SWEEP_SYNTAX.search(value):  # choice(a,b), glob(*): Hydra's
         return None
     known = sorted(p.stem for p in (CONF_DIR / name).glob("*.yaml"))
     for choice in value.split(","):  # multirun: pair=a,b
@@ -177,34 +183,62 @@ def group_options(group: str) -> dict[str, dict]:
     return {p.stem: OmegaConf.to_container(OmegaConf.load(p), resolve=False) for p in sorted((CONF_DIR / group).glob("*.yaml"))}
 
 
-def chosen_datasets(argv: list[str]) -> list[str]:
-    """The dataset options a command line runs: `dataset=a` (a multirun's a,b), else conf/config.yaml's default."""
+def chosen_options(group: str, argv: list[str]) -> list[str]:
+    """The options of a config group a command line runs: `dataset=a` or `+pair=a` (a multirun's
+    a,b), else conf/config.yaml's default; none when Hydra's sweep syntax chooses them."""
     chosen = None
     for arg in argv:
-        name, _, value = arg.partition("=")
-        if name == "dataset" and value:
-            chosen = value.split(",")
+        name, _, value = arg.lstrip("+").partition("=")
+        if name == group and value:
+            chosen = [] if SWEEP_SYNTAX.search(value) else value.split(",")
     if chosen is None:
-        defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
-        chosen = [d["dataset"] for d in defaults if isinstance(d, dict) and "dataset" in d]
+        config = OmegaConf.load(CONF_DIR / "config.yaml")
+        if group == "pair":
+            return [config.default_pair]
+        defaults = OmegaConf.to_container(config.defaults)
+        chosen = [d[group] for d in defaults if isinstance(d, dict) and group in d]
     return chosen
 
 
-def dataset_setting(override: str, chosen: list[str], options: dict[str, dict]) -> str | None:
-    """A message if an override sets a `dataset.` key that a chosen dataset option lacks but
-    another has (Hydra's struct error spans several lines; added with '+', the key would be
-    ignored). Keys no option has are left to unknown_setting."""
+def group_setting(group: str, override: str, chosen: list[str], options: dict[str, dict]) -> str | None:
+    """A message if an override sets a key under `group.` that a chosen option lacks but another
+    has (Hydra's struct error spans several lines; added with '+', the key would be ignored), e.g.
+    pair.draft.length (a prompt-lookup setting) with a model draft. Keys no option has are left
+    to unknown_setting."""
     name, equals, _ = override.lstrip("+").partition("=")
-    if not equals or not name.startswith("dataset."):
+    if not equals or not name.startswith(f"{group}."):
         return None
-    key = name.split(".")[1]
-    lacking = [c for c in chosen if c in options and key not in options[c]]
-    having = sorted((o for o, keys in options.items() if key in keys), key=lambda o: (o != "local", o))  # local: any file
+    path = name.split(".")[1:]
+
+    def has(keys: dict) -> bool:
+        for part in path:
+            if not isinstance(keys, dict) or part not in keys:
+                return False
+            keys = keys[part]
+        return True
+
+    lacking = [c for c in chosen if c in options and not has(options[c])]
+    having = sorted((o for o, keys in options.items() if has(keys)), key=lambda o: (o != "local", o))  # local: any file
     if not lacking or not having:
         return None
     also = f" (also {', '.join(having[1:])})" if len(having) > 1 else ""
-    return (f"unknown setting '{name}' for dataset={lacking[0]}, whose keys are {', '.join(sorted(options[lacking[0]]))}: "
-            f"use a dataset that takes it, e.g. dataset={having[0]} {name}=...{also}")
+    choose = "dataset=" if group == "dataset" else "+pair="
+    if group == "dataset":
+        lacks = f"dataset={lacking[0]}, whose keys are {', '.join(sorted(options[lacking[0]]))}"
+    else:
+        lacks = f"+pair={lacking[0]}"
+    return f"unknown setting '{name}' for {lacks}: use one that takes it, e.g. {choose}{having[0]} {name}=...{also}"
+
+
+def misplaced(override: str, multirun: bool) -> str | None:
+    """A message for two common slips Hydra answers in several lines: a pair chosen without its
+    '+', and several values without -m."""
+    name, equals, value = override.partition("=")
+    if name == "pair" and equals:
+        return f"{override}: the pair is chosen with a '+': +pair={value}"
+    if equals and not multirun and not name.startswith(("hydra", "~")) and "," in value and not SWEEP_SYNTAX.search(value):
+        return f"{override} lists several values: add -m to run one cell each (python -m harness -m {override})"
+    return None
 
 
 def unknown_setting(override: str, known: set[str]) -> str | None:
@@ -224,7 +258,9 @@ def check_choices(argv: list[str], extra: dict | None = None) -> None:
     names, unknown settings and `dataset.` keys the chosen dataset lacks end the process with
     one `error:` line ("did you mean") and exit 2. `extra`: a section the entry point adds to
     conf/config.yaml."""
-    known, datasets, chosen = known_settings(extra), group_options("dataset"), chosen_datasets(argv)
+    known, multirun = known_settings(extra), any(arg in ("-m", "--multirun") for arg in argv)
+    options = {group: group_options(group) for group in ("pair", "dataset")}
+    chosen = {group: chosen_options(group, argv) for group in ("pair", "dataset")}
     if not any(arg.startswith("+pair=") for arg in argv):  # pair.* needs the group chosen first, or Hydra's struct error
         setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.")), None)
         if setting:
@@ -232,7 +268,9 @@ def check_choices(argv: list[str], extra: dict | None = None) -> None:
             print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
             sys.exit(2)
     for arg in argv:
-        message = unknown_choice(arg) or dataset_setting(arg, chosen, datasets) or unknown_setting(arg, known)
+        message = (misplaced(arg, multirun) or unknown_choice(arg)
+                   or next(filter(None, (group_setting(g, arg, chosen[g], options[g]) for g in options)), None)
+                   or unknown_setting(arg, known))
         if message:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
@@ -245,8 +283,13 @@ def _positive_int(value: Any) -> bool:
 def validate(cfg: DictConfig) -> None:
     data = cfg.dataset
     checks = [
+        *((isinstance(OmegaConf.select(cfg, name), bool), f"{name}={OmegaConf.select(cfg, name)} must be true or false")
+          for name in ("force", "compile", "prompts.shuffle")),  # Hydra reads off / no as strings, which are truthy
+        (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and cfg.seed >= 0, f"seed={cfg.seed} must be an integer >= 0"),
         (_positive_int(cfg.k), f"k={cfg.k} must be a positive integer (e.g. k=4)"),
         (isinstance(cfg.temperature, (int, float)) and cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0 is greedy)"),
+        (not isinstance(cfg.temperature, (int, float)) or cfg.temperature == 0 or cfg.temperature >= 1e-6,
+         f"temperature={cfg.temperature} is greedy in all but name and under float32's range: use temperature=0"),
         (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
         (isinstance(cfg.top_k, int) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
         (_positive_int(cfg.max_new_tokens), f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
@@ -470,7 +513,8 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
         "device": str(pair.device), "device_name": device_name(pair.device),
         "dtype": str(next(pair.target.model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "seed": cfg.seed, "hostname": platform.node(), **({"linear": pair.linear} if pair.linear else {}),
+        "seed": cfg.seed, "hostname": platform.node(), "harness_commit": harness_commit(),
+        **({"linear": pair.linear} if pair.linear else {}),
     }
 
 
@@ -526,6 +570,37 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _reset_peak_rss() -> None:
+    """Start the peak resident memory afresh for this cell (Linux: writing 5 to clear_refs resets
+    VmHWM), so that a multirun's later cells do not report an earlier cell's peak."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_mb() -> tuple[float, str]:
+    """(peak resident memory in MB, over what): since _reset_peak_rss ("cell", Linux VmHWM), else
+    the whole process's ("process", getrusage)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        if Path("/proc/self/clear_refs").exists():
+            line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+            return int(line.split()[1]) / 1024, "cell"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process"
+
+
+@functools.cache
+def harness_commit() -> str | None:
+    """The git commit of the harness's checkout (with -dirty for uncommitted changes), if it is one."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _current_rss_mb() -> float:
     """Resident memory now (Linux /proc), to show it does not grow across prompts."""
     try:
@@ -552,15 +627,26 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _read_records(path: Path) -> list[dict]:
+def _read_records(path: Path, trim: bool = False) -> list[dict]:
+    """The prompt records up to the first line that does not parse (one cut by a kill mid-write:
+    it and everything after it are redone). trim: also cut the file back to those records, each
+    ending its line, so that the records a resumed run appends start on a line of their own."""
     if not path.exists():
         return []
-    records = []
-    for line in path.read_text().splitlines():
+    data = path.read_bytes()
+    records, good = [], 0
+    for line in data.splitlines(keepends=True):
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut by an interruption: everything after it is redone
+        except ValueError:
+            break
+        good += len(line)
+    if trim and (good < len(data) or not data.endswith(b"\n")):
+        with path.open("r+b") as f:
+            f.truncate(good)
+            if good and not data[:good].endswith(b"\n"):
+                f.seek(good)
+                f.write(b"\n")
     return records
 
 
@@ -596,6 +682,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         for path in (summary_path, status_path, lines_path):  # the completion marks first
             path.unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    _reset_peak_rss()
 
     # Prompts first: a dataset problem should stop the run before a model loads.
     prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
@@ -618,7 +705,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
-    records = _read_records(lines_path)
+    records = _read_records(lines_path, trim=True)
     pair.follow_linear(records)
     pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k)
     pair.warm_up(cfg.k)
@@ -638,6 +725,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             for i, p, ids in tqdm(todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet):
                 record = run_prompt(pair, p, ids, i, cfg, sampling)
                 record["rss_mb"] = _current_rss_mb()
+                record["host"] = platform.node()  # a resumed cell may have run part of its prompts elsewhere
                 record["linear"] = pair.linear.get("product")
                 if pair.linear.get("rows_to"):
                     record["linear_rows_to"] = pair.linear["rows_to"]
@@ -655,6 +743,13 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         raise
 
     summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
+    peak_rss_mb, peak_rss_over = _peak_rss_mb()
+    run_conditions = conditions(cfg, pair)
+    hosts = sorted({r["host"] for r in records if r.get("host")} | {run_conditions["hostname"]})
+    if len(hosts) > 1:  # a resumed cell: timings (and costs, measured by this process) from several machines
+        run_conditions["hostnames"] = hosts
+        print(f"warning: the prompts of {cell_dir.name} ran on several hosts ({', '.join(hosts)}): its timings mix machines; "
+              f"force=true reruns it on one", file=sys.stderr)
     summary.update(
         pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
         k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
@@ -663,8 +758,8 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         dataset_sha256=dataset_sha256(cfg),  # the analysis pairs prompts of one file only
         prompt_ids=[p["id"] for p, _ in encoded],
         categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs, **draft_size(pair),
-        conditions=conditions(cfg, pair),
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        conditions=run_conditions,
+        peak_rss_mb=peak_rss_mb, peak_rss_over=peak_rss_over,  # "cell": since this cell started; "process": since the process did
         max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
         cell=cell_dir.name, cell_dir=str(cell_dir),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import os
 import subprocess
 import sys
@@ -56,16 +57,18 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     # Simulate an interrupted run: drop the summary and the last two prompts.
     lines = (cell / "prompts.jsonl").read_text().splitlines()
     (cell / "prompts.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6}) for line in lines[2:4]]  # another process's memory
+    # Two prompts from another process on another host (its memory, its machine), then a line cut by a kill mid-write.
+    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6, "host": "node-07"}) for line in lines[2:4]]
     with (cell / "prompts.jsonl").open("a") as out:
-        out.write("\n".join(doctored) + "\n")
+        out.write("\n".join(doctored) + "\n" + lines[4][:100])
     (cell / "summary.json").unlink()
     second = harness(*args)
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert "rss_first_mb" not in summary  # 2 prompts ran in this process: too few to fit a growth
     assert json.loads((cell / "summary.json").read_text()).get("rss_last_mb", 0) < 1e6
-    ids = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    assert summary["conditions"]["hostnames"] == sorted({"node-07", platform.node()}) and "ran on several hosts" in second.stderr
+    ids = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]  # every line parses
     assert len(ids) == 6 == len(set(ids))
     assert ids[:4] == [json.loads(line)["id"] for line in lines[:4]]  # finished prompts were kept, not redone
     third = harness(*args)
@@ -77,13 +80,14 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     [
         ("k=0", "k=0 must be a positive integer"),
         ("temperature=-1", "must be >= 0"),
+        ("temperature=1e-46", "is greedy in all but name"),
         ("top_p=1.5", "must be in (0, 1]"),
         ("top_k=-2", "must be an integer >= 0"),
         ("max_new_tokens=0", "must be a positive integer"),
         ("device=cuda", "CUDA is not available"),
         ("compile=true", "compile=true needs fixed shapes: add cache=static"),
         ("cpu_linear=fast", "cpu_linear=fast must be one of auto, transposed, torch"),
-        ("+pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
+        ("+pair.draft.length=cost_aware", "unknown setting 'pair.draft.length' for +pair=llama_7b_68m: use one that takes it"),  # a model draft would ignore it
         ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
     ],
 )

@@ -28,6 +28,11 @@ from test_cli import ROOT, harness, tiny_args
         (["wandb.mdoe=disabled"], "did you mean wandb.mode?"),
         (["banana=1"], "unknown setting 'banana': (--cfg job prints them all; +banana=... adds a new key)"),
         (["dataset.path=x.jsonl"], "unknown setting 'dataset.path' for dataset=builtin, whose keys are category,"),
+        (["+pair=smollm2", "pair.draft.length=cost_aware"],
+         "unknown setting 'pair.draft.length' for +pair=smollm2: use one that takes it, e.g. +pair=smollm2_ngram"),
+        (["pair.draft.max_ngram=4"], "pair.draft.max_ngram=4 sets the pair, so choose the pair first"),
+        (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),
+        (["k=1,2"], "k=1,2 lists several values: add -m to run one cell each"),
     ],
 )
 def test_unknown_names_suggest_the_closest(args, message):
@@ -58,6 +63,63 @@ def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, caps
     assert ("e.g. dataset=local dataset.path=" if "path" in args[-1] else "e.g. dataset=cnn_dailymail dataset.hf_id=") in err[0]
 
 
+@pytest.mark.parametrize("args", [
+    ["-m", "+pair=choice(smollm2,smollm2_ngram)"],  # Hydra's sweep functions are Hydra's to read
+    ["-m", "dataset=glob(b*)", "dataset.num_prompts=2"],
+    ["-m", "k=range(1,3)"],
+    ["-m", "+pair=smollm2,smollm2_ngram", "k=1,2"],
+    ["+pair=smollm2_ngram", "pair.draft.length=cost_aware"],
+])
+def test_sweep_syntax_and_settings_the_chosen_option_has_pass(args):
+    from harness.run import check_choices
+
+    check_choices(args)
+
+
+def test_records_cut_by_a_kill_are_trimmed_before_a_resumed_run_appends(tmp_path):
+    from harness.run import _read_records
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a"}\n{"id": "b", "sp')  # the second line cut mid-write
+    assert _read_records(path) == [{"id": "a"}] and path.read_text().endswith('"sp')  # reading alone changes nothing
+    assert _read_records(path, trim=True) == [{"id": "a"}] and path.read_text() == '{"id": "a"}\n'
+    path.write_text('{"id": "a"}\n{"id": "b"}')  # whole, but the newline was not written
+    assert _read_records(path, trim=True) == [{"id": "a"}, {"id": "b"}] and path.read_text() == '{"id": "a"}\n{"id": "b"}\n'
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc")
+def test_peak_memory_is_the_cells_own():
+    """A multirun's later cell must not report an earlier cell's peak."""
+    from harness.run import _peak_rss_mb, _reset_peak_rss
+
+    big = torch.ones(64 * 2**20)  # 256 MB, touched
+    before, over = _peak_rss_mb()
+    del big
+    _reset_peak_rss()
+    after, _ = _peak_rss_mb()
+    assert over == "cell" and after < before - 200
+
+
+def test_a_failed_cell_is_named_in_the_sweep_table():
+    from harness.callbacks import to_markdown
+
+    row = {name: None for name, _, _ in __import__("harness.callbacks", fromlist=["COLUMNS"]).COLUMNS}
+    table = to_markdown([{**row, "job": 0, "status": "finished", "overrides": "+pair=smollm2 k=1 out_dir=/r"},
+                         {**row, "job": 1, "status": "failed", "overrides": "+pair=smollm2 k=0 out_dir=/r"}])
+    assert "| failed (k=0) |" in table  # the overrides that tell it apart from the sweep's other jobs
+
+
+def test_a_gpu_index_past_the_visible_ones_is_one_line(monkeypatch):
+    from harness.errors import HarnessError
+    from harness.models import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(HarnessError, match=r"device=cuda:1 was asked for but this process sees 1 GPU\(s\), cuda:0 to cuda:0"):
+        resolve_device("cuda:1")
+
+
 def test_every_setting_the_configs_offer_is_known():
     from omegaconf import OmegaConf
 
@@ -83,6 +145,10 @@ def test_every_setting_the_configs_offer_is_known():
         ("k=2.5", "k=2.5 must be a positive integer"),
         ("max_new_tokens=600", "max_new_tokens=600 leaves no room for a prompt in the pair's 512-token context"),
         ("wandb.mode=sometimes", "wandb.mode=sometimes must be one of"),
+        ("force=off", "force=off must be true or false"),  # Hydra reads off as a string: truthy, it would redo the cell
+        ("prompts.shuffle=no", "prompts.shuffle=no must be true or false"),
+        ("seed=1.5", "seed=1.5 must be an integer >= 0"),
+        ("seed=abc", "seed=abc must be an integer >= 0"),
     ],
 )
 def test_more_bad_values(tiny_pair, tmp_path, override, message):
@@ -346,7 +412,7 @@ def test_a_cell_out_of_memory_is_recorded_and_the_sweep_goes_on(tiny_pair, tmp_p
     assert out.returncode == 1, out.stderr[-2000:]  # the sweep ran to its end, then says a cell failed
     assert "error: out of memory: CUDA out of memory" in out.stderr and "Traceback" not in out.stderr
     rows = (sweep / "aggregate.md").read_text()
-    assert rows.count("| finished |") == 2 and rows.count("| failed |") == 1
+    assert rows.count("| finished |") == 2 and rows.count("| failed (k=") == 1
     assert "out of memory: CUDA out of memory" in (sweep / "aggregate.csv").read_text()  # the error, per failed cell
     cells = {}
     for status in tmp_path.glob("*/status.json"):

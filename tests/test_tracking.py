@@ -352,7 +352,7 @@ def test_multirun_logs_one_run_per_cell_loads_once_aggregates_and_resumes(tiny_p
     assert len(lines) == 2 and lines[0] == kept[0]
     assert len(runs_in(out / "wandb")) == 5  # one new run: the resumed cell
     rows = (second_sweep / "aggregate.md").read_text()
-    assert rows.count("| finished |") == 4 and rows.count("| failed |") == 2
+    assert rows.count("| finished |") == 4 and rows.count("| failed (k=0 temperature=") == 2
 
 
 def test_a_reused_sweep_dir_aggregates_only_this_multiruns_jobs(tmp_path):
