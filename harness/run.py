@@ -400,6 +400,8 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     print(f"[harness] loading pair {pair_cfg.name}: target {pair_cfg.target.id}, draft {pair_cfg.draft.get('id', pair_cfg.draft.kind)}", file=sys.stderr)
     target_spec = ModelSpec.from_config(pair_cfg.target)
     tokenizer = load_tokenizer(target_spec, "target")
+    if pair_cfg.get("chat_template"):  # the prompt format a target was tuned on, where its tokenizer carries none (Vicuna v1.3)
+        tokenizer.chat_template = pair_cfg.chat_template
     target_model = load_model(target_spec, device, "target")
     # The rule compares token ids over the range the tokenizer can produce and
     # both models score (padded embedding rows beyond it are dropped).

@@ -145,3 +145,20 @@ def test_pair_settings_without_a_chosen_pair_are_one_line(capsys):
     assert capsys.readouterr().err.strip() == ("error: pair.target.id=/models/llama-2-7b sets the pair, so choose the pair first: "
                                                "add +pair=NAME (the default is +pair=smollm2)")
     check_choices(["+pair=smollm2", "pair.target.id=/models/llama-2-7b"])  # with the pair chosen: fine
+
+
+def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_pair):
+    """Vicuna v1.3's tokenizer has no chat template; the pair config gives the v1.1 format it was
+    tuned on (and Spec-Bench prompts it with), so prompts.template=auto does not fall back to raw text."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.prompts import encode
+    from harness.run import CONF_DIR, load_pair
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+pair=vicuna_7b_68m", f"pair.target.id={tiny_pair['target']}",
+                                                       f"pair.draft.id={tiny_pair['draft']}"])
+    pair = load_pair(cfg.pair, torch.device("cpu"), linear="torch")
+    text = "".join(pair.tokenizer.convert_ids_to_tokens(encode(pair.tokenizer, "Name a prime.", "auto")))  # one token per character
+    assert text.startswith("<s>A chat between a curious user and an artificial intelligence assistant.")
+    assert text.endswith("questions. USER: Name a prime. ASSISTANT:")
