@@ -70,7 +70,8 @@ from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
 from harness.prompts import as_tensor, encode_within, select
 from harness.run import (
-    CONF_DIR, _current_rss_mb, _sync, _write_json_atomic, conditions, load_pair, measure_costs, run_prompt, with_default_pair,
+    CONF_DIR, _current_rss_mb, _sync, _write_json_atomic, check_choices, conditions, load_pair, measure_costs, run_prompt, validate,
+    with_default_pair,
 )
 from harness.sampling import Sampling
 
@@ -140,6 +141,13 @@ def _hf_generate(model, ids: torch.Tensor, max_new: int, eos: list[int], **kwarg
                                f"gives it ({err}): upgrade transformers (5.24 does it), or bench without compile=true") from None
         raise
     return out[0, ids.shape[0]:].tolist()
+
+
+def lookup_room(new_tokens: int, k: int) -> int:
+    """Positions after a prompt that the bench's caches hold: HF's prompt lookup caps its
+    candidates at the input's length only, so its last cycles verify up to k - 1 positions past
+    the token budget, in a static cache of our capacity (_hf_compiled). Our loop never does."""
+    return new_tokens + k
 
 
 def _hf_compiled(lm: CachedLM) -> dict:
@@ -571,23 +579,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("results/bench/bench.json"))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +pair=smollm2 device=cuda")
     args = parser.parse_args(argv)
+    if 0 < args.memory_prompts < 4:
+        parser.error(f"--memory-prompts {args.memory_prompts}: give 0 (skip the memory part) or at least 4 (growth is fitted over the second half)")
+    check_choices(args.overrides)  # as `python -m harness` checks them: one line for an unknown name
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     started = time.time()
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=args.overrides))
+    validate(cfg)  # e.g. compile=true without cache=static would recompile ours at every step while HF ran compiled
     device = resolve_device(cfg.device)
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
     prompts = all_prompts[: args.prompts]
     # As `python -m harness` does: prompts cut to leave room for the new tokens (the same budget at every k).
     new_tokens, k_max = max(args.max_new_tokens, args.memory_new_tokens), max(args.ks)
-    budget = pair.prompt_budget(new_tokens)
+    room = lookup_room(new_tokens, k_max)
+    budget = pair.prompt_budget(room)
     all_encoded = [as_tensor(encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, "truncate"), device)
                    for p in all_prompts]
     encoded = all_encoded[: args.prompts]
-    pair.reserve(max(ids.shape[0] for ids in all_encoded), new_tokens, k_max)
+    pair.reserve(max(ids.shape[0] for ids in all_encoded), room, k_max)
     pair.warm_up(k_max)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -97,6 +97,31 @@ def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monk
     assert result["setup"]["compile"] is True and result["ratios"]["ours_base / hf_base"] > 0
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_hf_prompt_lookup_has_room_in_the_static_cache_it_is_given(tiny_pair, k):
+    """HF's prompt lookup verifies up to k - 1 positions past its token budget. With compile=true the
+    bench gives HF a static cache of our capacity: sized by lookup_room, it holds them, also for a
+    prompt whose budget ends exactly at a 256-position boundary (sized for the budget alone: IndexError)."""
+    n = 32
+    model = load_model(ModelSpec(str(tiny_pair["target"])), torch.device("cpu"))
+    lm = CachedLM(model, model.config.vocab_size, "static")
+    prompt = torch.tensor([6, 30, 25, 11] * 64)[: 257 - n]  # prompt + n - 1 = 256 positions; a repeating prompt: lookup always matches
+    lm.reserve(prompt.shape[0] + bench.lookup_room(n, k) - 1)  # as Pair.reserve sizes it
+    tokens = bench._hf_generate(model, prompt, n, [10**6], prompt_lookup_num_tokens=k, max_matching_ngram_size=3,
+                                cache_implementation="static", max_cache_len=lm.capacity)
+    assert len(tokens) == n
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compile=true"], "compile=true needs fixed shapes: add cache=static"),
+    (["cache=statik"], "cache=statik must be dynamic or static"),
+    (["prompts.template=chatml"], "prompts.template=chatml must be auto, chat or raw"),
+])
+def test_the_bench_checks_its_config_as_the_harness_does(tiny_pair, tmp_path, args, message):
+    with pytest.raises(HarnessError, match=message):
+        run_bench(tiny_pair, tmp_path, *args)
+
+
 def test_hf_refusing_the_static_cache_is_one_clear_error():
     """transformers 5.17's assisted generate refuses the static cache that compile=true gives HF."""
 
