@@ -602,6 +602,8 @@ def format_report(report: dict) -> str:
             for c in p["worst_cells"][:3]:
                 label = c.get("text", " ".join(map(str, c["prefix"])))
                 lines.append(f"  {name[:21]:<22}{c['kind']:<6} {label!r:<32} observed {c['observed']}, expected {c['expected']:.1f}")
+    if r.get("dtype_note"):
+        lines += ["", f"note: {r['dtype_note']}."]
     verdict = "PASS: no test rejects" if r["passed"] else "FAIL: exactness rejected"
     lines += ["", f"{verdict} (smallest Holm p = {r['family_p']:.3g}, alpha = {r['alpha']:g})"]
     if "run_dir" in r:
@@ -646,6 +648,23 @@ def validate_exactness(cfg: DictConfig) -> None:
             raise HarnessError(message)
 
 
+def full_precision_for_truncation(cfg: DictConfig, device: torch.device) -> str | None:
+    """With top-k or top-p, run a dtype=auto check in float32 where auto would mean half precision
+    (CUDA: bfloat16), and say so. A truncated law is defined there only up to rounding: the law's
+    rows come from one pass over a continuation, the loop's from verify passes of other lengths,
+    and a token at the truncation edge can fall on either side (SmolLM2 in bfloat16: a fifth of
+    the rows, 1e-4 to 1e-3 of their mass), which the zero-probability rule fails outright.
+    dtype=bfloat16, given explicitly, checks in bfloat16."""
+    from harness.models import resolve_dtype
+
+    truncated = cfg.top_k > 0 or cfg.top_p < 1
+    if not truncated or cfg.dtype != "auto" or resolve_dtype("auto", device) in (torch.float32, torch.float64):
+        return None
+    cfg.dtype = "float32"
+    return (f"top-k / top-p in {str(resolve_dtype('auto', device)).removeprefix('torch.')} would put tokens at the truncation edge "
+            f"on either side from one pass shape to another: checking in float32 (dtype=bfloat16 checks in bfloat16)")
+
+
 def encode_prompts(cfg: DictConfig, pair, length: int) -> list[tuple[str, torch.Tensor]]:
     """The first `exactness.num_prompts` prompts of the configured dataset, as
     `python -m harness` chooses and encodes them, cut to fit the context."""
@@ -669,6 +688,9 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     cfg.exactness = OmegaConf.merge(DEFAULTS, cfg.get("exactness") or {})  # tolerate configs composed without our node
     validate(cfg)
     validate_exactness(cfg)
+    dtype_note = full_precision_for_truncation(cfg, resolve_device(cfg.device))
+    if dtype_note and not quiet:
+        print(f"[harness] {dtype_note}", file=sys.stderr)
     e = cfg.exactness
     run_dir = Path(cfg.out_dir) / f"exactness-{cell_key(cfg)}"
     try:
@@ -702,7 +724,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
                    eos_ids=pair.eos_ids, seed=cfg.seed, alpha=e.alpha, max_cells=e.max_cells, progress=not quiet)
     report.update(pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
                   detect_tv_asked=None if e.samples is not None else e.detect_tv, time_s=time.perf_counter() - started,
-                  conditions=conditions(cfg, pair), run_dir=str(run_dir))
+                  conditions=conditions(cfg, pair), run_dir=str(run_dir), dtype_note=dtype_note)
     for p in report["prompts"].values():
         for c in p["worst_cells"]:
             c["text"] = pair.tokenizer.decode(c["prefix"])

@@ -816,3 +816,21 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
         assert report["passed"], format_report(report)
     else:
         assert not report["passed"], format_report(report)
+
+
+@pytest.mark.parametrize("overrides, device, checked_in", [
+    (["top_p=0.9"], "cuda", "float32"),  # auto would be bfloat16: a truncated law is defined only up to rounding there
+    (["top_k=50"], "cuda", "float32"),
+    (["top_p=0.9", "dtype=bfloat16"], "cuda", "bfloat16"),  # asked for explicitly
+    ([], "cuda", "auto"),  # no truncation: the zero-probability rule cannot meet rounding
+    (["top_p=0.9"], "cpu", "auto"),  # auto is float32 on a CPU
+])
+def test_a_truncated_law_is_checked_in_full_precision_unless_asked(tiny_pair, tmp_path, overrides, device, checked_in):
+    from harness.exactness import full_precision_for_truncation
+    from harness.run import with_default_pair
+
+    cfg = with_default_pair(compose_check(tiny_pair, tmp_path, "temperature=1.0", *overrides))
+    note = full_precision_for_truncation(cfg, torch.device(device))  # no GPU is touched: only the dtype auto resolves to
+    assert cfg.dtype == checked_in and (note is not None) == (checked_in == "float32")
+    if note:
+        assert cfg.pair.target.dtype == cfg.pair.draft.dtype == "float32" and "checking in float32" in note
