@@ -235,8 +235,9 @@ def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float)
     dataset = max(sorted(per_dataset.index), key=lambda d: (per_dataset[d], cells.loc[cells["dataset"] == d, "num_prompts"].sum()))
     if len(per_dataset) > 1:
         others = cells[cells["dataset"] != dataset]
-        notes.append(f"decided on {dataset}; left out, run on other prompt sets: "
-                     + ", ".join(f"{r.label} k={r.k} ({r.dataset})" for r in others.itertuples()))
+        named = [f"{r.label} k={r.k} ({r.dataset})" for r in others.itertuples()]
+        notes.append(f"decided on {dataset}; left out, run on other prompt sets: " + ", ".join(named[:8])
+                     + (f" and {len(named) - 8} more" if len(named) > 8 else ""))
     cells = cells[cells["dataset"] == dataset].sort_values("num_prompts", ascending=False, kind="stable")
     cells = cells.drop_duplicates(["label", "k"])
     candidates = [{"label": r.label, "k": int(r.k), "draft_kind": r.draft_kind, "speedup": float(r.speedup),

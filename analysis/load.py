@@ -21,7 +21,7 @@ and a GPU run of the same config, and both are kept. Unfinished or failed cells
 are left out and listed in `Results.notes`.
 
 Each cell's run conditions (CONDITION_KEYS: the device name, dtype,
-max_new_tokens, KV cache, compile) are also joined into one `setup` string;
+max_new_tokens, KV cache, compile, prompt format) are also joined into one `setup` string;
 a decision or a fit never mixes two setups. A condition that older results
 do not record is "unknown" (one setup).
 """
@@ -59,12 +59,9 @@ SUMMARY_SCALARS = (
 # Per-prompt fields of the speculative path kept in the prompts frame.
 SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
-CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile")
+CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", "prompt_format")
 # W&B job types of the harness's runs that are not benchmark cells.
 NOT_CELLS = ("exactness", "report")
-# Dataset fields that choose which of a set's prompts run, not what a prompt is: cells that
-# differ only in these share prompt ids that name the same prompts.
-PROMPT_SELECTION = ("num_prompts", "max_rows", "streaming")
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
 CELL_CONFIDENCE = 0.95
 # A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
@@ -199,14 +196,15 @@ def load_wandb(path: str, api: Any = None) -> Results:
         runs = list(api.sweep(f"{entity}/{project}/{sweep_id}").runs if sweep_id else api.runs(f"{entity}/{project}"))
     except Exception as err:  # noqa: BLE001
         raise HarnessError(f"cannot read W&B {path}: {type(err).__name__}: {err}".splitlines()[0]) from None
-    raws, notes, bare = [], [], []
+    raws, notes, bare, unfinished = [], [], [], []
     for run in runs:
         config = _unshadow({k: v for k, v in dict(run.config).items() if not k.startswith("_")})
         summary = _summary_dict(run)
         if "pair" not in config or "k" not in config or getattr(run, "job_type", None) in NOT_CELLS:
             continue  # not a benchmark cell: a report run, an exactness check
         if summary.get("status") != "finished":  # a failed cell's summary may hold no metric at all
-            notes.append(f"run {run.id} ({getattr(run, 'name', '')}) is {summary.get('status') or run.state}: left out")
+            unfinished.append((getattr(run, "name", ""), f"run {run.id} ({getattr(run, 'name', '')}) is "
+                                                          f"{summary.get('status') or run.state}: left out"))
             continue
         if "k" not in summary or "costs" not in summary:
             continue  # finished but not a benchmark cell (an exactness check logged without its job type)
@@ -218,6 +216,9 @@ def load_wandb(path: str, api: Any = None) -> Results:
         notes.append(f"{len(bare)} runs have no cell-results artifact ({', '.join(bare[:5])}{', ...' if len(bare) > 5 else ''}): "
                      f"cell-level rows only, decided from their summaries (unpaired)")
     results = frames(raws, path, "wandb", notes)
+    # A run is named by its cell key (harness.tracking): an unfinished run whose cell another run finished is not a gap.
+    loaded = {str(cell).split("@")[0] for cell in results.cells.get("cell", [])}
+    results.notes = [note for name, note in unfinished if name not in loaded] + results.notes
     if results.cells.empty:
         raise HarnessError(f"no finished benchmark run in W&B {path}")
     return results
@@ -262,13 +263,15 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
     One cell key on several devices (the same config run on two machines) keeps a row per device,
     its `cell` qualified by the device name so that every row's `cell` is unique."""
     notes = list(notes or [])
-    kept, seen = [], {}
+    kept, seen, seen_reused = [], {}, {}
     for raw in raws:
         row = cell_row(raw)
         key = (row["cell"], row["device_name"])
         if key in seen:
-            notes.append(f"cell {row['cell']} on {row['device_name']} found twice ({seen[key]}, {raw.origin}): the first is used")
+            if not raw.summary.get("reused") and not seen_reused[key]:  # a sweep's run of a complete cell logs it again
+                notes.append(f"cell {row['cell']} on {row['device_name']} found twice ({seen[key]}, {raw.origin}): the first is used")
             continue
+        seen_reused[key] = bool(raw.summary.get("reused"))
         seen[key] = raw.origin
         kept.append((row, raw.records))
     _dataset_names([row for row, _ in kept])
@@ -318,8 +321,8 @@ def cell_row(raw: RawCell) -> dict:
         "draft": draft_id,
         "draft_kind": kind,
         "dataset": dataset.get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown"),
-        "dataset_identity": _dataset_identity(dataset, cfg, s),
-        "dataset_path": dataset.get("path"),
+        "dataset_file": dataset.get("path"),  # _dataset_names reads these two, then drops them
+        "dataset_sha256": s.get("dataset_sha256"),
         "k": int(s["k"]),
         "temperature": temperature,
         "top_k": top_k,
@@ -344,6 +347,7 @@ def cell_row(raw: RawCell) -> dict:
         "dtype": _known(conditions.get("dtype")),
         "cache": _known(conditions.get("cache", cfg.get("cache"))),
         "compile": _known(conditions.get("compile", cfg.get("compile"))),
+        "prompt_format": _prompt_format(cfg),
         "has_prompts": raw.records is not None and len(raw.records) > 0,
     }
     if raw.records:  # exact counts
@@ -369,34 +373,38 @@ def cell_row(raw: RawCell) -> dict:
     return row
 
 
-def _dataset_identity(dataset: dict, cfg: dict, summary: dict) -> str:
-    """What makes a prompt id name one prompt: the dataset's fields less PROMPT_SELECTION, the
-    prompt encoding (`prompts.template`, `prompts.overlong`), and a local file's SHA-256 where the
-    summary records it (in place of its path: an edited file is another set, a moved one is not)."""
-    fields = {k: v for k, v in dataset.items() if k not in PROMPT_SELECTION}
+def _prompt_format(cfg: dict) -> str:
+    """How a cell's prompts were encoded, beyond the dataset's ids: `prompts.template` (auto,
+    chat, raw), and a short hash of a dataset's own `template` or a pair's `chat_template` where
+    one is set. Cells that differ in it sent different text under the same prompt ids."""
     prompts = cfg.get("prompts") if isinstance(cfg.get("prompts"), dict) else {}
-    fields.update(prompts_template=prompts.get("template"), prompts_overlong=prompts.get("overlong"))
-    if summary.get("dataset_sha256"):
-        fields.update(path=None, file_sha256=summary["dataset_sha256"])
-    return json.dumps(fields, sort_keys=True, default=str)
+    dataset = cfg.get("dataset") if isinstance(cfg.get("dataset"), dict) else {}
+    pair = cfg.get("pair") if isinstance(cfg.get("pair"), dict) else {}
+    parts = [_known(prompts.get("template"))]
+    for name, text in (("dataset template", dataset.get("template")), ("pair template", pair.get("chat_template"))):
+        if text:
+            parts.append(f"{name} {hashlib.sha256(str(text).encode()).hexdigest()[:6]}")
+    return " + ".join(parts)
 
 
 def _dataset_names(rows: list[dict]) -> None:
-    """Give each distinct prompt set its own `dataset` name: a local file is `local:<file name>`,
-    and a name two sets share (two files of one name, one hub set with two templates) gets a
-    short hash of its identity, so that prompts of different sets are never paired as one."""
-    path = {}  # per set, the file it was first read from (one moved file is one set)
+    """Name each local file's prompt set by the file, `local:<file name>` (every local file runs
+    as dataset `local`, and ids like local-0 recur from file to file). Where cells of one such
+    name read files of different contents (two files of one name, an edited file: the SHA-256
+    that summaries record), each content gets its SHA's first 6 hex digits after the name, and
+    cells from results that predate the SHA, `#unknown`; with one content known they join it."""
     for row in rows:
-        path.setdefault(row["dataset_identity"], row["dataset_path"])
+        if row["dataset"] == "local" and row["dataset_file"]:
+            row["dataset"] = f"local:{Path(str(row['dataset_file'])).name}"
+    contents: dict[str, set[str]] = {}
     for row in rows:
-        if row["dataset"] == "local" and path[row["dataset_identity"]]:
-            row["dataset"] = f"local:{Path(str(path[row['dataset_identity']])).name}"
-    identities: dict[str, set[str]] = {}
+        if row["dataset_sha256"]:
+            contents.setdefault(row["dataset"], set()).add(row["dataset_sha256"])
     for row in rows:
-        identities.setdefault(row["dataset"], set()).add(row["dataset_identity"])
+        if len(contents.get(row["dataset"], ())) > 1:
+            row["dataset"] += f"#{row['dataset_sha256'][:6]}" if row["dataset_sha256"] else "#unknown"
     for row in rows:
-        if len(identities[row["dataset"]]) > 1:
-            row["dataset"] += "#" + hashlib.sha256(row["dataset_identity"].encode()).hexdigest()[:6]
+        del row["dataset_file"], row["dataset_sha256"]
 
 
 def prompt_row(cell: str, r: dict, dataset: str) -> dict:

@@ -459,36 +459,47 @@ def test_wandb_project_with_a_swept_dataset_exactness_checks_and_failed_cells(sw
     runs.append(FakeRun("exact-untyped", config, {"k": summary["k"], "alpha": 0.01, "status": "finished"}, [], job_type=None))
     runs.append(FakeRun("exact-failed", config, {"status": "failed"}, [], state="failed", job_type="exactness"))
     runs.append(FakeRun("failed", config, {"status": "failed"}, [], state="failed"))
+    runs.append(FakeRun(summary["cell"], config, {"status": "interrupted"}, [], state="crashed"))  # another run finished it
+    runs.append(FakeRun("again", config, {**summary, "reused": True}, runs[0]._artifacts))  # a later sweep's run of the complete cell
     loaded = load_wandb("me/specbench", api=FakeApi(runs))
     local = load(sweep)
     assert sorted(loaded.cells["cell"]) == sorted(local.cells["cell"])
     assert list(loaded.cells["dataset"]) == list(local.cells["dataset"]) == ["synthetic"] * len(local.cells)
-    assert [n for n in loaded.notes if "left out" in n] == ["run failed (failed) is failed: left out"]
+    assert loaded.notes == ["run failed (failed) is failed: left out"]
 
 
 def test_prompts_of_two_local_files_are_never_paired(tmp_path):
     """Every local file runs as dataset `local`, and ids like local-0 recur from file to file: a
-    file is its own prompt set, named by its file (and told apart by a hash where two share a
-    name), and one moved file is still one set when the summaries record its SHA-256."""
+    file is its own prompt set, named by its file. Cells of one file name are one set, also with
+    results from before summaries recorded the file's SHA-256, unless two contents are known."""
     def local(path):
         return {"dataset": {"name": "local", "source": "local", "path": path}}
 
+    def content(cell, digest):
+        summary = json.loads((cell / "summary.json").read_text())
+        (cell / "summary.json").write_text(json.dumps({**summary, "dataset_sha256": digest}))
+
+    def names():
+        results = load(tmp_path)
+        return results, dict(zip(results.cells["cell"].str.split("-t").str[0], results.cells["dataset"]))
+
     write_cell(tmp_path, "a", "model", Fraction(4, 5), 2, 0.05, SLOPE, config=local("/data/easy.jsonl"))
-    write_cell(tmp_path, "b", "model", Fraction(1, 5), 2, 0.05, SLOPE, seed=1, config=local("/data/hard.jsonl"))
-    write_cell(tmp_path, "b", "model", Fraction(1, 5), 3, 0.05, SLOPE, seed=2, config=local("/other/hard.jsonl"))
-    results = load(tmp_path)
-    names = dict(zip(results.cells["cell"].str[:4], results.cells["dataset"]))
-    assert names["a-k2"] == "local:easy.jsonl" and names["b-k2"] != names["b-k3"]
-    assert {names["b-k2"][:-7], names["b-k3"][:-7]} == {"local:hard.jsonl"}
+    b2 = write_cell(tmp_path, "b", "model", Fraction(1, 5), 2, 0.05, SLOPE, seed=1, config=local("/data/hard.jsonl"))
+    results, named = names()
+    assert named == {"a-k2": "local:easy.jsonl", "b-k2": "local:hard.jsonl"}
     assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
     (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=100)
     assert len(d["candidates"]) == 1 and any("disjoint prompt sets" in n for n in d["notes"])
 
-    for cell in tmp_path.glob("b-*"):  # the same file, moved: one set
-        summary = json.loads((cell / "summary.json").read_text())
-        (cell / "summary.json").write_text(json.dumps({**summary, "dataset_sha256": "ab" * 32}))
-    results = load(tmp_path)
-    assert set(results.cells["dataset"]) == {"local:easy.jsonl", "local:hard.jsonl"}
+    content(b2, "ab" * 32)  # a newer cell records the file's content; the older one (moved since) joins it
+    b3 = write_cell(tmp_path, "b", "model", Fraction(1, 5), 3, 0.05, SLOPE, seed=2, config=local("/moved/hard.jsonl"))
+    results, named = names()
+    assert named["b-k2"] == named["b-k3"] == "local:hard.jsonl" and "dataset_sha256" not in results.cells
+    content(b3, "cd" * 32)  # two contents under one name, and a cell from before the SHA
+    write_cell(tmp_path, "c", "model", Fraction(1, 5), 2, 0.05, SLOPE, seed=3, config=local("/x/hard.jsonl"))
+    _, named = names()
+    assert (named["b-k2"], named["b-k3"], named["c-k2"]) == ("local:hard.jsonl#ababab", "local:hard.jsonl#cdcdcd",
+                                                             "local:hard.jsonl#unknown")
 
 
 def test_a_decision_from_summaries_compares_cells_of_one_prompt_set(tmp_path):
@@ -644,6 +655,7 @@ def test_a_context_and_a_fit_hold_one_device(tmp_path):
 
 @pytest.mark.parametrize("change", [{"conditions": {**GPU, "dtype": "float16"}}, {"config": {"max_new_tokens": 256}},
                                     {"config": {"cache": "static"}}, {"config": {"compile": True}},
+                                    {"config": {"prompts": {"template": "raw"}}},  # other text under the same ids
                                     {"conditions": {}}])
 def test_each_run_condition_splits_contexts_and_fits(tmp_path, change):
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3,
