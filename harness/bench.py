@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
@@ -70,8 +69,8 @@ from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
 from harness.prompts import as_tensor, encode_within, select
 from harness.run import (
-    CONF_DIR, _current_rss_mb, _sync, _write_json_atomic, check_choices, conditions, load_pair, measure_costs, run_prompt, validate,
-    with_default_pair,
+    CONF_DIR, _current_rss_mb, _sync, _write_json_atomic, check_choices, conditions, load_pair, measure_costs, process_peak_rss_mb,
+    run_prompt, validate, with_default_pair,
 )
 from harness.sampling import Sampling
 
@@ -581,7 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if 0 < args.memory_prompts < 4:
         parser.error(f"--memory-prompts {args.memory_prompts}: give 0 (skip the memory part) or at least 4 (growth is fitted over the second half)")
-    check_choices(args.overrides)  # as `python -m harness` checks them: one line for an unknown name
+    check_choices(args.overrides, sweeps=False)  # as `python -m harness` checks them: one line for an unknown name
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     started = time.time()
@@ -593,7 +592,8 @@ def main(argv: list[str] | None = None) -> dict:
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
     prompts = all_prompts[: args.prompts]
-    # As `python -m harness` does: prompts cut to leave room for the new tokens (the same budget at every k).
+    # Prompts cut to leave room for the new tokens, the same budget at every k, as `python -m harness` does,
+    # and for the k positions HF's prompt lookup may verify past them (lookup_room).
     new_tokens, k_max = max(args.max_new_tokens, args.memory_new_tokens), max(args.ks)
     room = lookup_room(new_tokens, k_max)
     budget = pair.prompt_budget(room)
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> dict:
         _write(args.out, result)
     if args.memory_prompts > 0:
         result["memory"] = memory(pair, cfg, all_prompts, all_encoded, args, device)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = process_peak_rss_mb()
     if device.type == "cuda":
         result["max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     result["goals"] = goals(result)

@@ -39,16 +39,29 @@ def select(prompts: list[dict], num_prompts: int | None, seed: int, shuffle: boo
     return ordered if num_prompts is None else ordered[:num_prompts]
 
 
+PAIR_TEMPLATE = "harness_pair_template"  # set on a tokenizer given a pair's chat template (set_pair_template)
+
+
+def set_pair_template(tokenizer, template: str) -> None:
+    """Give a target's tokenizer the chat template its pair config names (for a tokenizer without
+    one, e.g. Vicuna v1.3's). Such a template is written without BOS, and its rendered text is
+    tokenized as raw text is, the tokenizer adding its special tokens: as FastChat does, so the
+    first word keeps the form it has at the start of a text."""
+    tokenizer.chat_template = template
+    setattr(tokenizer, PAIR_TEMPLATE, True)
+
+
 def encode(tokenizer, text: str, template: str) -> list[int]:
     """Token ids for a user prompt: the chat template when the tokenizer has
     one (template=auto or chat), raw text otherwise. Special tokens are added
-    once: by the template, or by the tokenizer for raw text, never both."""
+    once: by the template, or by the tokenizer for raw text (and for a pair's
+    own template, set_pair_template), never both."""
     use_chat = template == "chat" or (template == "auto" and tokenizer.chat_template)
     if template == "chat" and not tokenizer.chat_template:
         raise HarnessError("prompts.template=chat but the target's tokenizer has no chat template: use template=raw or auto")
     if use_chat:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return tokenizer(rendered, add_special_tokens=getattr(tokenizer, PAIR_TEMPLATE, False))["input_ids"]
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 

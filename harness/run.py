@@ -43,7 +43,7 @@ from harness.drafters import Drafter, ModelDrafter, NgramDrafter, check_lookup_l
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device, resolve_dtype
-from harness.prompts import as_tensor, encode, encode_within, select
+from harness.prompts import as_tensor, encode, encode_within, select, set_pair_template
 from harness.sampling import Sampling
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -206,8 +206,8 @@ def group_setting(group: str, override: str, chosen: list[str], options: dict[st
     pair.draft.length (a prompt-lookup setting) with a model draft. Keys no option has are left
     to unknown_setting."""
     name, equals, _ = override.lstrip("+").partition("=")
-    if not equals or not name.startswith(f"{group}."):
-        return None
+    if not equals or not name.startswith(f"{group}.") or (group == "pair" and override.startswith("+")):
+        return None  # a key added to a pair (+pair.target.device_map=auto) is the pair's to read: check_pair judges it
     path = name.split(".")[1:]
 
     def has(keys: dict) -> bool:
@@ -230,15 +230,23 @@ def group_setting(group: str, override: str, chosen: list[str], options: dict[st
     return f"unknown setting '{name}' for {lacks}: use one that takes it, e.g. {choose}{having[0]} {name}=...{also}"
 
 
-def misplaced(override: str, multirun: bool) -> str | None:
+def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:
     """A message for two common slips Hydra answers in several lines: a pair chosen without its
-    '+', and several values without -m."""
+    '+', and several values without -m (an escaped comma, `\\,`, is one value)."""
     name, equals, value = override.partition("=")
     if name == "pair" and equals:
         return f"{override}: the pair is chosen with a '+': +pair={value}"
-    if equals and not multirun and not name.startswith(("hydra", "~")) and "," in value and not SWEEP_SYNTAX.search(value):
-        return f"{override} lists several values: add -m to run one cell each (python -m harness -m {override})"
+    several = re.search(r"(?<!\\),", value) and not SWEEP_SYNTAX.search(value)
+    if equals and not multirun and not name.startswith(("hydra", "~")) and several:
+        return (f"{override} lists several values: add -m to run one cell each" if sweeps else
+                f"{override} lists several values, and this command runs one of each (k: use --ks)")
     return None
+
+
+def is_multirun(argv: list[str]) -> bool:
+    """-m, --multirun (or a prefix of it, as argparse takes), or hydra.mode=MULTIRUN."""
+    return any(arg == "-m" or (len(arg) > 3 and "--multirun".startswith(arg)) or arg.lower() == "hydra.mode=multirun"
+               for arg in argv)
 
 
 def unknown_setting(override: str, known: set[str]) -> str | None:
@@ -253,12 +261,12 @@ def unknown_setting(override: str, known: set[str]) -> str | None:
     return f"unknown setting '{name}': {hint}(--cfg job prints them all; +{name}=... adds a new key)"
 
 
-def check_choices(argv: list[str], extra: dict | None = None) -> None:
+def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = True) -> None:
     """Before Hydra composes, for an entry point's command line: unknown `+pair=`/`dataset=`
     names, unknown settings and `dataset.` keys the chosen dataset lacks end the process with
     one `error:` line ("did you mean") and exit 2. `extra`: a section the entry point adds to
-    conf/config.yaml."""
-    known, multirun = known_settings(extra), any(arg in ("-m", "--multirun") for arg in argv)
+    conf/config.yaml; `sweeps`: whether the entry point runs Hydra multiruns (the bench does not)."""
+    known, multirun = known_settings(extra), is_multirun(argv)
     options = {group: group_options(group) for group in ("pair", "dataset")}
     chosen = {group: chosen_options(group, argv) for group in ("pair", "dataset")}
     if not any(arg.startswith("+pair=") for arg in argv):  # pair.* needs the group chosen first, or Hydra's struct error
@@ -268,7 +276,7 @@ def check_choices(argv: list[str], extra: dict | None = None) -> None:
             print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
             sys.exit(2)
     for arg in argv:
-        message = (misplaced(arg, multirun) or unknown_choice(arg)
+        message = (misplaced(arg, multirun, sweeps) or unknown_choice(arg)
                    or next(filter(None, (group_setting(g, arg, chosen[g], options[g]) for g in options)), None)
                    or unknown_setting(arg, known))
         if message:
@@ -323,6 +331,10 @@ def check_pair(pair: DictConfig) -> None:
         if not (_positive_int(low) and _positive_int(high) and low <= high):
             raise HarnessError(f"pair.draft.min_ngram={low} and max_ngram={high} must be integers with 1 <= min_ngram <= max_ngram")
     check_lookup_length(draft.get("length", "match"))
+    lookup_only = [key for key in ("length", "max_ngram", "min_ngram") if draft.kind == "model" and key in draft]
+    if lookup_only:
+        raise HarnessError(f"pair.draft.{lookup_only[0]} is a prompt-lookup setting and this pair's draft is a model, which would "
+                           f"ignore it: use +pair=smollm2_ngram, or pair.draft.kind=ngram")
 
 
 def device_name(device: torch.device) -> str:
@@ -401,7 +413,7 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     target_spec = ModelSpec.from_config(pair_cfg.target)
     tokenizer = load_tokenizer(target_spec, "target")
     if pair_cfg.get("chat_template"):  # the prompt format a target was tuned on, where its tokenizer carries none (Vicuna v1.3)
-        tokenizer.chat_template = pair_cfg.chat_template
+        set_pair_template(tokenizer, pair_cfg.chat_template)
     target_model = load_model(target_spec, device, "target")
     # The rule compares token ids over the range the tokenizer can produce and
     # both models score (padded embedding rows beyond it are dropped).
@@ -572,21 +584,31 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _reset_peak_rss() -> None:
+def _reset_peak_rss() -> bool:
     """Start the peak resident memory afresh for this cell (Linux: writing 5 to clear_refs resets
-    VmHWM), so that a multirun's later cells do not report an earlier cell's peak."""
-    with contextlib.suppress(OSError):
+    VmHWM), so that a multirun's later cells do not report an earlier cell's peak. False where
+    that cannot be done (not Linux, or /proc read-only)."""
+    try:
         Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
-def _peak_rss_mb() -> tuple[float, str]:
-    """(peak resident memory in MB, over what): since _reset_peak_rss ("cell", Linux VmHWM), else
-    the whole process's ("process", getrusage)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        if Path("/proc/self/clear_refs").exists():
+def _peak_rss_mb(since_reset: bool) -> tuple[float, str]:
+    """(peak resident memory in MB, over what): since a successful _reset_peak_rss ("cell", Linux
+    VmHWM), else the whole process's ("process", getrusage)."""
+    if since_reset:
+        with contextlib.suppress(OSError, ValueError, StopIteration):
             line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
             return int(line.split()[1]) / 1024, "cell"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process"
+    return process_peak_rss_mb(), "process"
+
+
+def process_peak_rss_mb() -> float:
+    """The process's peak resident memory in MB (getrusage: kB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 @functools.cache
@@ -684,7 +706,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         for path in (summary_path, status_path, lines_path):  # the completion marks first
             path.unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    _reset_peak_rss()
+    peak_since_reset = _reset_peak_rss()
 
     # Prompts first: a dataset problem should stop the run before a model loads.
     prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
@@ -745,13 +767,13 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         raise
 
     summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
-    peak_rss_mb, peak_rss_over = _peak_rss_mb()
+    peak_rss_mb, peak_rss_over = _peak_rss_mb(peak_since_reset)
     run_conditions = conditions(cfg, pair)
     hosts = sorted({r["host"] for r in records if r.get("host")} | {run_conditions["hostname"]})
     if len(hosts) > 1:  # a resumed cell: timings (and costs, measured by this process) from several machines
         run_conditions["hostnames"] = hosts
-        print(f"warning: the prompts of {cell_dir.name} ran on several hosts ({', '.join(hosts)}): its timings mix machines; "
-              f"force=true reruns it on one", file=sys.stderr)
+        print(f"warning: the prompts of {cell_dir.name} ran under several host names ({', '.join(hosts)}): if these are "
+              f"different machines its timings mix them; force=true reruns it in one go", file=sys.stderr)
     summary.update(
         pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
         k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,

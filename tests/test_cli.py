@@ -32,6 +32,7 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     last = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("acceptance_rate", "tokens_per_cycle", "speedup", "speedup_ci", "predicted_speedup", "efficiency", "conditions"):
         assert key in last
+    assert last["peak_rss_over"] == "cell" and "harness_commit" in last["conditions"] and last["dataset_sha256"] is None
     assert 0 < last["acceptance_rate"] < 1
     assert "acceptance rate" in out.stdout and "speedup" in out.stdout  # the readable table
     cell = Path(last["cell_dir"])
@@ -67,7 +68,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert "rss_first_mb" not in summary  # 2 prompts ran in this process: too few to fit a growth
     assert json.loads((cell / "summary.json").read_text()).get("rss_last_mb", 0) < 1e6
-    assert summary["conditions"]["hostnames"] == sorted({"node-07", platform.node()}) and "ran on several hosts" in second.stderr
+    assert summary["conditions"]["hostnames"] == sorted({"node-07", platform.node()}) and "ran under several host names" in second.stderr
     ids = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]  # every line parses
     assert len(ids) == 6 == len(set(ids))
     assert ids[:4] == [json.loads(line)["id"] for line in lines[:4]]  # finished prompts were kept, not redone
@@ -87,7 +88,8 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("device=cuda", "CUDA is not available"),
         ("compile=true", "compile=true needs fixed shapes: add cache=static"),
         ("cpu_linear=fast", "cpu_linear=fast must be one of auto, transposed, torch"),
-        ("+pair.draft.length=cost_aware", "unknown setting 'pair.draft.length' for +pair=llama_7b_68m: use one that takes it"),  # a model draft would ignore it
+        ("+pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
+        ("+pair.draft.length=cost_aware", "pair.draft.length is a prompt-lookup setting and this pair's draft is a model"),
         ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
     ],
 )

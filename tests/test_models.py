@@ -159,6 +159,16 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
         cfg = compose(config_name="config", overrides=["+pair=vicuna_7b_68m", f"pair.target.id={tiny_pair['target']}",
                                                        f"pair.draft.id={tiny_pair['draft']}"])
     pair = load_pair(cfg.pair, torch.device("cpu"), linear="torch")
-    text = "".join(pair.tokenizer.convert_ids_to_tokens(encode(pair.tokenizer, "Name a prime.", "auto")))  # one token per character
-    assert text.startswith("<s>A chat between a curious user and an artificial intelligence assistant.")
-    assert text.endswith("questions. USER: Name a prime. ASSISTANT:")
+    from tokenizers.processors import TemplateProcessing
+
+    bos = pair.tokenizer.bos_token_id  # a tokenizer that adds BOS to raw text, as Llama's does
+    pair.tokenizer._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    ids = encode(pair.tokenizer, "Name a prime.", "auto")
+    assert ids[0] == bos and ids.count(bos) == 1
+    prompt = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+              "detailed, and polite answers to the user's questions. USER: Name a prime. ASSISTANT:")
+    assert ids == pair.tokenizer(prompt)["input_ids"]  # FastChat's text, tokenized as FastChat does (the tokenizer's BOS)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How?"}]
+    assert pair.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False) == \
+        "Be brief. USER: Hi ASSISTANT: Hello</s>USER: How? ASSISTANT:"

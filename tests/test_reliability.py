@@ -33,6 +33,7 @@ from test_cli import ROOT, harness, tiny_args
         (["pair.draft.max_ngram=4"], "pair.draft.max_ngram=4 sets the pair, so choose the pair first"),
         (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),
         (["k=1,2"], "k=1,2 lists several values: add -m to run one cell each"),
+        (["+pair=smollm2", "pair.draft.max_ngram=4"], "unknown setting 'pair.draft.max_ngram' for +pair=smollm2"),
     ],
 )
 def test_unknown_names_suggest_the_closest(args, message):
@@ -69,6 +70,9 @@ def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, caps
     ["-m", "k=range(1,3)"],
     ["-m", "+pair=smollm2,smollm2_ngram", "k=1,2"],
     ["+pair=smollm2_ngram", "pair.draft.length=cost_aware"],
+    ["+pair=smollm2_ngram", "+pair.target.device_map=auto", "+pair.target.revision=abc"],  # keys a pair may add
+    ["k=1,2", "hydra.mode=MULTIRUN"], ["--multi", "k=1,2"],  # other ways to ask for a multirun
+    ["wandb.name=run\\,1"],  # an escaped comma is one value
 ])
 def test_sweep_syntax_and_settings_the_chosen_option_has_pass(args):
     from harness.run import check_choices
@@ -93,11 +97,12 @@ def test_peak_memory_is_the_cells_own():
     from harness.run import _peak_rss_mb, _reset_peak_rss
 
     big = torch.ones(64 * 2**20)  # 256 MB, touched
-    before, over = _peak_rss_mb()
+    before, _ = _peak_rss_mb(True)
     del big
-    _reset_peak_rss()
-    after, _ = _peak_rss_mb()
+    assert _reset_peak_rss()
+    after, over = _peak_rss_mb(True)
     assert over == "cell" and after < before - 200
+    assert _peak_rss_mb(False)[1] == "process"  # a reset that failed: the process's peak, labelled so
 
 
 def test_a_failed_cell_is_named_in_the_sweep_table():
