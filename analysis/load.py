@@ -60,6 +60,9 @@ SUMMARY_SCALARS = (
 SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
 CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", "prompt_format")
+# Dataset settings that decide which text a prompt id names (not which ids run: num_prompts,
+# max_rows): cells of one dataset name that differ in one are different prompt sets.
+TEXT_FIELDS = ("hf_id", "hf_config", "split", "text_field", "template", "id_field")
 # W&B job types of the harness's runs that are not benchmark cells.
 NOT_CELLS = ("exactness", "report")
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
@@ -323,6 +326,7 @@ def cell_row(raw: RawCell) -> dict:
         "dataset": dataset.get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown"),
         "dataset_file": dataset.get("path"),  # _dataset_names reads these two, then drops them
         "dataset_sha256": s.get("dataset_sha256"),
+        "dataset_text": {f: dataset.get(f) for f in TEXT_FIELDS},
         "k": int(s["k"]),
         "temperature": temperature,
         "top_k": top_k,
@@ -374,25 +378,26 @@ def cell_row(raw: RawCell) -> dict:
 
 
 def _prompt_format(cfg: dict) -> str:
-    """How a cell's prompts were encoded, beyond the dataset's ids: `prompts.template` (auto,
-    chat, raw), and a short hash of a dataset's own `template` or a pair's `chat_template` where
-    one is set. Cells that differ in it sent different text under the same prompt ids."""
+    """How a cell's prompts were encoded for the target, whatever the dataset: `prompts.template`
+    (auto, chat, raw; `auto` and `chat` send the same text to a target with a chat template, but
+    only the setting is recorded), and a pair's own `chat_template` (its hash) where one is set."""
     prompts = cfg.get("prompts") if isinstance(cfg.get("prompts"), dict) else {}
-    dataset = cfg.get("dataset") if isinstance(cfg.get("dataset"), dict) else {}
     pair = cfg.get("pair") if isinstance(cfg.get("pair"), dict) else {}
-    parts = [_known(prompts.get("template"))]
-    for name, text in (("dataset template", dataset.get("template")), ("pair template", pair.get("chat_template"))):
-        if text:
-            parts.append(f"{name} {hashlib.sha256(str(text).encode()).hexdigest()[:6]}")
-    return " + ".join(parts)
+    text = f"prompts.template={_known(prompts.get('template'))}"
+    if pair.get("chat_template"):
+        text += f" + pair chat_template {hashlib.sha256(str(pair['chat_template']).encode()).hexdigest()[:6]}"
+    return text
 
 
 def _dataset_names(rows: list[dict]) -> None:
-    """Name each local file's prompt set by the file, `local:<file name>` (every local file runs
-    as dataset `local`, and ids like local-0 recur from file to file). Where cells of one such
-    name read files of different contents (two files of one name, an edited file: the SHA-256
-    that summaries record), each content gets its SHA's first 6 hex digits after the name, and
-    cells from results that predate the SHA, `#unknown`; with one content known they join it."""
+    """Give each prompt set its own name, so that prompts of different sets never pair by id.
+
+    A local file is `local:<file name>` (every local file runs as dataset `local`, and ids like
+    local-0 recur from file to file). Where cells of one such name read files of different
+    contents (the SHA-256 the summaries record), each content gets its SHA's first 6 hex digits
+    after the name, and cells from results that predate the SHA `#unknown`; with one content
+    known they join it. Where cells of one name differ in a TEXT_FIELDS setting (another split,
+    another template), the name gets the settings that differ, e.g. `gsm8k[split=train]`."""
     for row in rows:
         if row["dataset"] == "local" and row["dataset_file"]:
             row["dataset"] = f"local:{Path(str(row['dataset_file'])).name}"
@@ -403,8 +408,21 @@ def _dataset_names(rows: list[dict]) -> None:
     for row in rows:
         if len(contents.get(row["dataset"], ())) > 1:
             row["dataset"] += f"#{row['dataset_sha256'][:6]}" if row["dataset_sha256"] else "#unknown"
+    groups: dict[str, list[dict]] = {}
     for row in rows:
-        del row["dataset_file"], row["dataset_sha256"]
+        groups.setdefault(row["dataset"], []).append(row)
+    for group in groups.values():
+        differ = [f for f in TEXT_FIELDS if len({json.dumps(r["dataset_text"].get(f), sort_keys=True) for r in group}) > 1]
+        for row in group:
+            if differ:
+                row["dataset"] += "[" + ", ".join(f"{f}={_short(row['dataset_text'].get(f))}" for f in differ) + "]"
+    for row in rows:
+        del row["dataset_file"], row["dataset_sha256"], row["dataset_text"]
+
+
+def _short(value: Any) -> str:
+    text = "none" if value is None else str(value)
+    return text if len(text) <= 16 else f"#{hashlib.sha256(text.encode()).hexdigest()[:6]}"
 
 
 def prompt_row(cell: str, r: dict, dataset: str) -> dict:

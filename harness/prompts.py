@@ -61,7 +61,9 @@ def encode(tokenizer, text: str, template: str) -> list[int]:
         raise HarnessError("prompts.template=chat but the target's tokenizer has no chat template: use template=raw or auto")
     if use_chat:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return tokenizer(rendered, add_special_tokens=getattr(tokenizer, PAIR_TEMPLATE, False))["input_ids"]
+        # A pair's own template leaves BOS to the tokenizer, unless it writes one itself (then not twice).
+        specials = getattr(tokenizer, PAIR_TEMPLATE, False) and not (tokenizer.bos_token and rendered.startswith(tokenizer.bos_token))
+        return tokenizer(rendered, add_special_tokens=specials)["input_ids"]
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 

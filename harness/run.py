@@ -244,9 +244,9 @@ def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:
 
 
 def is_multirun(argv: list[str]) -> bool:
-    """-m, --multirun (or a prefix of it, as argparse takes), or hydra.mode=MULTIRUN."""
-    return any(arg == "-m" or (len(arg) > 3 and "--multirun".startswith(arg)) or arg.lower() == "hydra.mode=multirun"
-               for arg in argv)
+    """-m, --multirun (or a prefix of it from --m, as Hydra's argparse takes), or hydra.mode=MULTIRUN."""
+    return any(arg == "-m" or (len(arg) >= 3 and "--multirun".startswith(arg))
+               or re.fullmatch(r"\+*hydra\.mode=(RunMode\.)?MULTIRUN", arg) for arg in argv)
 
 
 def unknown_setting(override: str, known: set[str]) -> str | None:
@@ -266,7 +266,7 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
     names, unknown settings and `dataset.` keys the chosen dataset lacks end the process with
     one `error:` line ("did you mean") and exit 2. `extra`: a section the entry point adds to
     conf/config.yaml; `sweeps`: whether the entry point runs Hydra multiruns (the bench does not)."""
-    known, multirun = known_settings(extra), is_multirun(argv)
+    known, multirun = known_settings(extra), sweeps and is_multirun(argv)
     options = {group: group_options(group) for group in ("pair", "dataset")}
     chosen = {group: chosen_options(group, argv) for group in ("pair", "dataset")}
     if not any(arg.startswith("+pair=") for arg in argv):  # pair.* needs the group chosen first, or Hydra's struct error

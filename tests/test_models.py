@@ -172,3 +172,8 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How?"}]
     assert pair.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False) == \
         "Be brief. USER: Hi ASSISTANT: Hello</s>USER: How? ASSISTANT:"
+    from harness.prompts import set_pair_template
+
+    set_pair_template(pair.tokenizer, "{{ bos_token }}" + cfg.pair.chat_template)  # a template that writes its own BOS
+    assert encode(pair.tokenizer, "Name a prime.", "auto").count(bos) == 1  # not twice
+    __import__("harness.run", fromlist=["_loaded"])._loaded.clear()  # the cached pair's tokenizer was changed here

@@ -71,13 +71,22 @@ def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, caps
     ["-m", "+pair=smollm2,smollm2_ngram", "k=1,2"],
     ["+pair=smollm2_ngram", "pair.draft.length=cost_aware"],
     ["+pair=smollm2_ngram", "+pair.target.device_map=auto", "+pair.target.revision=abc"],  # keys a pair may add
-    ["k=1,2", "hydra.mode=MULTIRUN"], ["--multi", "k=1,2"],  # other ways to ask for a multirun
+    ["k=1,2", "hydra.mode=MULTIRUN"], ["--multi", "k=1,2"], ["--m", "k=1,2"],  # other ways to ask for a multirun
+    ["k=1,2", "++hydra.mode=RunMode.MULTIRUN"],
     ["wandb.name=run\\,1"],  # an escaped comma is one value
 ])
 def test_sweep_syntax_and_settings_the_chosen_option_has_pass(args):
     from harness.run import check_choices
 
     check_choices(args)
+
+
+def test_the_bench_runs_one_value_each_even_with_hydra_mode_multirun(capsys):
+    from harness.run import check_choices
+
+    with pytest.raises(SystemExit):
+        check_choices(["hydra.mode=MULTIRUN", "temperature=0,1"], sweeps=False)
+    assert "this command runs one of each" in capsys.readouterr().err
 
 
 def test_records_cut_by_a_kill_are_trimmed_before_a_resumed_run_appends(tmp_path):

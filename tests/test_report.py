@@ -502,6 +502,31 @@ def test_prompts_of_two_local_files_are_never_paired(tmp_path):
                                                              "local:hard.jsonl#unknown")
 
 
+def test_a_dataset_is_named_by_the_settings_that_change_its_text(tmp_path):
+    """gsm8k's test and train splits share ids (gsm8k-<row>) but not questions: two sets, named by
+    the setting that differs. A dataset's own template concerns that dataset only: cnn_dailymail's
+    template does not split a decision over both datasets into two."""
+    def hub(name, **fields):
+        return {"dataset": {"name": name, "source": "hub", "hf_id": f"org/{name}", "split": "test", "template": None, **fields}}
+
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, categories=("math",), config=hub("gsm8k"), dataset="g1")
+    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=1,
+               config=hub("gsm8k", split="train"), dataset="g2")
+    results = load(tmp_path)
+    assert sorted(results.cells["dataset"]) == ["gsm8k[split=test]", "gsm8k[split=train]"]
+    assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
+
+    shutil.rmtree(tmp_path)
+    for name, dataset, category, fields in (("a", "gsm8k", "math", {}), ("a", "cnn", "summarization", {"template": "Summarize:\n\n{article}"}),
+                                            ("b", "gsm8k", "math", {}), ("b", "cnn", "summarization", {"template": "Summarize:\n\n{article}"})):
+        write_cell(tmp_path, name, "model", Fraction(3, 5) if name == "a" else Fraction(4, 5), 2, 0.05, SLOPE,
+                   categories=(category,), config=hub(dataset, **fields), dataset=dataset, seed=len(list(tmp_path.glob("*"))) if tmp_path.exists() else 0)
+    results = load(tmp_path)
+    assert set(results.cells["dataset"]) == {"gsm8k", "cnn"} and results.cells["setup"].nunique() == 1
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, {"math": 0.5, "summarization": 0.5}, n_resamples=100)
+    assert d["categories"] == {"math": 6, "summarization": 6} and d["weights"] == {"math": 0.5, "summarization": 0.5}
+
+
 def test_a_decision_from_summaries_compares_cells_of_one_prompt_set(tmp_path):
     """Without per-prompt rows there is nothing to pair: a cell measured on another prompt set
     (here an easier one) is left out and named, not ranked against the others."""
