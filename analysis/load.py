@@ -62,7 +62,7 @@ SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_toke
 CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", "prompt_format")
 # Dataset settings that decide which text a prompt id names (not which ids run: num_prompts,
 # max_rows): cells of one dataset name that differ in one are different prompt sets.
-TEXT_FIELDS = ("hf_id", "hf_config", "split", "text_field", "template", "id_field")
+TEXT_FIELDS = ("source", "text_field", "template", "id_field")  # source: the file, or the hub set and split
 # W&B job types of the harness's runs that are not benchmark cells.
 NOT_CELLS = ("exactness", "report")
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
@@ -323,10 +323,10 @@ def cell_row(raw: RawCell) -> dict:
         "target": str(s.get("target") or (pair.get("target") or {}).get("id")),
         "draft": draft_id,
         "draft_kind": kind,
-        "dataset": dataset.get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown"),
+        "dataset": str(dataset.get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown")),
         "dataset_file": dataset.get("path"),  # _dataset_names reads these two, then drops them
         "dataset_sha256": s.get("dataset_sha256"),
-        "dataset_text": {f: dataset.get(f) for f in TEXT_FIELDS},
+        "dataset_text": _text_settings(dataset),
         "k": int(s["k"]),
         "temperature": temperature,
         "top_k": top_k,
@@ -396,8 +396,10 @@ def _dataset_names(rows: list[dict]) -> None:
     local-0 recur from file to file). Where cells of one such name read files of different
     contents (the SHA-256 the summaries record), each content gets its SHA's first 6 hex digits
     after the name, and cells from results that predate the SHA `#unknown`; with one content
-    known they join it. Where cells of one name differ in a TEXT_FIELDS setting (another split,
-    another template), the name gets the settings that differ, e.g. `gsm8k[split=train]`."""
+    known they join it. Where cells of one name differ in a TEXT_FIELDS setting (another split or
+    file, another template), the name gets the settings that differ, e.g.
+    `gsm8k[source=openai/gsm8k:train]`; a cell whose config lacks a setting (older results, from
+    before the dataset config had it) joins the group's one known value, or reads `unknown`."""
     for row in rows:
         if row["dataset"] == "local" and row["dataset_file"]:
             row["dataset"] = f"local:{Path(str(row['dataset_file'])).name}"
@@ -412,17 +414,31 @@ def _dataset_names(rows: list[dict]) -> None:
     for row in rows:
         groups.setdefault(row["dataset"], []).append(row)
     for group in groups.values():
-        differ = [f for f in TEXT_FIELDS if len({json.dumps(r["dataset_text"].get(f), sort_keys=True) for r in group}) > 1]
+        differ = [f for f in TEXT_FIELDS if len({_short(r["dataset_text"][f]) for r in group if f in r["dataset_text"]}) > 1]
         for row in group:
             if differ:
-                row["dataset"] += "[" + ", ".join(f"{f}={_short(row['dataset_text'].get(f))}" for f in differ) + "]"
+                text = row["dataset_text"]
+                row["dataset"] += "[" + ", ".join(f"{f}={_short(text[f]) if f in text else 'unknown'}" for f in differ) + "]"
     for row in rows:
         del row["dataset_file"], row["dataset_sha256"], row["dataset_text"]
 
 
+def _text_settings(dataset: dict) -> dict:
+    """The TEXT_FIELDS of a dataset config, absent ones left out (see _dataset_names). `source` is
+    where the text comes from: the file's name where `path` is set (a hub set read from a local
+    copy reads the file, whatever its hf_id and split say), else hf_id, hf_config and split."""
+    settings = {f: dataset[f] for f in ("text_field", "template", "id_field") if f in dataset}
+    if dataset.get("path"):
+        settings["source"] = Path(str(dataset["path"])).name
+    elif any(f in dataset for f in ("hf_id", "hf_config", "split")):
+        settings["source"] = ":".join(str(dataset.get(f)) for f in ("hf_id", "hf_config", "split") if dataset.get(f) is not None)
+    return settings
+
+
 def _short(value: Any) -> str:
+    """A setting as a name can show it: as it is when short and plain, else `sha-` and 6 hex digits."""
     text = "none" if value is None else str(value)
-    return text if len(text) <= 16 else f"#{hashlib.sha256(text.encode()).hexdigest()[:6]}"
+    return text if re.fullmatch(r"[\w./:-]{1,40}", text) else f"sha-{hashlib.sha256(text.encode()).hexdigest()[:6]}"
 
 
 def prompt_row(cell: str, r: dict, dataset: str) -> dict:

@@ -246,7 +246,7 @@ def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:
 def is_multirun(argv: list[str]) -> bool:
     """-m, --multirun (or a prefix of it from --m, as Hydra's argparse takes), or hydra.mode=MULTIRUN."""
     return any(arg == "-m" or (len(arg) >= 3 and "--multirun".startswith(arg))
-               or re.fullmatch(r"\+*hydra\.mode=(RunMode\.)?MULTIRUN", arg) for arg in argv)
+               or re.fullmatch(r"\+*hydra\.mode=\s*(['\"]?)(RunMode\.)?(MULTIRUN|2)\1\s*", arg) for arg in argv)
 
 
 def unknown_setting(override: str, known: set[str]) -> str | None:

@@ -72,7 +72,7 @@ def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, caps
     ["+pair=smollm2_ngram", "pair.draft.length=cost_aware"],
     ["+pair=smollm2_ngram", "+pair.target.device_map=auto", "+pair.target.revision=abc"],  # keys a pair may add
     ["k=1,2", "hydra.mode=MULTIRUN"], ["--multi", "k=1,2"], ["--m", "k=1,2"],  # other ways to ask for a multirun
-    ["k=1,2", "++hydra.mode=RunMode.MULTIRUN"],
+    ["k=1,2", "++hydra.mode=RunMode.MULTIRUN"], ["k=1,2", "hydra.mode='MULTIRUN'"], ["k=1,2", "hydra.mode=2"],
     ["wandb.name=run\\,1"],  # an escaped comma is one value
 ])
 def test_sweep_syntax_and_settings_the_chosen_option_has_pass(args):

@@ -10,6 +10,7 @@ speedups and the recommended draft must then be what the formulas give.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -512,9 +513,22 @@ def test_a_dataset_is_named_by_the_settings_that_change_its_text(tmp_path):
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, categories=("math",), config=hub("gsm8k"), dataset="g1")
     write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=1,
                config=hub("gsm8k", split="train"), dataset="g2")
+    write_cell(tmp_path, "c", "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=2,
+               config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"), dataset="g3")  # a local copy: its file, whatever its split says
+    write_cell(tmp_path, "d", "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=3,
+               config=hub("gsm8k", template="Q: {question}\nA:"), dataset="g4")
     results = load(tmp_path)
-    assert sorted(results.cells["dataset"]) == ["gsm8k[split=test]", "gsm8k[split=train]"]
+    assert sorted(results.cells["dataset"]) == [
+        "gsm8k[source=gsm8k_copy.jsonl, template=none]", "gsm8k[source=org/gsm8k:test, template=none]",
+        "gsm8k[source=org/gsm8k:test, template=sha-" + hashlib.sha256(b"Q: {question}\nA:").hexdigest()[:6] + "]",
+        "gsm8k[source=org/gsm8k:train, template=none]"]
     assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
+
+    shutil.rmtree(tmp_path)  # results from before the dataset config had a setting join the one value known
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, config={"dataset": {"name": "builtin", "source": "builtin"}})
+    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, SLOPE, seed=1, config={"dataset": {
+        "name": "builtin", "source": "builtin", "text_field": "prompt", "template": None, "id_field": "id"}})
+    assert set(load(tmp_path).cells["dataset"]) == {"builtin"}
 
     shutil.rmtree(tmp_path)
     for name, dataset, category, fields in (("a", "gsm8k", "math", {}), ("a", "cnn", "summarization", {"template": "Summarize:\n\n{article}"}),
