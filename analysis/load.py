@@ -383,7 +383,7 @@ def _prompt_format(cfg: dict) -> str:
     only the setting is recorded), and a pair's own `chat_template` (its hash) where one is set."""
     prompts = cfg.get("prompts") if isinstance(cfg.get("prompts"), dict) else {}
     pair = cfg.get("pair") if isinstance(cfg.get("pair"), dict) else {}
-    text = f"prompts.template={_known(prompts.get('template'))}"
+    text = _known(prompts.get("template"))  # shown as prompt_format=auto
     if pair.get("chat_template"):
         text += f" + pair chat_template {hashlib.sha256(str(pair['chat_template']).encode()).hexdigest()[:6]}"
     return text
