@@ -266,16 +266,15 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
     One cell key on several devices (the same config run on two machines) keeps a row per device,
     its `cell` qualified by the device name so that every row's `cell` is unique."""
     notes = list(notes or [])
-    kept, seen, seen_reused = [], {}, {}
+    kept, seen = [], {}  # (cell, device) -> the first raw cell of it
     for raw in raws:
         row = cell_row(raw)
         key = (row["cell"], row["device_name"])
         if key in seen:
-            if not raw.summary.get("reused") and not seen_reused[key]:  # a sweep's run of a complete cell logs it again
-                notes.append(f"cell {row['cell']} on {row['device_name']} found twice ({seen[key]}, {raw.origin}): the first is used")
+            if not (raw.summary.get("reused") or seen[key].summary.get("reused")):  # a sweep's run of a complete cell logs it again
+                notes.append(f"cell {row['cell']} on {row['device_name']} found twice ({seen[key].origin}, {raw.origin}): the first is used")
             continue
-        seen_reused[key] = bool(raw.summary.get("reused"))
-        seen[key] = raw.origin
+        seen[key] = raw
         kept.append((row, raw.records))
     _dataset_names([row for row, _ in kept])
     devices = Counter(row["cell"] for row, _ in kept)

@@ -128,9 +128,9 @@ def to_markdown(rows: list[dict]) -> str:
             if name == "speedup_ci":
                 low, high = row["speedup_ci_low"], row["speedup_ci_high"]
                 cells.append(f"[{_f(low, '.3f')}, {_f(high, '.3f')}]" if low is not None else "")
-            elif name == "status" and row["status"] != "finished" and set((row.get("overrides") or "").split()) - shared:
-                own = " ".join(o for o in row["overrides"].split() if o not in shared)  # what tells this job apart
-                cells.append(f"{row['status']} ({own})")  # which cell: a failed one has no pair or k
+            elif name == "status" and row["status"] != "finished":  # which cell: a failed one has no pair or k
+                own = [o for o in (row.get("overrides") or "").split() if o not in shared]  # what tells this job apart
+                cells.append(f"{row['status']} ({' '.join(own)})" if own else row["status"])
             else:
                 cells.append(_f(row[name], fmt))
         lines.append("| " + " | ".join(cells) + " |")

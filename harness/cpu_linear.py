@@ -160,12 +160,9 @@ def apply(models: list[nn.Module], rows_to: tuple[int, ...] | list[int] | None) 
     """Give the models' linear layers the plan rows_to (None: torch's own product)."""
     rows_to = tuple(rows_to) if rows_to else None
     for layer in _linears(models):
-        if type(layer) not in (nn.Linear, TransposedLinear):  # a subset head: it reads its plan
-            layer.rows_to = rows_to
-        else:
+        if type(layer) in (nn.Linear, TransposedLinear):  # a subset head keeps its class and reads its plan
             layer.__class__ = TransposedLinear if rows_to else nn.Linear
-            if rows_to:
-                layer.rows_to = rows_to
+        layer.rows_to = rows_to
 
 
 def choose(mode: str, models: list[nn.Module], device: torch.device) -> dict:

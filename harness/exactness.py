@@ -657,11 +657,12 @@ def full_precision_for_truncation(cfg: DictConfig, device: torch.device) -> str 
     dtype=bfloat16, given explicitly, checks in bfloat16."""
     from harness.models import resolve_dtype
 
+    auto = resolve_dtype("auto", device)
     truncated = cfg.top_k > 0 or cfg.top_p < 1
-    if not truncated or cfg.dtype != "auto" or resolve_dtype("auto", device) in (torch.float32, torch.float64):
+    if not truncated or cfg.dtype != "auto" or auto in (torch.float32, torch.float64):
         return None
     cfg.dtype = "float32"
-    return (f"top-k / top-p in {str(resolve_dtype('auto', device)).removeprefix('torch.')} would put tokens at the truncation edge "
+    return (f"top-k / top-p in {str(auto).removeprefix('torch.')} would put tokens at the truncation edge "
             f"on either side from one pass shape to another: checking in float32 (dtype=bfloat16 checks in bfloat16)")
 
 

@@ -223,11 +223,8 @@ def group_setting(group: str, override: str, chosen: list[str], options: dict[st
         return None
     also = f" (also {', '.join(having[1:])})" if len(having) > 1 else ""
     choose = "dataset=" if group == "dataset" else "+pair="
-    if group == "dataset":
-        lacks = f"dataset={lacking[0]}, whose keys are {', '.join(sorted(options[lacking[0]]))}"
-    else:
-        lacks = f"+pair={lacking[0]}"
-    return f"unknown setting '{name}' for {lacks}: use one that takes it, e.g. {choose}{having[0]} {name}=...{also}"
+    keys = f", whose keys are {', '.join(sorted(options[lacking[0]]))}" if group == "dataset" else ""
+    return f"unknown setting '{name}' for {choose}{lacking[0]}{keys}: use one that takes it, e.g. {choose}{having[0]} {name}=...{also}"
 
 
 def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:

@@ -152,6 +152,7 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
     tuned on (and Spec-Bench prompts it with), so prompts.template=auto does not fall back to raw text."""
     from hydra import compose, initialize_config_dir
 
+    import harness.run
     from harness.prompts import encode
     from harness.run import CONF_DIR, load_pair
 
@@ -176,4 +177,4 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
 
     set_pair_template(pair.tokenizer, "{{ bos_token }}" + cfg.pair.chat_template)  # a template that writes its own BOS
     assert encode(pair.tokenizer, "Name a prime.", "auto").count(bos) == 1  # not twice
-    __import__("harness.run", fromlist=["_loaded"])._loaded.clear()  # the cached pair's tokenizer was changed here
+    harness.run._loaded.clear()  # the cached pair's tokenizer was changed here

@@ -115,9 +115,9 @@ def test_peak_memory_is_the_cells_own():
 
 
 def test_a_failed_cell_is_named_in_the_sweep_table():
-    from harness.callbacks import to_markdown
+    from harness.callbacks import COLUMNS, to_markdown
 
-    row = {name: None for name, _, _ in __import__("harness.callbacks", fromlist=["COLUMNS"]).COLUMNS}
+    row = {name: None for name, _, _ in COLUMNS}
     table = to_markdown([{**row, "job": 0, "status": "finished", "overrides": "+pair=smollm2 k=1 out_dir=/r"},
                          {**row, "job": 1, "status": "failed", "overrides": "+pair=smollm2 k=0 out_dir=/r"}])
     assert "| failed (k=0) |" in table  # the overrides that tell it apart from the sweep's other jobs
