@@ -67,13 +67,26 @@ class GrowingLayer(DynamicLayer):
             self._allocate(key_states, value_states, max(end, 2 * self._keys.shape[-2]))
         self._keys[:, :, self.length : end].copy_(key_states)
         self._values[:, :, self.length : end].copy_(value_states)
-        self._set_length(end)
+        self.length = end
         return self.keys, self.values
 
-    def _set_length(self, length: int) -> None:
-        self.length = length
-        self.keys = self._keys[:, :, :length]  # [B, H, length, D]
-        self.values = self._values[:, :, :length]
+    # The keys and values are views of the first `length` positions, made when read, so that a
+    # rollback only moves `length` (a model's layers read them once per forward, from `update`).
+    @property
+    def keys(self) -> torch.Tensor | None:  # [B, H, length, D]
+        return self._keys[:, :, : self.length] if self.is_initialized else None
+
+    @property
+    def values(self) -> torch.Tensor | None:  # [B, H, length, D]
+        return self._values[:, :, : self.length] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value: None) -> None:  # HF's layer code clears them; the storage stays
+        assert value is None, "GrowingLayer's keys are views of its storage: write them with update()"
+
+    @values.setter
+    def values(self, value: None) -> None:
+        assert value is None, "GrowingLayer's values are views of its storage: write them with update()"
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -82,12 +95,11 @@ class GrowingLayer(DynamicLayer):
         """Drop the last -tokens_to_remove positions (transformers 5: a negative count)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of positions to remove, not {tokens_to_remove}")
-        if tokens_to_remove and self.is_initialized:
-            self._set_length(max(self.length + tokens_to_remove, 0))
+        if self.is_initialized:
+            self.length = max(self.length + tokens_to_remove, 0)
 
     def reset(self) -> None:
         """A new sequence: the storage stays for it."""
-        self.keys = self.values = None
         self.length = 0
         self.is_initialized = False
 
