@@ -19,7 +19,7 @@ import torch
 
 from harness.errors import HarnessError
 from harness.models import CachedLM
-from harness.sampling import Sampling, greedy_token, sample, shape_probs
+from harness.sampling import Sampling, sample, shape_probs
 
 
 class Drafter(Protocol):
@@ -57,7 +57,7 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.lm.forward(feed, num_logits=1)[0]  # [V]
             if sampling.greedy:
-                token = greedy_token(logits)
+                token = logits.argmax()
             else:
                 q = shape_probs(logits, sampling)  # [V]
                 token = sample(q, generator)

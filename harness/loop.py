@@ -34,7 +34,7 @@ import torch
 from harness.drafters import Drafter
 from harness.models import CachedLM
 from harness.rule import Verdict, verify, verify_greedy
-from harness.sampling import Sampling, greedy_token, sample, shape_probs
+from harness.sampling import Sampling, sample, shape_probs
 
 
 @dataclass
@@ -70,7 +70,7 @@ def speculative_decode(
         unseen = ids[target.length :]  # the whole prompt in the first cycle, then the last committed token
         logits = target.forward(torch.cat([unseen, draft_tokens]), num_logits=k_cycle + 1)  # [k'+1, V]
         if sampling.greedy:
-            verdict: Verdict = verify_greedy(draft_tokens, greedy_token(logits))
+            verdict: Verdict = verify_greedy(draft_tokens, logits.argmax(-1))
         else:
             target_probs = shape_probs(logits, sampling)  # [k'+1, V]
             if draft_probs is None:  # nothing drafted (k' = 0): a plain target step
@@ -104,7 +104,7 @@ def autoregressive_decode(
     target.reset(rollback=False)
     logits = target.prefill(prompt_ids)  # [V] the row after the whole prompt
     for step in range(max_new_tokens):
-        token = greedy_token(logits) if sampling.greedy else sample(shape_probs(logits, sampling), generator)
+        token = logits.argmax() if sampling.greedy else sample(shape_probs(logits, sampling), generator)
         token_id = int(token)  # host sync: the stop check needs it
         yield token_id
         if token_id in eos_ids or step == max_new_tokens - 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.rule import verify
-from harness.sampling import Sampling, greedy_token, sample, shape_probs
+from harness.sampling import Sampling, sample, shape_probs
 
 T1 = Sampling(1.0)
 
@@ -57,21 +57,3 @@ def test_half_precision_logits_give_float32_probabilities():
         assert p.dtype == torch.float32
         torch.testing.assert_close(p.sum(-1), torch.ones(3))
     assert shape_probs(logits.double(), T1).dtype == torch.float64
-
-
-def test_greedy_token_is_torch_argmax():
-    """The blocked argmax the loop uses on a CPU gives torch.argmax's index: the first of equal
-    maxima (ties across and within blocks), NaN as the largest, any vocabulary size."""
-    nan, inf = float("nan"), float("inf")
-    generator = torch.Generator().manual_seed(0)
-    for vocab in (49152, 32000, 151936, 50257):  # blocks of 256, 256, 128; an odd size: torch's own argmax
-        logits = torch.randn(6, vocab, generator=generator)
-        logits[1, [vocab // 2, vocab - 1, 3]] = 9.0  # a tie: the first index wins
-        logits[2, :] = -inf
-        logits[3, [vocab - 2, vocab // 3]] = nan  # NaN beats any value, the first NaN wins
-        logits[3, 0] = inf
-        logits[4] = logits[4].to(torch.bfloat16).round()  # many ties within a block
-        logits[5, 1:3] = 5.0
-        for rows in (logits, logits[0], logits[:, None]):  # [R, V], [V], [R, 1, V]
-            assert torch.equal(greedy_token(rows), rows.argmax(-1)), vocab
-        assert greedy_token(logits[1]) == 3
