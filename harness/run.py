@@ -77,7 +77,8 @@ class Pair:
         return self.context - new_tokens + 1
 
     def reserve(self, longest_prompt: int, new_tokens: int, k: int) -> None:
-        """Size static KV caches for that prompt and new_tokens (prompt + new_tokens - 1 positions),
+        """Size both KV caches (static: their slots; dynamic: the in-place storage allocated ahead) for that
+        prompt and new_tokens (prompt + new_tokens - 1 positions),
         or for measure_costs' verify of k + 1 positions after it, whichever is longer."""
         positions = longest_prompt + max(new_tokens - 1, k)
         self.target.reserve(positions)
