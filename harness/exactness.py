@@ -115,7 +115,8 @@ class PromptKept:
     the loop uses after a rejection) and a prefill of exactly that prefix is
     skipped. The loop itself is unchanged: it feeds `ids[length:]`, now the
     prompt's last token and the drafts. The first continuation runs from an
-    empty cache, as in a run.
+    empty cache, as in a run, and so does every one whose cache cannot roll
+    back that far (sliding-window layers drop what leaves their window).
     """
 
     def __init__(self, lm: CachedLM, prompt_ids: torch.Tensor):
@@ -126,9 +127,10 @@ class PromptKept:
         return getattr(self.lm, name)
 
     def reset(self) -> None:
-        if self.warm:
+        if self.warm and self.lm.can_roll_back(self.keep):  # sliding-window layers: only while within the window
             self.lm.rollback(self.keep)
         else:
+            self.warm = False
             self.lm.reset()
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:

@@ -321,12 +321,24 @@ class CachedLM:
             return self.forward(input_ids, num_logits=1)[0]
         return None
 
+    def can_roll_back(self, length: int) -> bool:
+        """Whether a rollback to `length` finds what it restores. Sliding-window layers
+        keep what left their window only until the next rollback: one cycle's worth."""
+        removed = self.length - length
+        if self.static or not self.trims or removed <= 0:
+            return True
+        return all(layer.keys.shape[-2] - removed >= min(self.length - removed, layer.sliding_window - 1)
+                   for layer in self.cache.layers if getattr(layer, "is_sliding", False) and layer.is_initialized)
+
     @torch.inference_mode()
     def rollback(self, length: int) -> None:
         """Drop cached positions at and beyond `length` (rejected tokens)."""
         if length < self.length:
             if self.static:
                 self._check_static_rollback()
+            elif not self.can_roll_back(length):  # HF's sliding layer would cut the wrong positions, and attention fail
+                raise HarnessError(f"{type(self.model).__name__}'s sliding-window layers no longer hold the positions a rollback "
+                                   f"from {self.length} to {length} tokens restores: only what the last forward passes fed can be dropped")
             self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove; static: moves the position
             self.length = length
         elif self.trims:

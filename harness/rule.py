@@ -45,8 +45,9 @@ def verify(
     p_x = target_probs[positions, draft_tokens]  # [k]
     q_x = draft_probs[positions, draft_tokens]  # [k]
     # Accept x_i with probability min(1, p/q): u * q < p for u ~ U[0, 1).
-    # Strict '<' so that a token the target gives zero mass is never kept.
-    u = torch.rand(k, generator=generator, device=p_x.device, dtype=p_x.dtype)
+    # Strict '<' so that a token the target gives zero mass is never kept. u is
+    # float64: a float32 u (multiples of 2^-24) would accept a p/q below 6e-8 at 6e-8.
+    u = torch.rand(k, generator=generator, device=p_x.device, dtype=torch.float64)
     accepted = u * q_x < p_x  # [k]
     num_accepted = int(accepted.cumprod(0).sum())  # host sync: the one the rule needs
     if num_accepted < k:

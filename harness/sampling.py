@@ -80,7 +80,10 @@ def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     for n in [*ladder, vocab]:
         top = torch.topk(rows[todo], n).values if n < vocab else rows[todo].sort(descending=True).values  # [R', n]
         mass = top.cumsum(-1)  # [R', n]
-        kept = (mass - top < top_p).sum(-1, keepdim=True)  # [R', 1] the first always stays
+        # The mass before each token, as the previous cumulative sum: the same at every rung (mass - top
+        # can round one ulp lower). The first token always stays, even when top_p rounds to 0.
+        before = torch.nn.functional.pad(mass[:, :-1], (1, 0))  # [R', n]
+        kept = (before < top_p).sum(-1, keepdim=True).clamp_min(1)  # [R', 1]
         floor[todo] = top.gather(-1, kept - 1)
         if n < vocab:  # CPU only: the host reads which rows the n candidates did not settle
             todo = torch.arange(rows.shape[0])[todo][mass[:, -1] < top_p]

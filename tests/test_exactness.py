@@ -668,6 +668,32 @@ def test_kept_prompt_draws_what_fresh_caches_draw(tiny_pair):
     assert target.length == prompt.shape[0] - 1 and wrapped.prefill(prompt[:-1]) is None
 
 
+def test_kept_prompt_of_a_sliding_window_model_draws_what_fresh_caches_draw():
+    """Continuations that run past a sliding window leave a cache that cannot roll back to the
+    prompt: each then starts from an empty cache, and draws the tokens fresh caches draw."""
+    from harness.exactness import draw_continuations
+    from harness.models import CachedLM
+    from tests.test_loop import ids_of, sliding_window_pair
+
+    target, draft = sliding_window_pair(window=8)
+    prompt = ids_of("Sliding window")  # 6 tokens: prompt and continuation run past the window
+    length = 8
+
+    def draws(target_lm, draft_lm):
+        return draw_continuations(target_lm, ModelDrafter(draft_lm), prompt, 3, Sampling(1.0), length, set(), 30, 0)
+
+    class Fresh:  # not a CachedLM: every reset empties the cache
+        def __init__(self, lm):
+            self.lm = lm
+
+        def __getattr__(self, name):
+            return getattr(self.lm, name)
+
+    kept = draws(CachedLM(target, 98), CachedLM(draft, 98))
+    assert kept == draws(Fresh(CachedLM(target, 98)), Fresh(CachedLM(draft, 98)))
+    assert len({d.tokens for d in kept}) > 5
+
+
 def exactness_cli(*args: str) -> "subprocess.CompletedProcess":
     import os
     import subprocess

@@ -120,6 +120,35 @@ def test_sliding_window_models_roll_back_past_the_window(k):
     assert rejected
 
 
+def test_a_sliding_window_cache_refuses_a_rollback_past_its_last_cycle():
+    """After a cycle's rollback, sliding-window layers keep only the window: dropping more than
+    the last forward fed is refused in one line (HF's crop would cut the wrong positions), while
+    any rollback within the window, or within what was just fed, restores a fresh cache's logits."""
+    window = 8
+    target, _ = sliding_window_pair(window=window)
+    lm = CachedLM(target, 98)
+    ids = ids_of("A prompt that runs well past the sliding window of eight tokens")
+    lm.reset()
+    lm.forward(ids[:5], num_logits=1)
+    lm.forward(ids[5:7], num_logits=2)
+    lm.rollback(3)  # within the window: nothing has left it
+    assert lm.can_roll_back(2)
+    position = 3
+    for _ in range(6):  # cycles past the window: feed 3, keep 2
+        lm.forward(ids[position : position + 3], num_logits=3)
+        assert lm.can_roll_back(position + 1)
+        lm.rollback(position + 2)
+        position += 2
+    assert position > window and not lm.can_roll_back(position - 2)
+    with pytest.raises(HarnessError, match="sliding-window layers no longer hold"):
+        lm.rollback(position - 2)
+    fresh = CachedLM(target, 98)
+    fresh.reset()
+    fresh.forward(ids[:position], num_logits=1)
+    torch.testing.assert_close(lm.forward(ids[position : position + 2], num_logits=2),
+                               fresh.forward(ids[position : position + 2], num_logits=2))
+
+
 def test_static_cache_of_a_sliding_window_model():
     """A static cache is sized within the window when the run fits in it, and then rolls back
     and resets like any other; a run longer than the window is refused in one line."""
