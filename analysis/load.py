@@ -393,9 +393,9 @@ def _dataset_names(rows: list[dict]) -> None:
 
     A local file is `local:<file name>` (every local file runs as dataset `local`, and ids like
     local-0 recur from file to file). Where cells of one such name read files of different
-    contents (the SHA-256 the summaries record), each content gets its SHA's first 6 hex digits
-    after the name, and cells from results that predate the SHA `#unknown`; with one content
-    known they join it. Where cells of one name differ in a TEXT_FIELDS setting (another split or
+    contents (the SHA-256 the summaries record, also of a hub set's local copy), each content
+    gets its SHA's first 6 hex digits after the name, and cells that read a file but predate the
+    SHA `#unknown`; with one content known they join it. Where cells of one name differ in a TEXT_FIELDS setting (another split or
     file, another template), the name gets the settings that differ, e.g.
     `gsm8k[source=openai/gsm8k:train]`; a cell whose config lacks a setting (older results, from
     before the dataset config had it) joins the group's one known value, or reads `unknown`."""
@@ -407,7 +407,7 @@ def _dataset_names(rows: list[dict]) -> None:
         if row["dataset_sha256"]:
             contents.setdefault(row["dataset"], set()).add(row["dataset_sha256"])
     for row in rows:
-        if len(contents.get(row["dataset"], ())) > 1:
+        if len(contents.get(row["dataset"], ())) > 1 and (row["dataset_sha256"] or row["dataset_file"]):  # hub reads: no file
             row["dataset"] += f"#{row['dataset_sha256'][:6]}" if row["dataset_sha256"] else "#unknown"
     groups: dict[str, list[dict]] = {}
     for row in rows:

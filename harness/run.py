@@ -378,9 +378,10 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
 
 
 def dataset_sha256(cfg: DictConfig) -> str | None:
-    """The SHA-256 of a local dataset's file (None for other sources)."""
+    """The SHA-256 of the file a prompt set is read from: `dataset.path` of dataset=local or of a
+    hub set read from a local copy (None when prompts come from the hub or the builtin set)."""
     data_file = Path(str(cfg.dataset.get("path") or "")).expanduser()
-    return _file_sha256(data_file) if cfg.dataset.get("source") == "local" and data_file.is_file() else None
+    return _file_sha256(data_file) if data_file.is_file() else None
 
 
 def _file_sha256(path: Path) -> str:

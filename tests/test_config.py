@@ -67,12 +67,13 @@ def test_cell_key_changes_with_what_changes_results():
     assert cell_key(base) != cell_key(with_default_pair(composed(["temperature=1.0"])))
 
 
-def test_cell_key_changes_when_a_local_prompt_file_is_edited(tmp_path):
+@pytest.mark.parametrize("dataset", ["local", "mt_bench"])  # a hub set read from a local copy too
+def test_cell_key_changes_when_a_local_prompt_file_is_edited(tmp_path, dataset):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"question_id": 1, "category": "qa", "turns": ["What is 2 + 2?"]}\n')
 
     def key():
-        return cell_key(with_default_pair(composed(["dataset=local", f"dataset.path={data}"])))
+        return cell_key(with_default_pair(composed([f"dataset={dataset}", f"dataset.path={data}"])))
 
     before = key()
     assert key() == before

@@ -523,6 +523,14 @@ def test_a_dataset_is_named_by_the_settings_that_change_its_text(tmp_path):
         "gsm8k[source=org/gsm8k:test, template=sha-" + hashlib.sha256(b"Q: {question}\nA:").hexdigest()[:6] + "]",
         "gsm8k[source=org/gsm8k:train, template=none]"]
     assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
+    copies = [write_cell(tmp_path, name, "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=seed,
+                         config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"), dataset=dataset)
+              for name, seed, dataset in (("e", 4, "g5"), ("f", 5, "g6"))]
+    for cell, digest in zip(copies, ("ee" * 32, "ff" * 32)):  # the copy edited between runs: two contents
+        (cell / "summary.json").write_text(json.dumps({**json.loads((cell / "summary.json").read_text()), "dataset_sha256": digest}))
+    named = dict(zip(load(tmp_path).cells["cell"].str.split("-t").str[0], load(tmp_path).cells["dataset"]))
+    assert (named["c-k2"], named["e-k2"], named["f-k2"]) == ("gsm8k#unknown", "gsm8k#eeeeee", "gsm8k#ffffff")  # c: before the SHA
+    assert named["a-k2"] == "gsm8k[source=org/gsm8k:test, template=none]"  # read from the hub: no file, no content suffix
 
     shutil.rmtree(tmp_path)  # results from before the dataset config had a setting join the one value known
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, config={"dataset": {"name": "builtin", "source": "builtin"}})
