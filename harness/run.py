@@ -701,9 +701,6 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             with tracking.start(cfg, cell_dir) as tracker:
                 tracker.finish({**summary, "reused": True}, _read_records(lines_path))
         return summary
-    if cfg.force:  # the old results go before any work starts: an interrupted redo must not look complete
-        for path in (summary_path, status_path, lines_path):  # the completion marks first
-            path.unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     peak_since_reset = _reset_peak_rss()
 
@@ -728,6 +725,9 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
+    if cfg.force:  # once prompts and pair have loaded (a redo that cannot start keeps the finished cell), before
+        for path in (summary_path, status_path, lines_path):  # any new result: a stopped redo must not look complete
+            path.unlink(missing_ok=True)
     records = _read_records(lines_path, trim=True)
     pair.follow_linear(records)
     pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k)

@@ -281,21 +281,39 @@ def _stored_cell(cfg, out: Path) -> Path:
     return cell
 
 
-def test_force_removes_the_old_results_before_any_work(tmp_path, monkeypatch):
-    """An interrupted force=true leaves nothing that marks the cell complete: the next plain run redoes it."""
+def test_force_keeps_the_old_results_until_the_redo_can_start(tmp_path, monkeypatch):
+    """force=true whose prompts or models do not load (a moved file, Ctrl-C while loading) keeps the
+    finished cell; once they have loaded, the old results go before any new one, so a redo stopped
+    from then on leaves nothing that marks the cell complete: the next plain run redoes it."""
+    from types import SimpleNamespace
+
     from test_config import composed
 
     from harness import run
+    from harness.errors import HarnessError
 
     cell = _stored_cell(run.with_default_pair(composed(["wandb.mode=disabled"])), tmp_path)
+    stored = {name: (cell / name).read_text() for name in ("summary.json", "status.json", "prompts.jsonl")}
 
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+    def raising(error):
+        def fail(*args, **kwargs):
+            raise error
+        return fail
 
-    monkeypatch.setattr(run, "load_prompts", interrupted)  # the first work a run does
+    forced = run.with_default_pair(composed(["wandb.mode=disabled", "force=true"]))
+    for step, error in (("load_prompts", HarnessError("dataset.path=x does not exist")), ("load_pair", KeyboardInterrupt())):
+        with monkeypatch.context() as patch:
+            patch.setattr(run, step, raising(error))
+            with pytest.raises(type(error)):
+                run.run_cell(forced, out_dir=tmp_path, quiet=True)
+        assert {name: (cell / name).read_text() for name in stored} == stored
+
+    monkeypatch.setattr(run, "load_pair", lambda *args, **kwargs: SimpleNamespace(prompt_budget=lambda new_tokens: 100, tokenizer=None))
+    monkeypatch.setattr(run, "encode", lambda tokenizer, prompt, template: [1, 2, 3])
+    monkeypatch.setattr(run, "_read_records", raising(KeyboardInterrupt))  # the first step after the removal
     with pytest.raises(KeyboardInterrupt):
-        run.run_cell(run.with_default_pair(composed(["wandb.mode=disabled", "force=true"])), out_dir=tmp_path, quiet=True)
-    assert not any((cell / name).exists() for name in ("summary.json", "status.json", "prompts.jsonl"))
+        run.run_cell(forced, out_dir=tmp_path, quiet=True)
+    assert not any((cell / name).exists() for name in stored)
     with pytest.raises(KeyboardInterrupt):  # not "already complete": it works on the cell again
         run.run_cell(run.with_default_pair(composed(["wandb.mode=disabled"])), out_dir=tmp_path, quiet=True)
 
