@@ -250,12 +250,17 @@ def is_multirun(argv: list[str]) -> bool:
 def unknown_setting(override: str, known: set[str]) -> str | None:
     """A message if a command-line override sets a key no config has (Hydra's own
     message spans several lines). Additions (+key=), deletions (~key), Hydra's
-    own settings and flags are left to Hydra."""
+    own settings and flags are left to Hydra, except a key added to the dataset, which no
+    code would read (a prompt set reads only the keys conf/dataset/ configs have)."""
     name, equals, _ = override.partition("=")
+    added_to_dataset = name.startswith("+") and name.lstrip("+").startswith("dataset.")
+    name = name.lstrip("+") if added_to_dataset else name
     if not equals or name.startswith(("+", "~", "-", "hydra")) or "/" in name or name in known:
         return None
     close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
     hint = f"did you mean {close[0]}? " if close else ""
+    if name.startswith("dataset."):
+        return f"unknown setting '{name}': {hint}(no prompt set reads it; --cfg job prints the settings)"
     return f"unknown setting '{name}': {hint}(--cfg job prints them all; +{name}=... adds a new key)"
 
 

@@ -64,6 +64,18 @@ def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, caps
     assert ("e.g. dataset=local dataset.path=" if "path" in args[-1] else "e.g. dataset=cnn_dailymail dataset.hf_id=") in err[0]
 
 
+@pytest.mark.parametrize("override", ["+dataset.text_feild=q", "dataset.text_feild=q"])
+def test_a_dataset_key_no_prompt_set_reads_is_refused(override, capsys):
+    """Added with '+' it would be silently ignored (a prompt set reads only its configs' keys)."""
+    from harness.run import check_choices
+
+    with pytest.raises(SystemExit) as exit:
+        check_choices(["dataset=local", "dataset.path=x.jsonl", override])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and err == ["error: unknown setting 'dataset.text_feild': did you mean dataset.text_field? "
+                                            "(no prompt set reads it; --cfg job prints the settings)"]
+
+
 @pytest.mark.parametrize("args", [
     ["-m", "+pair=choice(smollm2,smollm2_ngram)"],  # Hydra's sweep functions are Hydra's to read
     ["-m", "dataset=glob(b*)", "dataset.num_prompts=2"],
