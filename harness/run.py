@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -247,6 +249,23 @@ def is_multirun(argv: list[str]) -> bool:
                or re.fullmatch(r"\+*hydra\.mode=\s*(['\"]?)(RunMode\.)?(MULTIRUN|2)\1\s*", arg) for arg in argv)
 
 
+def unparsable(override: str) -> str | None:
+    """A message if Hydra's override grammar cannot read an override (Hydra answers in three lines),
+    most often a value with braces or brackets left unquoted, e.g. a dataset template."""
+    if "=" not in override or override.startswith("-"):
+        return None
+    try:
+        OverridesParser.create().parse_overrides([override])
+    except OverrideParseException as err:
+        name, _, value = override.partition("=")
+        reason = str(err).splitlines()[0]
+        return (f"cannot read {override!r} ({reason}): quote the value inside the shell's quotes, "
+                f"e.g. '{name}=\"{value}\"'" if any(c in value for c in "{}[]()") else
+                f"cannot read {override!r} ({reason}): see Hydra's override grammar, "
+                "https://hydra.cc/docs/advanced/override_grammar/basic/")
+    return None
+
+
 def unknown_setting(override: str, known: set[str]) -> str | None:
     """A message if a command-line override sets a key no config has (Hydra's own
     message spans several lines). Additions (+key=), deletions (~key), Hydra's
@@ -279,7 +298,7 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
             print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
             sys.exit(2)
     for arg in argv:
-        message = (misplaced(arg, multirun, sweeps) or unknown_choice(arg)
+        message = (unparsable(arg) or misplaced(arg, multirun, sweeps) or unknown_choice(arg)
                    or next(filter(None, (group_setting(g, arg, chosen[g], options[g]) for g in options)), None)
                    or unknown_setting(arg, known))
         if message:

@@ -33,6 +33,8 @@ from test_cli import ROOT, harness, tiny_args
         (["pair.draft.max_ngram=4"], "pair.draft.max_ngram=4 sets the pair, so choose the pair first"),
         (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),
         (["k=1,2"], "k=1,2 lists several values: add -m to run one cell each"),
+        (["dataset=local", "dataset.path=x.jsonl", "dataset.template=Summarize: {text}"],  # Hydra's grammar: 3 lines
+         """quote the value inside the shell's quotes, e.g. 'dataset.template="Summarize: {text}"'"""),
         (["+pair=smollm2", "pair.draft.max_ngram=4"], "unknown setting 'pair.draft.max_ngram' for +pair=smollm2"),
     ],
 )
