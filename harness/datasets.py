@@ -323,6 +323,19 @@ def _check_fields(cfg, needed: list[str], columns: list[str]) -> None:
     raise HarnessError(f"{where} has no field {', '.join(repr(f) for f in missing)} (its fields: {', '.join(columns)}): {fix}")
 
 
+def _check_text(cfg, text_fields: list[str], texts: list, row: dict) -> None:
+    """Stop when a text field holds structured values (chat messages, a translation pair): their
+    Python repr, sent as the prompt, would be no prompt the user meant."""
+    for field, text in zip(text_fields, texts):
+        if isinstance(text, (dict, list, tuple)):
+            item = f"{field}[0]" if isinstance(row[field], (list, tuple)) else field
+            keys = f" (keys: {', '.join(map(str, text))})" if isinstance(text, dict) else ""
+            key = next((k for k in ("content", "text", "value") if k in text), next(iter(text))) if isinstance(text, dict) and text else 0
+            example = f"{{{item}[{key}]}}"
+            raise HarnessError(f"dataset.text_field={field} of {cfg.name} holds {type(text).__name__} values{keys}, not text: "
+                               f"pick a field that holds the prompt, or build it with dataset.template='{example}'")
+
+
 def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[dict]:
     text_fields = _as_list(cfg.get("text_field"))
     template = cfg.get("template")
@@ -344,6 +357,8 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
         if any(t is None or str(t).strip() == "" for t in texts):
             empty += 1
             continue
+        if not template:
+            _check_text(cfg, text_fields, texts, row)
         try:
             if template:
                 text = _RowFormatter().vformat(template, (), row)

@@ -190,6 +190,22 @@ def test_bad_local_files_are_one_line(tmp_path, content, overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_text_field_of_messages_or_pairs_is_one_line_with_the_template_that_reads_it(tmp_path):
+    """Chat messages (a list of dicts) or a translation pair (a dict) sent as their Python repr would
+    be no prompt anyone meant: stop, and name the template that picks the text out of them."""
+    rows = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": 1, "messages": [{"role": "user", "content": "Hi there"}], "translation": {"de": "Hallo", "en": "Hello"}}])
+    base = ("dataset=local", f"dataset.path={rows}", "dataset.id_field=id", "dataset.category_field=null")
+    for field, message in (("messages", "dataset.text_field=messages of local holds dict values (keys: role, content), not text: "
+                                        "pick a field that holds the prompt, or build it with dataset.template='{messages[0][content]}'"),
+                           ("translation", "holds dict values (keys: de, en), not text")):
+        with pytest.raises(HarnessError) as err:
+            load_prompts(composed(*base, f"dataset.text_field={field}").dataset)
+        assert message in str(err.value)
+    [p] = load_prompts(composed(*base, "dataset.text_field=null", "dataset.template='{messages[0][content]} / {translation[de]}'").dataset)
+    assert p["prompt"] == "Hi there / Hallo"
+
+
 def test_null_fields_and_float_ids(tmp_path):
     """A null template field is empty (not "None"), as a missing one is; a csv
     integer id column with a gap reads as floats, and its ids stay '1', not '1.0'."""
