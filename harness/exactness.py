@@ -668,14 +668,21 @@ def full_precision_for_truncation(cfg: DictConfig, device: torch.device) -> str 
             f"on either side from one pass shape to another: checking in float32 (dtype=bfloat16 checks in bfloat16)")
 
 
-def encode_prompts(cfg: DictConfig, pair, length: int) -> list[tuple[str, torch.Tensor]]:
-    """The first `exactness.num_prompts` prompts of the configured dataset, as
-    `python -m harness` chooses and encodes them, cut to fit the context."""
+def chosen_prompts(cfg: DictConfig) -> list[dict]:
+    """The first `exactness.num_prompts` prompts of the configured dataset, as `python -m harness` chooses them."""
     from harness.datasets import load_prompts
-    from harness.prompts import as_tensor, encode_within, select
+    from harness.prompts import select
+
+    return select(load_prompts(cfg.dataset), cfg.exactness.num_prompts, cfg.seed, cfg.prompts.shuffle)
+
+
+def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The chosen prompts (default: `chosen_prompts(cfg)`), as `python -m harness` encodes
+    them, cut to fit the context."""
+    from harness.prompts import as_tensor, encode_within
 
     budget = pair.prompt_budget(length)
-    chosen = select(load_prompts(cfg.dataset), cfg.exactness.num_prompts, cfg.seed, cfg.prompts.shuffle)
+    chosen = chosen_prompts(cfg) if chosen is None else chosen
     return [(p["id"], as_tensor(encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, "truncate"), pair.device))
             for p in chosen]
 
@@ -708,11 +715,12 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     device = resolve_device(cfg.device)
+    chosen = chosen_prompts(cfg)  # first: a dataset problem should stop the check before a model loads
     # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
     pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"))
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     length = e.length if e.length is not None else cfg.k + 2
-    prompts = encode_prompts(cfg, pair, length)
+    prompts = encode_prompts(cfg, pair, length, chosen)
     pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k)
     pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))  # as run_cell does: the proposals a run makes
 
@@ -745,6 +753,9 @@ def main(cfg: DictConfig) -> None:
     hf_logging.disable_progress_bar()  # loading bars would bury the table
     try:
         report = run_check(cfg)
+    except KeyboardInterrupt:
+        print("interrupted: the check writes its report only when it finishes; run the same command again", file=sys.stderr)
+        sys.exit(130)
     except HarnessError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

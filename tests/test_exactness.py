@@ -757,6 +757,20 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_pair, tmp_path):
         "(--cfg job prints them all; +exactness.num_promts=... adds a new key)"]
 
 
+def test_a_dataset_problem_stops_the_check_before_a_model_loads(tmp_path, monkeypatch):
+    from test_config import composed
+
+    from harness import exactness, run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the pair loaded before the prompts")
+
+    monkeypatch.setattr(run, "load_pair", no_model)
+    cfg = composed(["dataset=local", f"dataset.path={tmp_path / 'moved.jsonl'}", "temperature=1.0", f"out_dir={tmp_path}"])
+    with pytest.raises(HarnessError, match="moved.jsonl does not exist"):
+        exactness.run_check(cfg, quiet=True)
+
+
 def test_samples_sized_from_detectable_tv(markov):
     from harness.exactness import size_samples
 
