@@ -330,10 +330,11 @@ def _check_text(cfg, text_fields: list[str], texts: list, row: dict) -> None:
         if isinstance(text, (dict, list, tuple)):
             item = f"{field}[0]" if isinstance(row[field], (list, tuple)) else field
             keys = f" (keys: {', '.join(map(str, text))})" if isinstance(text, dict) else ""
-            key = next((k for k in ("content", "text", "value") if k in text), next(iter(text))) if isinstance(text, dict) and text else 0
-            example = f"{{{item}[{key}]}}"
-            raise HarnessError(f"dataset.text_field={field} of {cfg.name} holds {type(text).__name__} values{keys}, not text: "
-                               f"pick a field that holds the prompt, or build it with dataset.template='{example}'")
+            hint = "pick a field that holds the prompt"
+            if text:  # an index or key that reads text out of it, quoted as a shell then Hydra read it
+                key = next((k for k in ("content", "text", "value") if k in text), next(iter(text))) if isinstance(text, dict) else 0
+                hint += f", or build it with 'dataset.template=\"{{{item}[{key}]}}\"'"
+            raise HarnessError(f"dataset.text_field={field} of {cfg.name} holds {type(text).__name__} values{keys}, not text: {hint}")
 
 
 def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[dict]:

@@ -53,6 +53,8 @@ def resolve_device(device: str) -> torch.device:
         resolved = torch.device(device)
     except RuntimeError:
         raise HarnessError(f"device={device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+    if resolved.type not in ("cpu", "cuda"):  # MPS, say, has no float64, which the sampler and the rule use
+        raise HarnessError(f"device={device} is not supported: the harness runs on cpu or cuda devices")
     if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
         raise HarnessError(f"device={device} was asked for but this process sees {torch.cuda.device_count()} GPU(s), "
                            f"cuda:0 to cuda:{torch.cuda.device_count() - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)")

@@ -260,7 +260,7 @@ def unparsable(override: str) -> str | None:
         name, _, value = override.partition("=")
         reason = str(err).splitlines()[0]
         return (f"cannot read {override!r} ({reason}): quote the value inside the shell's quotes, "
-                f"e.g. '{name}=\"{value}\"'" if any(c in value for c in "{}[]()") else
+                f"e.g. '{name}=\"{value}\"'" if any(c in value for c in "{}[]()") and not value.startswith(("'", '"')) else
                 f"cannot read {override!r} ({reason}): see Hydra's override grammar, "
                 "https://hydra.cc/docs/advanced/override_grammar/basic/")
     return None

@@ -195,13 +195,19 @@ def test_a_text_field_of_messages_or_pairs_is_one_line_with_the_template_that_re
     be no prompt anyone meant: stop, and name the template that picks the text out of them."""
     rows = write_jsonl(tmp_path / "chat.jsonl", [
         {"id": 1, "messages": [{"role": "user", "content": "Hi there"}], "translation": {"de": "Hallo", "en": "Hello"}}])
+    import shlex
+
+    from harness.run import unparsable
+
     base = ("dataset=local", f"dataset.path={rows}", "dataset.id_field=id", "dataset.category_field=null")
     for field, message in (("messages", "dataset.text_field=messages of local holds dict values (keys: role, content), not text: "
-                                        "pick a field that holds the prompt, or build it with dataset.template='{messages[0][content]}'"),
+                                        """pick a field that holds the prompt, or build it with 'dataset.template="{messages[0][content]}"'"""),
                            ("translation", "holds dict values (keys: de, en), not text")):
         with pytest.raises(HarnessError) as err:
             load_prompts(composed(*base, f"dataset.text_field={field}").dataset)
         assert message in str(err.value)
+        suggested = shlex.split(str(err.value).rpartition("build it with ")[2])[0]  # as the shell hands it to Hydra
+        assert unparsable(suggested) is None and suggested.startswith("dataset.template=")
     [p] = load_prompts(composed(*base, "dataset.text_field=null", "dataset.template='{messages[0][content]} / {translation[de]}'").dataset)
     assert p["prompt"] == "Hi there / Hallo"
 

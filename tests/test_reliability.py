@@ -146,6 +146,8 @@ def test_a_gpu_index_past_the_visible_ones_is_one_line(monkeypatch):
     assert resolve_device("cuda:0") == torch.device("cuda:0")
     with pytest.raises(HarnessError, match=r"device=cuda:1 was asked for but this process sees 1 GPU\(s\), cuda:0 to cuda:0"):
         resolve_device("cuda:1")
+    with pytest.raises(HarnessError, match="device=mps is not supported: the harness runs on cpu or cuda devices"):
+        resolve_device("mps")  # no float64 there
 
 
 def test_every_setting_the_configs_offer_is_known():
