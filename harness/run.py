@@ -782,37 +782,41 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
                 out.flush()  # append-only and flushed per prompt: an interruption loses at most the prompt in flight
                 records.append(record)
                 tracker.log_prompt(record)
+        summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
+        peak_rss_mb, peak_rss_over = _peak_rss_mb(peak_since_reset)
+        run_conditions = conditions(cfg, pair)
+        hosts = sorted({r["host"] for r in records if r.get("host")} | {run_conditions["hostname"]})
+        if len(hosts) > 1:  # a resumed cell: timings (and costs, measured by this process) from several machines
+            run_conditions["hostnames"] = hosts
+            print(f"warning: the prompts of {cell_dir.name} ran under several host names ({', '.join(hosts)}): if these are "
+                  f"different machines its timings mix them; force=true reruns it in one go", file=sys.stderr)
+        summary.update(
+            pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
+            k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            dataset=cfg.dataset.name, prompts_skipped=skipped, prompts_truncated=truncated,
+            prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
+            dataset_sha256=dataset_sha256(cfg),  # the analysis pairs prompts of one file only
+            prompt_ids=[p["id"] for p, _ in encoded],
+            categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs, **draft_size(pair),
+            conditions=run_conditions,
+            peak_rss_mb=peak_rss_mb, peak_rss_over=peak_rss_over,  # "cell": since this cell started; "process": since the process did
+            max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
+            cell=cell_dir.name, cell_dir=str(cell_dir),
+        )
+        summary["status"] = "finished"
+        _write_json_atomic(summary_path, summary)
+        _write_json_atomic(status_path, {"status": "finished", "done": len(records), "total": len(encoded)})
     except BaseException as err:
-        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        # Ctrl-C, SIGTERM, or SystemExit from a SLURM requeue (submitit): interrupted; anything else, summary
+        # and writing included, failed. Either way the W&B run and status.json say so.
+        status = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed"
         _write_json_atomic(status_path, {"status": status, "done": len(records), "total": len(encoded), "error": repr(err)})
-        partial = metrics.summarize(records, cfg.k, costs, cfg.seed) if records else {}
+        try:
+            partial = metrics.summarize(records, cfg.k, costs, cfg.seed) if records else {}
+        except Exception:  # the summary may be what failed
+            partial = {}
         tracker.finish({**partial, "status": status}, records, status=status)
         raise
-
-    summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
-    peak_rss_mb, peak_rss_over = _peak_rss_mb(peak_since_reset)
-    run_conditions = conditions(cfg, pair)
-    hosts = sorted({r["host"] for r in records if r.get("host")} | {run_conditions["hostname"]})
-    if len(hosts) > 1:  # a resumed cell: timings (and costs, measured by this process) from several machines
-        run_conditions["hostnames"] = hosts
-        print(f"warning: the prompts of {cell_dir.name} ran under several host names ({', '.join(hosts)}): if these are "
-              f"different machines its timings mix them; force=true reruns it in one go", file=sys.stderr)
-    summary.update(
-        pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
-        k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-        dataset=cfg.dataset.name, prompts_skipped=skipped, prompts_truncated=truncated,
-        prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
-        dataset_sha256=dataset_sha256(cfg),  # the analysis pairs prompts of one file only
-        prompt_ids=[p["id"] for p, _ in encoded],
-        categories=metrics.by_category(records, cfg.k, costs, cfg.seed), costs=costs, **draft_size(pair),
-        conditions=run_conditions,
-        peak_rss_mb=peak_rss_mb, peak_rss_over=peak_rss_over,  # "cell": since this cell started; "process": since the process did
-        max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-        **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
-        cell=cell_dir.name, cell_dir=str(cell_dir),
-    )
-    summary["status"] = "finished"
-    _write_json_atomic(summary_path, summary)
-    _write_json_atomic(status_path, {"status": "finished", "done": len(records), "total": len(encoded)})
     tracker.finish(summary, records)
     return summary

@@ -205,6 +205,24 @@ def test_a_resumed_cell_logs_each_prompt_at_its_place(tmp_path, offline):
     assert [(row["prompt/n"], row["prompt/speedup"]) for row in run["history"] if "prompt/speedup" in row] == [(3, 3.0), (4, 4.0)]
 
 
+@pytest.mark.parametrize("error, status", [(RuntimeError("disk full"), "failed"), (SystemExit(-1), "interrupted")])
+def test_a_cell_that_stops_after_its_prompts_says_so(tiny_pair, tmp_path, offline, monkeypatch, error, status):
+    """A failure while summarising (a full disk, say) or a SLURM requeue's SystemExit: the W&B run and
+    status.json say failed / interrupted, with the prompts' numbers, rather than a run left open."""
+    from harness import run
+
+    def stops(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(run, "conditions", stops)  # after the last prompt, before summary.json
+    with pytest.raises(type(error)):
+        run.run_cell(composed(tiny(tiny_pair, "k=2")), out_dir=tmp_path, quiet=True)
+    (cell,) = [d for d in tmp_path.iterdir() if (d / "status.json").exists()]
+    assert json.loads((cell / "status.json").read_text())["status"] == status and not (cell / "summary.json").exists()
+    (logged,) = runs_in(tmp_path / "wandb")
+    assert logged["summary"]["status"] == status and "speedup" in logged["summary"]
+
+
 def test_exceptions_mark_the_run_interrupted_or_failed(tmp_path, offline):
     cfg = composed(["wandb.mode=offline"])
     for exc, status in ((KeyboardInterrupt, "interrupted"), (RuntimeError, "failed")):
