@@ -136,6 +136,24 @@ def test_hf_refusing_the_static_cache_is_one_clear_error():
         bench._hf_generate(Refuses(), ids, 4, [0])
 
 
+def test_hf_generates_in_the_grad_mode_our_loop_runs_in():
+    """A mode that costs HF more per step (its own no_grad) would be credited to our loop."""
+    class Records:
+        def generate(self, ids, **kwargs):
+            self.mode = torch.is_inference_mode_enabled()
+            return torch.cat([ids, ids], -1)
+
+    model = Records()
+    assert bench._hf_generate(model, torch.tensor([1, 2, 3]), 3, [0]) == [1, 2, 3] and model.mode
+
+
+def test_the_efficiency_goal_takes_the_lower_of_both_predictions():
+    limits = {"1": {"efficiency": 1.02, "in_loop": {"efficiency": 0.96}, "overhead_fraction": 0.01},
+              "4": {"efficiency": 1.07, "in_loop": {"efficiency": 0.94}, "overhead_fraction": 0.01}}
+    goal = bench.goals({"limits": limits})["efficiency (measured / predicted speedup)"]
+    assert goal["value"] == 0.94 and not goal["met"]
+
+
 def test_gpu_scripts_parse():
     for script in sorted((Path(__file__).parents[1] / "scripts").glob("gpu_*.sh")):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
