@@ -243,9 +243,11 @@ def test_compiled_forwards_give_the_same_tokens(models):
     """compile=true (static cache; prompts eager, decode and verify steps compiled) commits
     the tokens the eager dynamic cache commits, greedy and at T=1 for the same seed."""
     target, draft = models
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled_target = CachedLM(target, 98, "static", 256, compile=True)
     compiled_drafter = ModelDrafter(CachedLM(draft, 98, "static", 256, compile=True))
+    steps = []  # forwards through torch.compile (a count of new graphs missed graphs dynamo already held
+    for lm in (compiled_target, compiled_drafter.lm):  # from earlier tests: it failed after tests/test_host_syncs.py)
+        lm.compiled = lambda *args, step=lm.compiled, **kwargs: steps.append(1) or step(*args, **kwargs)
     for sampling in (GREEDY, Sampling(1.0)):
         for text in PROMPTS[:2]:
             prompt = ids_of(text)
@@ -253,7 +255,7 @@ def test_compiled_forwards_give_the_same_tokens(models):
             gen = torch.Generator().manual_seed(0)
             cycles = speculative_decode(compiled_target, compiled_drafter, prompt, 2, sampling, 20, set(), gen)
             assert [t for c in cycles for t in c.tokens] == eager
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the compiled path really ran
+    assert len(steps) > 20  # the compiled path really ran: every decode and verify step
 
 
 def test_warm_up_compiles_every_step_a_run_takes(tiny_pair):
