@@ -24,6 +24,7 @@ agent per GPU, SLURM array tasks) from running the same cell at once.
 from __future__ import annotations
 
 import atexit
+import configparser
 import json
 import math
 import netrc
@@ -213,12 +214,23 @@ def has_api_key() -> bool:
     """Whether W&B credentials are configured, without asking the server."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or _settings_base_url() or "https://api.wandb.ai").hostname
     path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
     try:
         return path.is_file() and netrc.netrc(path).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+def _settings_base_url() -> str | None:
+    """The server `wandb login --host=URL` saved in W&B's global settings file (a self-hosted W&B), if any."""
+    folder = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb").expanduser()
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(folder / "settings")
+    except (OSError, configparser.Error):
+        return None
+    return parser.get("default", "base_url", fallback=None) or None
 
 
 def sweep_name() -> str | None:

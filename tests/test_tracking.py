@@ -249,6 +249,14 @@ def test_modes(monkeypatch, offline, tmp_path, capsys):
     monkeypatch.delenv("NETRC")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert tracking.resolve_mode("auto") == "online"
+    monkeypatch.delenv("WANDB_API_KEY")
+    (tmp_path / "netrc").write_text("machine wandb.corp.example login user password " + "x" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    assert tracking.resolve_mode("auto") == "offline"  # a key for another host than api.wandb.ai
+    (tmp_path / "wandb-config").mkdir()
+    (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = https://wandb.corp.example\n")
+    assert tracking.resolve_mode("auto") == "online"  # `wandb login --host=https://wandb.corp.example` saved it there
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment pins auto (CI)
     assert tracking.resolve_mode("auto") == "disabled" and tracking.resolve_mode("offline") == "offline"
     assert isinstance(tracking.start(composed(["wandb.mode=disabled"]), tmp_path / "c"), tracking.NoTracking)
