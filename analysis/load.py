@@ -136,13 +136,15 @@ def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
             pointer = json.loads(pointer_path.read_text())
         except (OSError, ValueError):
             continue
-        if pointer.get("status") != "finished" or not pointer.get("cell_dir"):
+        done_since = bool(pointer.get("cell_dir")) and (Path(pointer["cell_dir"]) / "summary.json").exists()
+        if (pointer.get("status") != "finished" or not pointer.get("cell_dir")) and not done_since:  # interrupted, resumed since: done
             overrides = " ".join(pointer.get("overrides") or [])
             notes.append(f"job {pointer.get('job')} ({overrides}) {pointer.get('status')}: {pointer.get('error')}")
             continue
         cell_dir = Path(pointer["cell_dir"])
         if (cell_dir / "summary.json").exists():
-            found.append(cell_dir)
+            if cell_dir not in found:
+                found.append(cell_dir)
         else:
             notes.append(f"job {pointer.get('job')} points at {cell_dir}, which has no summary.json (moved or cleaned?)")
     for status_path in sorted(root.rglob("status.json")):

@@ -8,12 +8,14 @@ leaves the finished prompts on disk and exits 130; re-running resumes.
 
 import json
 import sys
+from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from harness.callbacks import in_multirun, record_job
+from harness.callbacks import in_multirun, record_job, write_aggregate
 from harness.errors import HarnessError
 from harness.report import format_summary
 
@@ -30,7 +32,9 @@ def main(cfg: DictConfig) -> float:
         summary = run_cell(cfg)
     except KeyboardInterrupt:
         print("interrupted: finished prompts are saved; run the same command again to resume", file=sys.stderr)
-        record_job(error="interrupted")
+        record_job(_cell_of(cfg), error="interrupted", status="interrupted")
+        if in_multirun():  # Hydra's on_job_end does not run after an interrupt: list the sweep's jobs so far now
+            write_aggregate(HydraConfig.get().sweep.dir)
         sys.exit(130)
     except (HarnessError, torch.OutOfMemoryError) as err:
         message = str(err).splitlines()[0] if isinstance(err, HarnessError) else f"out of memory: {str(err).splitlines()[0]}"
@@ -54,6 +58,18 @@ def main(cfg: DictConfig) -> float:
     print(format_summary(summary))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("categories", "prompt_ids")}))
     return summary["speedup"]
+
+
+def _cell_of(cfg: DictConfig) -> dict:
+    """The cell a job was running (its key and directory), for its pointer; {} if it cannot be named."""
+    from harness.run import cell_key, with_default_pair
+
+    try:
+        cfg = with_default_pair(cfg)
+        key = cell_key(cfg)
+    except Exception:  # a config that did not get as far as a cell
+        return {}
+    return {"cell": key, "cell_dir": str(Path(cfg.out_dir) / key)}
 
 
 if __name__ == "__main__":

@@ -64,15 +64,16 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def record_job(summary: dict | None = None, error: str | None = None) -> None:
-    """Write this Hydra job's pointer to its cell (no-op outside Hydra)."""
+def record_job(summary: dict | None = None, error: str | None = None, status: str | None = None) -> None:
+    """Write this Hydra job's pointer to its cell (no-op outside Hydra). `summary` needs only
+    `cell` and `cell_dir`; `status`: finished, or failed when there is an error, unless given."""
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
     pointer = {
         "job": OmegaConf.select(hydra_cfg, "job.num", default=None),
         "overrides": list(hydra_cfg.overrides.task),
-        "status": "failed" if error else "finished",
+        "status": status or ("failed" if error else "finished"),
         "error": error,
         "cell": (summary or {}).get("cell"),
         "cell_dir": (summary or {}).get("cell_dir"),

@@ -84,9 +84,10 @@ def test_a_run_cut_short_keeps_the_parts_it_finished(tiny_pair, tmp_path, monkey
 def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monkeypatch):
     """cache=static compile=true: HF's contenders run generate() with a static cache and
     compile_config too, and their outputs still match ours token for token."""
-    asked = []
+    asked, lengths = [], []
     real = bench._hf_generate
-    monkeypatch.setattr(bench, "_hf_generate", lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(bench, "_hf_generate", lambda model, ids, *a, **kw: asked.append(kw) or lengths.append(len(ids))
+                        or real(model, ids, *a, **kw))
     try:
         result = run_bench(tiny_pair, tmp_path, "cache=static", "compile=true")
     except HarnessError as err:
@@ -95,6 +96,8 @@ def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monk
         raise
     assert asked and all(kw["cache_implementation"] == "static" and kw["compile_config"] is not None for kw in asked)
     assert result["setup"]["compile"] is True and result["ratios"]["ours_base / hf_base"] > 0
+    warm_up = 2 * 5  # 2 prompts x (hf_base, hf_assisted and hf_lookup at k = 1, 2), before anything is timed
+    assert set(lengths[warm_up:]) <= set(lengths[:warm_up])  # HF met every prompt, and compiled for it, untimed
 
 
 @pytest.mark.parametrize("k", [2, 4])

@@ -408,6 +408,9 @@ def test_sigterm_mid_sweep_then_resume_completes_without_duplicates(tiny_pair, t
     status = json.loads((cell / "status.json").read_text())
     assert status["status"] == "interrupted" and 3 <= status["done"] < 30
     assert not (cell / "summary.json").exists()
+    pointer = json.loads((tmp_path / "sweep" / "0" / "cell.json").read_text())  # the sweep's table lists it already
+    assert (pointer["status"], pointer["cell_dir"]) == ("interrupted", str(cell))
+    assert "| interrupted" in (tmp_path / "sweep" / "aggregate.md").read_text()
     kept = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]
 
     rerun = harness(*args)

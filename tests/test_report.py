@@ -361,9 +361,13 @@ def test_loader_finds_cells_through_hydra_pointers_and_reports_unfinished(sweep,
     (multirun / "1").mkdir()
     (multirun / "1" / "cell.json").write_text(json.dumps({"job": 1, "status": "failed", "overrides": ["k=9"],
                                                           "error": "boom", "cell_dir": None}))
+    (multirun / "2").mkdir()  # a job interrupted, its cell finished since by a resumed run: found, not noted
+    (multirun / "2" / "cell.json").write_text(json.dumps({"job": 2, "status": "interrupted", "overrides": ["k=1"],
+                                                          "error": "interrupted", "cell_dir": str(store / "small-k1-t0.0-synthetic")}))
     results = load(multirun)
     assert results.cells["cell"].tolist() == ["small-k1-t0.0-synthetic"] and len(results.prompts) == 12
     assert any("failed" in n and "boom" in n for n in results.notes)
+    assert not any("interrupted" in n for n in results.notes)
     (store / "half").mkdir()
     (store / "half" / "status.json").write_text(json.dumps({"status": "interrupted", "done": 3, "total": 12}))
     notes = load(store).notes
