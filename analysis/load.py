@@ -136,8 +136,8 @@ def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
             pointer = json.loads(pointer_path.read_text())
         except (OSError, ValueError):
             continue
-        done_since = bool(pointer.get("cell_dir")) and (Path(pointer["cell_dir"]) / "summary.json").exists()
-        if (pointer.get("status") != "finished" or not pointer.get("cell_dir")) and not done_since:  # interrupted, resumed since: done
+        done_since = bool(pointer.get("cell_dir")) and (Path(pointer["cell_dir"]) / "summary.json").exists()  # a job resumed since
+        if pointer.get("status") != "finished" and not done_since or not pointer.get("cell_dir"):
             overrides = " ".join(pointer.get("overrides") or [])
             notes.append(f"job {pointer.get('job')} ({overrides}) {pointer.get('status')}: {pointer.get('error')}")
             continue
@@ -397,8 +397,8 @@ def _dataset_names(rows: list[dict]) -> None:
     local-0 recur from file to file). Where cells of one such name read files of different
     contents (the SHA-256 the summaries record, also of a hub set's local copy), each content
     gets its SHA's first 6 hex digits after the name, and cells that read a file but predate the
-    SHA `#unknown`; with one content known they join it. Where cells of one name differ in a TEXT_FIELDS setting (another split or
-    file, another template), the name gets the settings that differ, e.g.
+    SHA `#unknown`; with one content known they join it. Where cells of one name differ in a
+    TEXT_FIELDS setting (another split or file, another template), the name gets the settings that differ, e.g.
     `gsm8k[source=openai/gsm8k:train]`; a cell whose config lacks a setting (older results, from
     before the dataset config had it) joins the group's one known value, or reads `unknown`."""
     for row in rows:

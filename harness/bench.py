@@ -544,8 +544,8 @@ def goals(result: dict) -> dict[str, dict]:
         "ours / HF assisted": [v for name, v in ratios.items() if name.startswith("ours_spec")],
         "ours / HF prompt lookup": [v for name, v in ratios.items() if name.startswith("ours_ngram_k")],  # like for like: not cost_aware
         "ours / HF target-only": [v for name, v in ratios.items() if name.startswith("ours_base")],
-        # Both predictions, from costs measured apart (measure_costs) and as timed inside the loop: their
-        # c and v differ by a few percent, and the goal must not rest on the more pessimistic one.
+        # Both predictions, from costs measured apart (measure_costs) and as timed inside the loop: their c and
+        # v differ by a few percent, and the goal is judged against the higher prediction (the lower efficiency).
         "efficiency (measured / predicted speedup)": [e for lim in limits.values()
                                                       for e in (lim["efficiency"], lim.get("in_loop", {}).get("efficiency")) if e is not None],
         "time outside forward passes": [lim["overhead_fraction"] for lim in limits.values()],
