@@ -8,7 +8,6 @@ leaves the finished prompts on disk and exits 130; re-running resumes.
 
 import json
 import sys
-from pathlib import Path
 
 import hydra
 import torch
@@ -62,14 +61,13 @@ def main(cfg: DictConfig) -> float:
 
 def _cell_of(cfg: DictConfig) -> dict:
     """The cell a job was running (its key and directory), for its pointer; {} if it cannot be named."""
-    from harness.run import cell_key, with_default_pair
+    from harness.run import cell_path, with_default_pair
 
     try:
-        cfg = with_default_pair(cfg)
-        key = cell_key(cfg)
+        path = cell_path(with_default_pair(cfg))
     except Exception:  # a config that did not get as far as a cell
         return {}
-    return {"cell": key, "cell_dir": str(Path(cfg.out_dir) / key)}
+    return {"cell": path.name, "cell_dir": str(path)}
 
 
 if __name__ == "__main__":

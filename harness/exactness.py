@@ -676,13 +676,11 @@ def chosen_prompts(cfg: DictConfig) -> list[dict]:
     return select(load_prompts(cfg.dataset), cfg.exactness.num_prompts, cfg.seed, cfg.prompts.shuffle)
 
 
-def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict] | None = None) -> list[tuple[str, torch.Tensor]]:
-    """The chosen prompts (default: `chosen_prompts(cfg)`), as `python -m harness` encodes
-    them, cut to fit the context."""
+def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict]) -> list[tuple[str, torch.Tensor]]:
+    """The chosen prompts (chosen_prompts), as `python -m harness` encodes them, cut to fit the context."""
     from harness.prompts import as_tensor, encode_within
 
     budget = pair.prompt_budget(length)
-    chosen = chosen_prompts(cfg) if chosen is None else chosen
     return [(p["id"], as_tensor(encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, "truncate"), pair.device))
             for p in chosen]
 
@@ -698,7 +696,8 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     cfg.exactness = OmegaConf.merge(DEFAULTS, cfg.get("exactness") or {})  # tolerate configs composed without our node
     validate(cfg)
     validate_exactness(cfg)
-    dtype_note = full_precision_for_truncation(cfg, resolve_device(cfg.device))
+    device = resolve_device(cfg.device)
+    dtype_note = full_precision_for_truncation(cfg, device)
     if dtype_note and not quiet:
         print(f"[harness] {dtype_note}", file=sys.stderr)
     e = cfg.exactness
@@ -714,7 +713,6 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
         return json.loads(report_path.read_text())
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    device = resolve_device(cfg.device)
     chosen = chosen_prompts(cfg)  # first: a dataset problem should stop the check before a model loads
     # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
     pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"))

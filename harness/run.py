@@ -258,11 +258,10 @@ def unparsable(override: str) -> str | None:
         OverridesParser.create().parse_overrides([override])
     except OverrideParseException as err:
         name, _, value = override.partition("=")
-        reason = str(err).splitlines()[0]
-        return (f"cannot read {override!r} ({reason}): quote the value inside the shell's quotes, "
-                f"e.g. '{name}=\"{value}\"'" if any(c in value for c in "{}[]()") and not value.startswith(("'", '"')) else
-                f"cannot read {override!r} ({reason}): see Hydra's override grammar, "
-                "https://hydra.cc/docs/advanced/override_grammar/basic/")
+        unquoted = any(c in value for c in "{}[]()") and not value.startswith(("'", '"'))
+        fix = (f"quote the value inside the shell's quotes, e.g. '{name}=\"{value}\"'" if unquoted
+               else "see Hydra's override grammar, https://hydra.cc/docs/advanced/override_grammar/basic/")
+        return f"cannot read {override!r} ({str(err).splitlines()[0]}): {fix}"
     return None
 
 
@@ -399,6 +398,11 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
         keyed["dataset"]["file_sha256"] = sha256
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
     return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}-{digest}"
+
+
+def cell_path(cfg: DictConfig, out_dir: str | Path | None = None, device: torch.device | None = None) -> Path:
+    """Where a cell's results go: <out_dir>/<cell key> (out_dir: cfg.out_dir unless given)."""
+    return Path(out_dir if out_dir is not None else cfg.out_dir) / cell_key(cfg, device)
 
 
 def dataset_sha256(cfg: DictConfig) -> str | None:
@@ -703,7 +707,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
     validate(cfg)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    cell_dir = Path(out_dir if out_dir is not None else cfg.out_dir) / cell_key(cfg, device)
+    cell_dir = cell_path(cfg, out_dir, device)
     try:
         cell_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:

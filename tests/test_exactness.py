@@ -818,7 +818,7 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
     about 10 minutes per run on 2 CPU cores."""
     import time
 
-    from harness.exactness import encode_prompts, size_samples
+    from harness.exactness import chosen_prompts, encode_prompts, size_samples
     from harness.run import load_pair, resolve_device, with_default_pair
 
     k, temperature, top_p = setting
@@ -832,7 +832,7 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
         pytest.skip(f"the default pair is not available here: {err}")
     sampling = Sampling(temperature, top_p=top_p)
     length, alpha = k + 2, cfg.exactness.alpha
-    prompts = encode_prompts(cfg, pair, length)
+    prompts = encode_prompts(cfg, pair, length, chosen_prompts(cfg))
     if setting not in _default_pair_samples:
         _default_pair_samples[setting] = size_samples(pair.target, prompts, sampling=sampling, length=length,
                                                       eos_ids=pair.eos_ids, detect_tv=0.05, alpha=alpha)
