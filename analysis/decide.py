@@ -6,9 +6,10 @@ the run setup (device, dtype, max_new_tokens, cache, compile: a speedup on
 one GPU says little about another). Within a context every candidate is
 measured on the same prompts, so all comparisons are paired by prompt
 (dataset, id); prompts that some candidate lacks are dropped and counted. A
-candidate that ran fewer than half the prompts of the typical (median) one (a
-quick exploratory cell) is left out and listed, so that it does not shrink
-every comparison to its few prompts.
+candidate that ran fewer than half the prompts of the typical (median) one on
+each dataset it ran (a quick exploratory cell) is left out and listed, so that
+it does not shrink every comparison to its few prompts; one that ran all of
+one dataset but not another is kept, and the comparison pairs on what all ran.
 
 Speedup of a candidate on a set of prompts is a throughput ratio, its spec
 tokens per second over its own baseline's (each cell times its own baseline
@@ -117,8 +118,8 @@ def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str,
 
 def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list[str]]:
     """Align one context's candidates on the prompts they all ran (leaving out those that ran
-    fewer than MIN_COVERAGE of the median candidate's prompts: one cell that ran more prompts than
-    the rest must not push the others out)."""
+    fewer than MIN_COVERAGE of the median candidate's prompts on every dataset they ran: one cell
+    that ran more prompts than the rest must not push the others out)."""
     notes = []
     chosen = []
     for (label, k, dataset), group in cells.groupby(["label", "k", "dataset"], sort=True):
@@ -129,12 +130,14 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list
     rows = prompts[prompts["cell"].isin(chosen)]
     candidates = sorted({(r.label, int(r.k)) for r in cells[cells["cell"].isin(chosen)].itertuples()})
     per_candidate = {c: rows[(rows["label"] == c[0]) & (rows["k"] == c[1])].set_index("prompt_key") for c in candidates}
-    coverage = {c: len(df) for c, df in per_candidate.items()}
-    typical = float(np.median(list(coverage.values())))
-    short = [c for c in candidates if coverage[c] < MIN_COVERAGE * typical]
+    # Coverage is judged per dataset: a draft that ran all of one dataset and none of another is a
+    # full run to pair on, not a quick exploratory cell.
+    coverage = {c: df.groupby("dataset").size().to_dict() for c, df in per_candidate.items()}  # {dataset: prompts}
+    typical = {d: float(np.median([n[d] for n in coverage.values() if d in n])) for d in set().union(*coverage.values())}
+    short = [c for c in candidates if typical and all(n < MIN_COVERAGE * typical[d] for d, n in coverage[c].items())]
     if short:
-        notes.append(f"left out, fewer than half the prompts of the median candidate ({typical:g}): "
-                     + ", ".join(f"{label} k={k} ({coverage[(label, k)]} prompts)" for label, k in short))
+        notes.append("left out, fewer than half the prompts of the median candidate on each dataset they ran: "
+                     + ", ".join(f"{label} k={k} ({sum(coverage[(label, k)].values())} prompts)" for label, k in short))
         candidates = [c for c in candidates if c not in short]
         per_candidate = {c: per_candidate[c] for c in candidates}
     union = set().union(*(set(df.index) for df in per_candidate.values()))

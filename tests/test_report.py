@@ -912,3 +912,19 @@ def test_max_k_reaches_the_text_and_the_figures(two_targets):
     left, right = drawn["fitted_model"].axes[:2]
     assert "k ≤ 8" in left.get_title()
     assert max(max(line.get_xdata()) for line in right.get_lines()) == 9  # v(k + 1) up to k = max_k
+
+
+def test_a_draft_that_ran_one_dataset_of_two_is_compared_not_left_out(tmp_path):
+    """Coverage is per dataset: b ran all of dataset x and none of y, a ran both. b is a full run of x,
+    so it is paired with a on x's prompts rather than dropped as exploratory for having fewer prompts."""
+    for k in (1, 2, 3):
+        write_cell(tmp_path, "a", "model", Fraction(1, 2), k, 0.1, SLOPE, per_category=6, dataset="x", seed=k)
+        write_cell(tmp_path, "a", "model", Fraction(1, 2), k, 0.1, SLOPE, per_category=15, dataset="y", seed=10 + k)
+    for k in (1, 2):
+        write_cell(tmp_path, "b", "model", Fraction(9, 10), k, 0.05, SLOPE, per_category=6, dataset="x", seed=20 + k)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=300)
+    assert {(c["label"], c["k"]) for c in d["candidates"]} == {("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2)}
+    assert d["prompts"] == 12 and not any("left out" in n for n in d["notes"])
+    assert any("paired on the 12 all ran" in n for n in d["notes"])
+    assert d["mix"]["ship"] == "b"
