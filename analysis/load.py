@@ -462,16 +462,22 @@ def sampling_name(temperature: float, top_k: int = 0, top_p: float = 1.0) -> str
 
 
 def _labels(cells: pd.DataFrame) -> pd.Series:
-    """A short name per draft: the pair name, qualified when one pair name covers several drafts."""
-    per_pair = cells.groupby("pair")["draft"].nunique()
-
-    def label(row) -> str:
-        if per_pair.get(row["pair"], 1) <= 1:
-            return str(row["pair"])
-        short = "ngram" + str(row["draft"]).partition(")")[2] if row["draft_kind"] == "ngram" else Path(str(row["draft"])).name
-        return f"{row['pair']}/{short}"
-
-    return cells.apply(label, axis=1)
+    """A short name per draft: the pair name, qualified when one pair name covers several drafts
+    (by the shortest end of the drafts' ids that tells them apart: `pair/final` or `pair/a/final`;
+    prompt lookup by its whole setting, `ngram(1-3)`), so that two drafts never share a label."""
+    short: dict[tuple[str, str], str] = {}
+    for pair, drafts in cells.assign(pair=cells["pair"].astype(str)).groupby("pair")["draft"]:
+        ids = sorted(set(map(str, drafts)))
+        if len(ids) == 1:
+            short[(pair, ids[0])] = str(pair)
+            continue
+        parts = {d: d.rstrip("/").split("/") for d in ids}
+        for depth in range(1, max(map(len, parts.values())) + 1):
+            ends = {d: "/".join(p[-depth:]) for d, p in parts.items()}
+            if len(set(ends.values())) == len(ids):
+                break
+        short.update({(pair, d): f"{pair}/{end}" for d, end in ends.items()})
+    return pd.Series([short[(str(row.pair), str(row.draft))] for row in cells.itertuples()], index=cells.index)
 
 
 def _device_label(conditions: dict) -> str:

@@ -128,7 +128,24 @@ def test_lookup_length_policies_are_told_apart(tmp_path):
         (out / "summary.json").write_text(json.dumps({**summary, "pair": "lookup"}))
     cells = load(tmp_path).cells
     assert sorted(cells["draft"]) == ["ngram(1-3)", "ngram(1-3)-cost_aware"]
-    assert sorted(cells["label"]) == ["lookup/ngram", "lookup/ngram-cost_aware"]
+    assert sorted(cells["label"]) == ["lookup/ngram(1-3)", "lookup/ngram(1-3)-cost_aware"]
+
+
+def test_drafts_under_one_pair_name_never_share_a_label(tmp_path):
+    """Two lookup settings, and two model drafts whose ids end alike, under one pair name each: every
+    draft keeps its own label (and so its own fit and candidate), by the shortest end of its id that
+    tells it apart."""
+    for name, draft in (("l2", {"kind": "ngram", "max_ngram": 2, "min_ngram": 1}), ("l5", {"kind": "ngram", "max_ngram": 5, "min_ngram": 1}),
+                        ("m1", {"kind": "model", "id": "/ckpt/a/final"}), ("m2", {"kind": "model", "id": "/ckpt/b/final"})):
+        out = write_cell(tmp_path, name, draft["kind"], Fraction(1, 2), 2, 0.05, SLOPE)
+        pair = "lookup" if draft["kind"] == "ngram" else "mine"
+        config = json.loads((out / "config.yaml").read_text())
+        config["pair"].update(name=pair, draft=draft)
+        (out / "config.yaml").write_text(json.dumps(config))
+        summary = json.loads((out / "summary.json").read_text())
+        (out / "summary.json").write_text(json.dumps({**summary, "pair": pair, "draft": draft.get("id", "ngram")}))
+    cells = load(tmp_path).cells
+    assert sorted(cells["label"]) == ["lookup/ngram(1-2)", "lookup/ngram(1-5)", "mine/a/final", "mine/b/final"]
 
 
 def test_tested_positions_without_prompt_rows_come_from_alpha():
@@ -659,7 +676,7 @@ def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
     assert f"report: {folder / 'report.md'}" in capsys.readouterr().out
     cells = pd.read_csv(folder / "cells.csv")
     assert len(cells) == 4 and set(cells["draft_kind"]) == {"model", "ngram"}
-    assert set(cells["label"]) == {"llama_7b_68m/draft", "llama_7b_68m/ngram"}
+    assert set(cells["label"]) == {"llama_7b_68m/draft", "llama_7b_68m/ngram(1-3)"}
     assert cells.loc[cells["draft_kind"] == "ngram", "draft_params"].eq(0).all()
     assert cells.loc[cells["draft_kind"] == "model", "draft_size_source"].eq("run").all()  # recorded by the run itself
     assert cells.loc[cells["draft_kind"] == "model", "draft_params"].gt(0).all()
