@@ -431,6 +431,10 @@ def what_would_change(decision: dict, table: Table, names: list[str], w: np.ndar
                 out.append(f"Unmeasured k ({f['dataset']}): the fit puts {label}'s best k at {f['best_k']} "
                            f"(predicted {f['predicted_best']:.3f}×, measured k: {f['ks']}); run k={f['best_k']} to confirm.")
             where = f"Costs (fitted model, {f['dataset']}): {label}"
+            if f["alpha"] != f["alpha"]:  # NaN: no drafted position was ever tested
+                out.append(f"{where}: α is unknown (no drafted token was ever verified, e.g. a prompt lookup that never "
+                           f"matched), so the model cannot say what a cheaper draft would give.")
+                continue
             if not f["break_even_cost_ratio"] > 0:
                 out.append(f"{where}: at α = {_f(f['alpha'])} and the measured verify cost (b = {_f(f['verify_slope'])}) "
                            f"even a free draft (c = 0) predicts no speedup above 1; only a cheaper verify pass would.")

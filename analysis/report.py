@@ -108,6 +108,13 @@ def settings(args: argparse.Namespace) -> dict:
         out["wandb_log"] = False
     if not 0 < out["confidence"] < 1:
         raise HarnessError(f"confidence={out['confidence']} must be in (0, 1), e.g. 0.95")
+    if not (isinstance(out["n_resamples"], int) and out["n_resamples"] >= 2):
+        raise HarnessError(f"resamples={out['n_resamples']} must be a whole number of at least 2, e.g. --resamples 2000")
+    if not (isinstance(out["max_k"], int) and out["max_k"] >= 1):
+        raise HarnessError(f"max_k={out['max_k']} must be a whole number of at least 1, e.g. --max-k 16")
+    if w.get("draft_step_ms") not in (None, {}) and not w.get("target_step_ms"):
+        raise HarnessError("a what-if draft step time needs the target's step time on that machine too: add --target-step-ms MS "
+                           "(or give the cost ratio itself with --cost-ratio)")
     return out
 
 
@@ -144,7 +151,7 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
     """Load, fit, decide, draw and write the report folder; returns decision.json's content."""
     cfg = {**DEFAULTS, **(cfg or {})}
     results = load(source, api)
-    out = Path(out) if out else (Path(source) / "report" if results.kind == "local" else Path("report") / _slug(source))
+    out = Path(out).expanduser() if out else (Path(source).expanduser() / "report" if results.kind == "local" else Path("report") / _slug(source))
     out.mkdir(parents=True, exist_ok=True)
     fits, curves = fit_mod.fit(results.cells, results.prompts, cfg["confidence"], cfg["n_resamples"], cfg["seed"], cfg["max_k"])
     decisions = decide_mod.decide(results.cells, results.prompts, fits, cfg["weights"], cfg["confidence"],
@@ -307,7 +314,7 @@ def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
     rows = [[*w, f.label, f.dataset, f.sampling, f.ks, _f(f.alpha), _ci(f.alpha_low, f.alpha_high), _f(f.cost_ratio, ".4f"),
              _f(f.verify_slope, ".4f"), f.verify_max_n, f.best_k, _f(f.predicted_best), _ci(f.predicted_best_low, f.predicted_best_high),
              f"{_f(f.measured_best_speedup)} (k={f.measured_best_k})", _f(f.efficiency, ".2f"),
-             _f(f.break_even_cost_ratio) if f.break_even_cost_ratio > 0 else "none"]
+             _f(f.break_even_cost_ratio) if f.break_even_cost_ratio > 0 or f.alpha != f.alpha else "none"]
             for w, f in zip(where_cells, fits.itertuples())]
     return [
         "## Fitted model", "",

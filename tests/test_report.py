@@ -659,6 +659,46 @@ def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, 
     assert "expected NAME=NUMBER" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--max-k", "0"], "max_k=0 must be a whole number of at least 1"),
+    (["--resamples", "0"], "resamples=0 must be a whole number of at least 2"),
+    (["--resamples", "-1"], "resamples=-1 must be"),
+    (["--draft-step-ms", "2.5"], "needs the target's step time on that machine too: add --target-step-ms"),
+])
+def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flags, says):
+    out = tmp_path / "rep"
+    assert report.main([str(sweep), "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_tilde_in_the_report_folder_is_the_home_folder(sweep, tmp_path, monkeypatch):
+    """bash leaves `--out=~/rep` unexpanded: the report goes to $HOME/rep, not to a folder named ~."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert report.main([str(sweep), "--out=~/rep", "--resamples", "300", "--no-wandb-log"]) == 0
+    assert (tmp_path / "home" / "rep" / "report.md").exists() and not (tmp_path / "~").exists()
+
+
+def test_an_unknown_alpha_is_said_to_be_unknown(tmp_path):
+    """A prompt lookup that never matched tested nothing: alpha is NaN, and the report says so rather than
+    claiming that even a free draft could not pay."""
+    cell = write_cell(tmp_path, "lookup", "ngram", Fraction(1, 4), 2, 0.002, SLOPE, time_factors=[1.02])
+    records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
+    for r in records:
+        r["spec"].update(accepted=0, tested=0, drafted=0, accept_hist=[r["spec"]["cycles"], 0, 0],
+                         position_reached=[0, 0], position_accepted=[0, 0], expected_sum=0.0)
+    (cell / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = json.loads((cell / "summary.json").read_text())
+    (cell / "summary.json").write_text(json.dumps({**summary, "alpha": float("nan"), "accept_hist": [100, 0, 0]}))
+    results = load(tmp_path)
+    fits, _ = fit_mod.fit(results.cells, results.prompts, 0.95, 300, 0)
+    (d,) = decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=300)
+    changes = " ".join(d["mix"]["what_would_change"])
+    assert "α is unknown" in changes and "even a free draft" not in changes
+
+
 def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     sweep_dir = tmp_path / "multirun"
