@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness import metrics
 from harness.errors import HarnessError
 
 MODES = ("auto", "online", "offline", "disabled")
@@ -86,7 +87,7 @@ class WandbTracker:
     def __init__(self, run, cell_dir: Path):
         self.run, self.cell_dir = run, cell_dir
         self.closed = self.broken = False
-        run.define_metric("prompt/n")
+        run.define_metric("prompt/n", summary="none")  # the curves' x axis
         run.define_metric("prompt/*", step_metric="prompt/n", summary="none")  # curves, not summary keys
         run.summary["status"] = "running"
         atexit.register(self._abandoned)  # before wandb's own exit hook: runs are finished in LIFO order
@@ -99,7 +100,7 @@ class WandbTracker:
             self.run.log({
                 "prompt/n": record["index"] + 1,  # the prompt's place in the cell, also when a resumed run logs from prompt 3 on
                 "prompt/speedup": record["speedup"],
-                "prompt/acceptance_rate": _ratio(spec["accepted"], spec["drafted"]),
+                "prompt/acceptance_rate": metrics.acceptance_rate(spec),
                 "prompt/tokens_per_cycle": _ratio(spec["committed"], spec["cycles"]),
                 "prompt/new_tokens": spec["new_tokens"],
             })
@@ -262,7 +263,7 @@ def media(summary: dict, records: list[dict]) -> dict:
     columns = ["index", "id", "category", "prompt_tokens", "new_tokens", "base_new_tokens", "acceptance_rate",
                "tokens_per_cycle", "speedup", "spec_time_s", "base_time_s"]
     rows = [[r["index"], r["id"], r["category"], r["prompt_tokens"], r["spec"]["new_tokens"], r["base"]["new_tokens"],
-             _ratio(r["spec"]["accepted"], r["spec"]["drafted"]), _ratio(r["spec"]["committed"], r["spec"]["cycles"]),
+             metrics.acceptance_rate(r["spec"]), _ratio(r["spec"]["committed"], r["spec"]["cycles"]),
              r["speedup"], r["spec"]["time_s"], r["base"]["time_s"]] for r in records]
     logged = {"tables/prompts": wandb.Table(columns=columns, data=rows)}
     categories = summary.get("categories") or {}

@@ -177,6 +177,7 @@ def test_offline_run_matches_the_harness_results(tiny_pair, tmp_path, offline):
     assert run["summary"]["status"] == "finished" and run["exit_code"] == 0
     assert [run["summary"]["speedup_ci_low"], run["summary"]["speedup_ci_high"]] == plain(on_disk["speedup_ci"])
     assert set(tracking.METRICS) <= set(run["summary"])  # every documented metric is a summary key
+    assert not [key for key in run["summary"] if key.startswith("prompt/")]  # per-prompt curves are history only
 
     media = run["summary"]
     assert media["tables/prompts"]["_type"] == "table-file" and media["tables/prompts"]["nrows"] == 3
