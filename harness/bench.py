@@ -202,8 +202,9 @@ def same_greedy_output(target: CachedLM, ids: torch.Tensor, reference: list[int]
 def fewest_lookup_passes(prompt: list[int], output: list[int], k: int) -> int:
     """Target passes a prompt lookup needs to commit `output` after `prompt` if each cycle
     proposes the best it could: of the continuations after every earlier occurrence of the
-    context's last n tokens (any n >= 1), the one that agrees longest with what the target
-    commits, up to k tokens (fewer when the token budget can keep no more, as in the loop).
+    context's last n tokens (any n >= 1; one that runs into the end of the context repeats,
+    as NgramDrafter's does), the one that agrees longest with what the target commits, up
+    to k tokens (fewer when the token budget can keep no more, as in the loop).
 
     Known only in hindsight, so a floor on every lookup policy, ours and HF's alike. Taking the
     longest agreement each cycle is optimal: if a cycle from an earlier position could reach
@@ -222,7 +223,7 @@ def fewest_lookup_passes(prompt: list[int], output: list[int], k: int) -> int:
                 break  # no longer n-gram can match either
             for s in starts:
                 agree = 0
-                while agree < k_cycle and s + agree < committed and context[s + agree] == seq[committed + agree]:
+                while agree < k_cycle and context[s + agree % (committed - s)] == seq[committed + agree]:
                     agree += 1
                 best = max(best, agree)
         committed += best + 1  # the agreeing drafts, then the target's own token

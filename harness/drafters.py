@@ -83,8 +83,10 @@ def check_lookup_length(length: str) -> None:
 class NgramDrafter:
     """Model-free prompt lookup: find the latest earlier occurrence of the
     context's last n tokens (n from max_ngram down to min_ngram) and propose
-    the tokens that followed it. Its q is a point mass on each proposal, so
-    the rule accepts x with probability p(x) and stays exact.
+    the tokens that followed it; where those run into the end of the context
+    (a repeat: "7 7 7", "a b a b"), the repeat continues. Its q is a point
+    mass on each proposal, so the rule accepts x with probability p(x) and
+    stays exact.
 
     length="match" proposes the whole match, up to k tokens (as HF's
     prompt_lookup_num_tokens does). length="cost_aware" proposes only the part
@@ -135,7 +137,10 @@ class NgramDrafter:
             hits = (windows == ids[-n:]).all(-1).nonzero()
             if hits.numel():
                 start = int(hits[-1]) + n  # the latest match: most recent context
-                return n, ids[start : start + k]
+                # A match that runs into the end is a repeat with period len - start: continue it
+                # (a greedy loop such as "7 7 7" or "a b a b" then gets k tokens, not one period).
+                period = ids.shape[0] - start  # >= 1
+                return n, ids[start + torch.arange(k, device=ids.device) % period]  # [k]
         return 0, ids.new_empty(0)
 
     def rollback(self, length: int) -> None:

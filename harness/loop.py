@@ -45,6 +45,7 @@ class Cycle:
     num_drafted: int  # k' <= k
     num_accepted: int  # leading drafted tokens accepted and kept, 0..k' (an EOS among them ends the cycle)
     expected_acceptance: torch.Tensor  # [tested positions] beta at each: up to the first rejection, or the EOS
+    num_after_eos: int = 0  # drafted tokens after an accepted EOS: never to be kept, so neither accepted nor rejected
 
 
 def speculative_decode(
@@ -85,7 +86,7 @@ def speculative_decode(
         generated += len(kept)
         # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
         accepted, tested = (n, min(n + 1, k_cycle)) if len(kept) > n else (len(kept), len(kept))
-        yield Cycle(kept, k_cycle, accepted, verdict.expected_acceptance[:tested])
+        yield Cycle(kept, k_cycle, accepted, verdict.expected_acceptance[:tested], k_cycle - accepted if len(kept) <= n else 0)
         if stop:
             return
 

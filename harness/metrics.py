@@ -69,6 +69,7 @@ def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
         "cycles": len(cycles),
         "committed": sum(len(c.tokens) for c in cycles),
         "drafted": sum(c.num_drafted for c in cycles),
+        "drafted_after_eos": sum(c.num_after_eos for c in cycles),  # drafted, then cut by an accepted EOS
         "accepted": sum(c.num_accepted for c in cycles),
         "tested": tested,
         "expected_sum": expected_sum,
@@ -81,6 +82,12 @@ def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
+
+
+def acceptance_rate(counts: dict) -> float:
+    """Accepted drafted tokens / drafted tokens, leaving out drafts that followed an accepted EOS
+    (they were never going to be kept: a draft equal to the target scores 1)."""
+    return _ratio(counts["accepted"], counts["drafted"] - counts.get("drafted_after_eos", 0))
 
 
 def expected_tokens_per_cycle(alpha: float, k: int) -> float:
@@ -137,7 +144,8 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     predicted = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
     summary = {
         "num_prompts": len(records),
-        "acceptance_rate": _ratio(total("accepted"), total("drafted")),
+        "acceptance_rate": acceptance_rate({"accepted": total("accepted"), "drafted": total("drafted"),
+                                            "drafted_after_eos": sum(r["spec"].get("drafted_after_eos", 0) for r in records)}),
         "alpha": alpha,
         "expected_alpha": _ratio(total("expected_sum"), total("tested")),
         "position_acceptance": [_ratio(a, b) for a, b in zip(kept.tolist(), reached.tolist())],

@@ -220,6 +220,11 @@ def test_the_gpu_measured_speedup_pass_runs(tiny_pair):
     assert 0 < speedup < float("inf")
 
 
+def _continuation(context: list[int], start: int, k: int) -> list[int]:
+    """The k tokens a lookup proposes from `start`: what followed, repeated where it runs into the end."""
+    return [context[start + j % (len(context) - start)] for j in range(k)]
+
+
 def _lookup_passes_brute_force(prompt: list[int], output: list[int], k: int) -> int:
     """The fewest passes over every sequence of lookup choices (each cycle: any continuation
     after an earlier occurrence of any suffix n-gram, or nothing), by exhaustive search."""
@@ -233,7 +238,7 @@ def _lookup_passes_brute_force(prompt: list[int], output: list[int], k: int) -> 
         for n in range(1, committed):
             for i in range(committed - n):
                 if context[i : i + n] == context[-n:]:
-                    proposal = context[i + n : i + n + k_cycle]
+                    proposal = _continuation(context, i + n, k_cycle)
                     agree = next((j for j, t in enumerate(proposal) if t != seq[committed + j]), len(proposal))
                     reach.add(agree)
         return 1 + min(fewest_from(committed + a + 1) for a in reach)
@@ -249,7 +254,7 @@ def _latest_match_passes(prompt: list[int], output: list[int], k: int) -> int:
         for n in range(min(3, committed - 1), 0, -1):
             hits = [i for i in range(committed - n) if context[i : i + n] == context[-n:]]
             if hits:
-                proposal = context[hits[-1] + n : hits[-1] + n + k_cycle]
+                proposal = _continuation(context, hits[-1] + n, k_cycle)
                 break
         committed += next((j for j, t in enumerate(proposal) if t != seq[committed + j]), len(proposal)) + 1
         passes += 1

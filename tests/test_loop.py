@@ -298,7 +298,9 @@ def test_prompt_lookup_greedy_equals_target_greedy(models, length):
         tokens, cycles = spec_tokens(target, drafter, prompt, 4, GREEDY, 30, set())
         assert tokens == base_tokens(target, prompt, 30, set())
         proposed += [c.num_drafted for c in cycles]
-    assert max(proposed) == (4 if length == "match" else 2)  # the jump at 4 positions stops cost_aware at 2 here
+    assert max(proposed) == 4
+    if length == "cost_aware":  # the jump at 4 positions keeps it at 2 but after a run of accepted proposals
+        assert max(set(proposed) - {0}, key=proposed.count) == 2
 
 
 def test_cost_aware_lookup_proposes_what_pays_for_its_verification():
@@ -320,6 +322,33 @@ def test_cost_aware_lookup_proposes_what_pays_for_its_verification():
     assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == []  # a plain target step pays more
     unset = NgramDrafter(98, length="cost_aware")  # before measure_costs has given it v: the whole match
     assert unset.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
+
+
+def test_drafts_after_an_accepted_eos_do_not_count_against_acceptance(models):
+    """A draft equal to the target has every draft accepted: its acceptance rate is 1 also when an EOS
+    is accepted mid-cycle and the drafts after it are cut (they count as neither accepted nor rejected)."""
+    from harness.metrics import acceptance_rate
+
+    target, _ = models
+    cut = 0
+    for seed, text in enumerate(PROMPTS):
+        prompt = ids_of(text)
+        eos = {int(t) for t in base_tokens(target, prompt, 6, set(), Sampling(1.0), seed)[2:4]}  # tokens it does produce
+        _, cycles = spec_tokens(target, ModelDrafter(CachedLM(target, 98)), prompt, 4, Sampling(1.0), 40, eos, seed)
+        counts = cycle_counts(cycles, 4)
+        assert acceptance_rate(counts) == 1.0 and counts["accepted"] == counts["tested"]
+        cut += counts["drafted_after_eos"]
+    assert cut > 0  # some EOS was accepted before the last drafted position
+
+
+def test_prompt_lookup_continues_a_repeat_that_runs_into_the_end():
+    """The latest match of "7 7 7" ends one token before the end: what followed it is one 7, and a
+    greedy loop repeating itself gets k tokens proposed, not one period of the repeat."""
+    lookup = NgramDrafter(98)
+    assert lookup.propose(torch.tensor([7] * 6), 4, GREEDY, None)[0].tolist() == [7, 7, 7, 7]
+    assert lookup.propose(torch.tensor([5, 6, 5, 6, 5, 6, 5]), 4, GREEDY, None)[0].tolist() == [6, 5, 6, 5]
+    assert lookup.propose(torch.tensor([1, 2, 3, 4, 1, 2, 3]), 6, GREEDY, None)[0].tolist() == [4, 1, 2, 3, 4, 1]
+    assert lookup.propose(torch.tensor([1, 2, 3, 4, 1, 2, 3]), 1, GREEDY, None)[0].tolist() == [4]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, Sampling(1.0), Sampling(0.7, top_p=0.9)])
