@@ -87,14 +87,19 @@ class TimedLM(CachedLM):
             self.own_cache()
         self.forward_s = self.rollback_s = 0.0
         self.forwards = 0
+        self.by_positions: dict[int, list] = {}  # positions fed -> [seconds, forwards]
 
     def forward(self, input_ids, num_logits=1):
         _sync(self.device)
         start = time.perf_counter()
         out = super().forward(input_ids, num_logits)
         _sync(self.device)
-        self.forward_s += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.forward_s += spent
         self.forwards += 1
+        tally = self.by_positions.setdefault(input_ids.shape[0], [0.0, 0])
+        tally[0] += spent
+        tally[1] += 1
         return out
 
     def rollback(self, length):
@@ -341,7 +346,9 @@ def _decode_phase(generator, device, lms: list[TimedLM], watch: Stopwatch) -> di
     yield (prefill and first cycle apart), and every item it yields."""
     def spent():
         return {"forward": sum(lm.forward_s for lm in lms), "rollback": sum(lm.rollback_s for lm in lms), **watch.seconds,
-                **{f"forward_{i}": lm.forward_s for i, lm in enumerate(lms)}, **{f"forwards_{i}": lm.forwards for i, lm in enumerate(lms)}}
+                **{f"forward_{i}": lm.forward_s for i, lm in enumerate(lms)}, **{f"forwards_{i}": lm.forwards for i, lm in enumerate(lms)},
+                **{f"forward_{i}@{n}": t for i, lm in enumerate(lms) for n, (t, _) in lm.by_positions.items()},
+                **{f"forwards_{i}@{n}": m for i, lm in enumerate(lms) for n, (_, m) in lm.by_positions.items()}}
 
     items, first_at, first_spent = [], None, None
     _sync(device)
@@ -423,20 +430,27 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     step_in_loop = spent["base_forward"] / spent["base_forwards"]
     drafted = sum(cy.num_drafted for cy in decode_cycles)
     c_loop = spent["forward_1"] / spent["forwards_1"] / step_in_loop
-    v_loop = spent["forward_0"] / spent["forwards_0"] / step_in_loop  # mean over cycles (k' = k but near the end)
+    # v(n) in the loop, from its verify passes over n positions (every decode-phase target forward
+    # is one; cycles near the token budget verify fewer than k + 1, and are kept apart).
+    v_loop_n = {n: spent[f"forward_0@{n}"] / spent[f"forwards_0@{n}"] / step_in_loop
+                for n in range(1, k + 2) if spent.get(f"forwards_0@{n}")}
+    v_loop = v_loop_n.get(k + 1, spent["forward_0"] / spent["forwards_0"] / step_in_loop)
     by_formula_loop = metrics.predicted_speedup(alpha, k, c_loop, v_loop)
+    by_cycles_loop = spec_tokens / sum(cy.num_drafted * c_loop + v_loop_n[cy.num_drafted + 1] for cy in decode_cycles)
     outside = {"rule": spent["rule"], "rollback": spent["rollback"], "stops": spent["stops"]}
     outside["rest (tensor glue, python)"] = spec_s - spent["forward"] - sum(outside.values())
     return {
         "alpha": alpha, "tokens_per_cycle": sum(len(cy.tokens) for cy in all_cycles) / len(all_cycles),
         "theoretical_tokens_per_cycle": metrics.expected_tokens_per_cycle(alpha, k),
-        "cost_ratio": c, "verify_cost": v[k], "target_step_s": costs["target_step_s"],
+        "cost_ratio": c, "verify_cost": v[k], "verify_costs": v, "target_step_s": costs["target_step_s"],
         "measured_speedup": measured, "measured_speedup_per_rep": speedups,
         "predicted_speedup": by_formula, "efficiency": measured / by_formula,
         "predicted_speedup_cycles": by_cycles, "efficiency_cycles": measured / by_cycles,
         "in_loop": {"target_step_s": step_in_loop, "cost_ratio": c_loop, "verify_cost": v_loop,
+                    "verify_cost_by_positions": v_loop_n,  # {n: v(n)} from the loop's own verify passes
                     "draft_forwards_per_drafted_token": spent["forwards_1"] / max(drafted, 1),
-                    "predicted_speedup": by_formula_loop, "efficiency": measured / by_formula_loop},
+                    "predicted_speedup": by_formula_loop, "efficiency": measured / by_formula_loop,
+                    "predicted_speedup_cycles": by_cycles_loop, "efficiency_cycles": measured / by_cycles_loop},
         "spec_decode_s": spec_s, "base_decode_s": base_s, "spec_decode_tokens": spec_tokens, "base_decode_tokens": base_tokens,
         "overhead_fraction": 1 - spent["forward"] / spec_s,
         "overhead_s": outside,
@@ -655,8 +669,12 @@ def main(argv: list[str] | None = None) -> dict:
         per_rep = lim["measured_speedup_per_rep"]
         print(f"k={k}: alpha {lim['alpha']:.3f}  decode speedup {lim['measured_speedup']:.3f} ({min(per_rep):.3f} to {max(per_rep):.3f})  "
               f"predicted {lim['predicted_speedup']:.3f} (cycles {lim['predicted_speedup_cycles']:.3f})  "
-              f"efficiency {lim['efficiency']:.3f} (cycles {lim['efficiency_cycles']:.3f}; in-loop costs {lim['in_loop']['efficiency']:.3f})  "
-              f"overhead {100 * lim['overhead_fraction']:.1f}% ({lim['overhead_per_cycle_ms']:.2f} ms/cycle)")
+              f"efficiency {lim['efficiency']:.3f} (cycles {lim['efficiency_cycles']:.3f}; in-loop costs {lim['in_loop']['efficiency']:.3f}, "
+              f"cycles {lim['in_loop']['efficiency_cycles']:.3f})  overhead {100 * lim['overhead_fraction']:.1f}% ({lim['overhead_per_cycle_ms']:.2f} ms/cycle)")
+        v_apart = " ".join(f"{v:.3f}" for v in lim["verify_costs"])
+        v_loop = " ".join(f"{lim['in_loop']['verify_cost_by_positions'][n]:.3f}" for n in sorted(lim["in_loop"]["verify_cost_by_positions"]))
+        print(f"    v(1..{int(k) + 1}) measured apart {v_apart}; in the loop (n = {sorted(lim['in_loop']['verify_cost_by_positions'])}) {v_loop}; "
+              f"c apart {lim['cost_ratio']:.3f}, in the loop {lim['in_loop']['cost_ratio']:.3f}")
     for name, audit in result.get("sync_audit", {}).items():
         print(f"host reads of tensor values ({name}): {audit['host_reads_per_cycle']:.2f} per cycle over {audit['cycles']} cycles "
               f"({audit['drafted']} drafted tokens); by line: {audit['host_reads_by_line']}")

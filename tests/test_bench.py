@@ -52,6 +52,10 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
         assert len(limit["measured_speedup_per_rep"]) == 2 and limit["measured_speedup"] == pytest.approx(
             sum(limit["measured_speedup_per_rep"]) / 2)  # the median of two
         assert 0 < limit["alpha"] <= 1 and limit["efficiency"] > 0 and 0 <= limit["overhead_fraction"] < 1
+    for k, limit in result["limits"].items():  # in-loop v(n) from the verify passes over n positions; v(k + 1) in the formula
+        in_loop = limit["in_loop"]
+        assert k + 1 in in_loop["verify_cost_by_positions"] and set(in_loop["verify_cost_by_positions"]) <= set(range(1, k + 2))
+        assert in_loop["verify_cost"] == in_loop["verify_cost_by_positions"][k + 1] and in_loop["efficiency_cycles"] > 0
     assert result["memory"]["prompts"] == 4
     for k in (1, 2):  # no lookup policy takes fewer passes than the floor
         floor = result["lookup_floor"][k]
