@@ -311,7 +311,7 @@ def cell_row(raw: RawCell) -> dict:
         length = draft.get("length", "match")
         draft_id = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" + ("" if length == "match" else f"-{length}")
     else:
-        draft_id = str(s.get("draft") or draft.get("id"))
+        draft_id = str(s.get("draft") or draft.get("id")).rstrip("/") or "/"  # a folder named with or without its slash: one draft
     temperature = float(s.get("temperature", cfg.get("temperature", 0.0)))
     top_k, top_p = int(s.get("top_k", cfg.get("top_k", 0)) or 0), float(s.get("top_p", cfg.get("top_p", 1.0)) or 1.0)
     ci = s.get("speedup_ci") or [s.get("speedup_ci_low", np.nan), s.get("speedup_ci_high", np.nan)]
@@ -465,19 +465,20 @@ def _labels(cells: pd.DataFrame) -> pd.Series:
     """A short name per draft: the pair name, qualified when one pair name covers several drafts
     (by the shortest end of the drafts' ids that tells them apart: `pair/final` or `pair/a/final`;
     prompt lookup by its whole setting, `ngram(1-3)`), so that two drafts never share a label."""
+    pairs = pd.Series([p if isinstance(p, str) else "unnamed" for p in cells["pair"]], index=cells.index)  # a missing name too
     short: dict[tuple[str, str], str] = {}
-    for pair, drafts in cells.assign(pair=cells["pair"].astype(str)).groupby("pair")["draft"]:
+    for pair, drafts in cells["draft"].groupby(pairs):
         ids = sorted(set(map(str, drafts)))
         if len(ids) == 1:
             short[(pair, ids[0])] = str(pair)
             continue
-        parts = {d: d.rstrip("/").split("/") for d in ids}
+        parts = {d: d.split("/") for d in ids}
         for depth in range(1, max(map(len, parts.values())) + 1):
             ends = {d: "/".join(p[-depth:]) for d, p in parts.items()}
             if len(set(ends.values())) == len(ids):
                 break
         short.update({(pair, d): f"{pair}/{end}" for d, end in ends.items()})
-    return pd.Series([short[(str(row.pair), str(row.draft))] for row in cells.itertuples()], index=cells.index)
+    return pd.Series([short[(pair, str(draft))] for pair, draft in zip(pairs, cells["draft"])], index=cells.index)
 
 
 def _device_label(conditions: dict) -> str:

@@ -112,7 +112,9 @@ def settings(args: argparse.Namespace) -> dict:
         raise HarnessError(f"resamples={out['n_resamples']} must be a whole number of at least 2, e.g. --resamples 2000")
     if not (isinstance(out["max_k"], int) and out["max_k"] >= 1):
         raise HarnessError(f"max_k={out['max_k']} must be a whole number of at least 1, e.g. --max-k 16")
-    if w.get("draft_step_ms") not in (None, {}) and not w.get("target_step_ms"):
+    draft_ms, given_c = w.get("draft_step_ms"), w.get("cost_ratio")
+    c_covers = isinstance(given_c, (int, float)) or (isinstance(draft_ms, dict) and isinstance(given_c, dict) and set(draft_ms) <= set(given_c))
+    if draft_ms not in (None, {}) and not w.get("target_step_ms") and not c_covers:  # it would be silently unused
         raise HarnessError("a what-if draft step time needs the target's step time on that machine too: add --target-step-ms MS "
                            "(or give the cost ratio itself with --cost-ratio)")
     return out

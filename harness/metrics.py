@@ -4,7 +4,8 @@ Per prompt, the loop's cycles are reduced to counts (`cycle_counts`); the
 summary is derived from those counts and the paired timings only, so a
 results file can always be re-summarised. Definitions (README, "Metrics"):
 
-  acceptance_rate       accepted drafted tokens / drafted tokens
+  acceptance_rate       accepted drafted tokens / drafted tokens, leaving out
+                        drafts after an accepted EOS (never to be kept)
   alpha                 accepted / tested positions, where a cycle tests
                         positions up to and including its first rejection
                         (or up to an EOS among its accepted drafts):

@@ -146,6 +146,22 @@ def test_drafts_under_one_pair_name_never_share_a_label(tmp_path):
         (out / "summary.json").write_text(json.dumps({**summary, "pair": pair, "draft": draft.get("id", "ngram")}))
     cells = load(tmp_path).cells
     assert sorted(cells["label"]) == ["lookup/ngram(1-2)", "lookup/ngram(1-5)", "mine/a/final", "mine/b/final"]
+    # The same folder named with a trailing slash is the same draft; a cell without a pair name loads too.
+    out = write_cell(tmp_path, "m3", "model", Fraction(1, 2), 4, 0.05, SLOPE)
+    config = json.loads((out / "config.yaml").read_text())
+    config["pair"].update(name="mine", draft={"kind": "model", "id": "/ckpt/a/final/"})
+    (out / "config.yaml").write_text(json.dumps(config))
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "pair": "mine", "draft": "/ckpt/a/final/"}))
+    out = write_cell(tmp_path, "unnamed", "model", Fraction(1, 2), 2, 0.05, SLOPE)
+    config = json.loads((out / "config.yaml").read_text())
+    del config["pair"]["name"]
+    (out / "config.yaml").write_text(json.dumps(config))
+    summary = json.loads((out / "summary.json").read_text())
+    del summary["pair"]
+    (out / "summary.json").write_text(json.dumps(summary))
+    cells = load(tmp_path).cells.set_index("cell")
+    assert cells.loc["m3-k4-t0.0-synthetic", "label"] == "mine/a/final" and cells.loc["unnamed-k2-t0.0-synthetic", "label"] == "unnamed"
 
 
 def test_tested_positions_without_prompt_rows_come_from_alpha():
@@ -664,6 +680,7 @@ def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, 
     (["--resamples", "0"], "resamples=0 must be a whole number of at least 2"),
     (["--resamples", "-1"], "resamples=-1 must be"),
     (["--draft-step-ms", "2.5"], "needs the target's step time on that machine too: add --target-step-ms"),
+    (["--draft-step-ms", "big=2.5", "--cost-ratio", "small=0.1"], "needs the target's step time"),
 ])
 def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flags, says):
     out = tmp_path / "rep"
@@ -671,6 +688,11 @@ def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flag
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_draft_step_time_with_its_cost_ratio_given_needs_no_target_step():
+    args = report.parser().parse_args(["results", "--draft-step-ms", "big=2.5", "--cost-ratio", "big=0.1,small=0.2"])
+    assert report.settings(args)["whatif"]["draft_step_ms"] == {"big": 2.5}
 
 
 def test_a_tilde_in_the_report_folder_is_the_home_folder(sweep, tmp_path, monkeypatch):
@@ -886,7 +908,7 @@ def test_a_mistyped_local_path_is_not_taken_for_wandb(tmp_path, monkeypatch, cap
 def test_a_config_file_replaces_the_traffic_mix_and_whatif_maps(tmp_path, monkeypatch):
     default = tmp_path / "report.yaml"
     default.write_text("weights: {conversation: 0.5, code: 0.3, qa: 0.2}\n"
-                       "whatif: {name: A100, cost_ratio: {big: 0.1}, draft_step_ms: {big: 2.0}}\n")
+                       "whatif: {name: A100, cost_ratio: {big: 0.1}, draft_step_ms: {big: 2.0}, target_step_ms: 20.0}\n")
     monkeypatch.setattr(report, "DEFAULT_CONFIG", default)
     product = tmp_path / "product.yaml"
     product.write_text("weights: {math: 0.9, code: 0.1}\nwhatif: {cost_ratio: {small: 0.02}}\n")
