@@ -316,7 +316,8 @@ def validate(cfg: DictConfig) -> None:
           for name in ("force", "compile", "prompts.shuffle")),  # Hydra reads off / no as strings, which are truthy
         (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and cfg.seed >= 0, f"seed={cfg.seed} must be an integer >= 0"),
         (_positive_int(cfg.k), f"k={cfg.k} must be a positive integer (e.g. k=4)"),
-        (isinstance(cfg.temperature, (int, float)) and cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0 is greedy)"),
+        (isinstance(cfg.temperature, (int, float)) and 0 <= cfg.temperature < float("inf"),
+         f"temperature={cfg.temperature} must be a finite number >= 0 (0 is greedy)"),
         (not isinstance(cfg.temperature, (int, float)) or cfg.temperature == 0 or cfg.temperature >= 1e-6,
          f"temperature={cfg.temperature} is greedy in all but name and under float32's range: use temperature=0"),
         (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
@@ -343,6 +344,8 @@ def check_pair(pair: DictConfig) -> None:
     name, draft = pair.get("name"), pair.get("draft")
     if not pair.get("target") or not pair.target.get("id"):
         raise HarnessError(f"pair {name} has no target: set pair.target.id (an HF id or a local directory)")
+    if isinstance(draft, DictConfig) and draft.get("kind") is not None and draft.get("kind") not in ("model", "ngram"):
+        raise HarnessError(f"pair.draft.kind={draft.get('kind')} must be model (with pair.draft.id) or ngram (prompt lookup)")
     if not isinstance(draft, DictConfig) or draft.get("kind") not in ("model", "ngram"):
         raise HarnessError(f"pair {name} has no draft: set pair.draft.kind=model with pair.draft.id, or pair.draft.kind=ngram")
     if draft.kind == "model" and not draft.get("id"):

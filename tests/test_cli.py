@@ -80,7 +80,8 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     "override, message",
     [
         ("k=0", "k=0 must be a positive integer"),
-        ("temperature=-1", "must be >= 0"),
+        ("temperature=-1", "must be a finite number >= 0"),
+        ("temperature=inf", "temperature=inf must be a finite number >= 0"),
         ("temperature=1e-46", "is greedy in all but name"),
         ("top_p=1.5", "must be in (0, 1]"),
         ("top_k=-2", "must be an integer >= 0"),

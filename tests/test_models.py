@@ -118,6 +118,7 @@ def test_the_embedded_cache_is_readable_by_other_users(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["+pair=smollm2", "~pair.draft"], "has no draft: set pair.draft.kind=model"),
+    (["+pair=smollm2", "pair.draft.kind=foo"], "pair.draft.kind=foo must be model"),
     (["+pair=smollm2", "pair.draft.id=null"], "model draft without an id"),
     (["+pair=smollm2", "pair.target.id=null"], "has no target"),
     (["+pair=smollm2_ngram", "pair.draft.min_ngram=0"], "1 <= min_ngram <= max_ngram"),
