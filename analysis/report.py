@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from analysis import decide as decide_mod
 from analysis import fit as fit_mod
@@ -82,8 +82,11 @@ def settings(args: argparse.Namespace) -> dict:
         if path is not None:
             if not Path(path).exists():
                 raise HarnessError(f"--config {path} does not exist")
-            layer = OmegaConf.load(path)
-            cfg = OmegaConf.merge(cfg, layer)
+            layer = _settings_file(Path(path))
+            try:
+                cfg = OmegaConf.merge(cfg, layer)
+            except Exception as err:  # noqa: BLE001 - a list where a map belongs, say: one line for the user
+                raise HarnessError(f"--config {path}: {str(err).splitlines()[0]}") from None
             for key in REPLACED:
                 if OmegaConf.select(layer, key, default=_ABSENT) is not _ABSENT:
                     OmegaConf.update(cfg, key, OmegaConf.select(layer, key), merge=False)
@@ -106,18 +109,65 @@ def settings(args: argparse.Namespace) -> dict:
         w["verify_slope"] = args.verify_slope
     if args.no_wandb_log:
         out["wandb_log"] = False
-    if not 0 < out["confidence"] < 1:
+    if not (isinstance(out["confidence"], (int, float)) and 0 < out["confidence"] < 1):
         raise HarnessError(f"confidence={out['confidence']} must be in (0, 1), e.g. 0.95")
     if not (isinstance(out["n_resamples"], int) and out["n_resamples"] >= 2):
         raise HarnessError(f"resamples={out['n_resamples']} must be a whole number of at least 2, e.g. --resamples 2000")
     if not (isinstance(out["max_k"], int) and out["max_k"] >= 1):
         raise HarnessError(f"max_k={out['max_k']} must be a whole number of at least 1, e.g. --max-k 16")
+    try:
+        out["weights"] = decide_mod.check_weights(out["weights"])
+    except (TypeError, ValueError, AttributeError):
+        raise HarnessError(f"weights={out['weights']} must map categories to numbers, e.g. --weights conversation=0.5,code=0.3") from None
+    if out["weights"] and not sum(out["weights"].values()) > 0:
+        raise HarnessError(f"traffic weights {out['weights']} are all zero: give at least one category a share above 0")
+    _check_whatif(w)
     draft_ms, given_c = w.get("draft_step_ms"), w.get("cost_ratio")
     c_covers = isinstance(given_c, (int, float)) or (isinstance(draft_ms, dict) and isinstance(given_c, dict) and set(draft_ms) <= set(given_c))
     if draft_ms not in (None, {}) and not w.get("target_step_ms") and not c_covers:  # it would be silently unused
         raise HarnessError("a what-if draft step time needs the target's step time on that machine too: add --target-step-ms MS "
                            "(or give the cost ratio itself with --cost-ratio)")
     return out
+
+
+def _settings_file(path: Path):
+    """A settings file as OmegaConf, refused in one line when it does not parse or names a key the
+    report does not know (a typo such as `weigths` would otherwise be silently ignored)."""
+    try:
+        layer = OmegaConf.load(path)
+    except Exception as err:  # noqa: BLE001 - YAML and OmegaConf errors alike: one line for the user
+        raise HarnessError(f"--config {path} does not parse: {str(err).splitlines()[0]}") from None
+    if not isinstance(layer, DictConfig):
+        raise HarnessError(f"--config {path} must be a mapping of settings (as in conf/report.yaml)")
+    unknown = [key for key in layer if key not in DEFAULTS]
+    unknown += [f"whatif.{key}" for key in (layer.get("whatif") or {}) if key not in DEFAULTS["whatif"]]
+    if unknown:
+        raise HarnessError(f"--config {path}: unknown setting {unknown[0]}; known are {', '.join(DEFAULTS)} "
+                           f"and whatif.{', whatif.'.join(DEFAULTS['whatif'])}")
+    return layer
+
+
+def _check_whatif(w: dict) -> None:
+    """Costs another machine could have: c and b at least 0, step times above 0."""
+    def numbers(value) -> list:
+        return list(value.values()) if isinstance(value, dict) else [] if value is None else [value]
+
+    for key, low, strict in (("cost_ratio", 0.0, False), ("draft_step_ms", 0.0, True), ("target_step_ms", 0.0, True),
+                             ("verify_slope", 0.0, False)):
+        for value in numbers(w.get(key)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > low if strict else value >= low)
+            if not ok or value != value or value == float("inf"):
+                raise HarnessError(f"whatif.{key}={w.get(key)} must be {'above' if strict else 'at least'} 0 "
+                                   f"(a finite number{' per draft' if isinstance(w.get(key), dict) else ''})")
+
+
+def _check_whatif_labels(w: dict, labels: list[str]) -> None:
+    """A what-if cost given for a draft label the results do not have would be silently unused."""
+    for key in ("cost_ratio", "draft_step_ms"):
+        unknown = sorted(set(w.get(key) or {}) - set(labels)) if isinstance(w.get(key), dict) else []
+        if unknown:
+            raise HarnessError(f"whatif.{key} names {', '.join(unknown)}, which is no draft in these results; "
+                               f"the drafts are: {', '.join(labels) or 'none'}")
 
 
 def parse_assignments(items: list[str], flag: str) -> dict[str, float]:
@@ -153,6 +203,7 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
     """Load, fit, decide, draw and write the report folder; returns decision.json's content."""
     cfg = {**DEFAULTS, **(cfg or {})}
     results = load(source, api)
+    _check_whatif_labels(cfg["whatif"], sorted(set(results.cells["label"])) if not results.cells.empty else [])
     out = Path(out).expanduser() if out else (Path(source).expanduser() / "report" if results.kind == "local" else Path("report") / _slug(source))
     out.mkdir(parents=True, exist_ok=True)
     fits, curves = fit_mod.fit(results.cells, results.prompts, cfg["confidence"], cfg["n_resamples"], cfg["seed"], cfg["max_k"])

@@ -681,10 +681,32 @@ def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, 
     (["--resamples", "-1"], "resamples=-1 must be"),
     (["--draft-step-ms", "2.5"], "needs the target's step time on that machine too: add --target-step-ms"),
     (["--draft-step-ms", "big=2.5", "--cost-ratio", "small=0.1"], "needs the target's step time"),
+    (["--cost-ratio", "-1"], "whatif.cost_ratio=-1.0 must be at least 0"),
+    (["--verify-slope", "-1"], "whatif.verify_slope=-1.0 must be at least 0"),
+    (["--target-step-ms", "-5", "--draft-step-ms", "2"], "whatif.target_step_ms=-5.0 must be above 0"),
+    (["--cost-ratio", "nosuch=0.04"], "whatif.cost_ratio names nosuch, which is no draft in these results; the drafts are: big, lookup, small"),
+    (["--weights", "chat=0,code=0"], "are all zero"),
 ])
 def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flags, says):
     out = tmp_path / "rep"
     assert report.main([str(sweep), "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("weigths: {code: 1}\n", "unknown setting weigths; known are weights"),
+    ("whatif: {cost_ratoi: 0.1}\n", "unknown setting whatif.cost_ratoi"),
+    ("weights: {code: abc}\n", "must map categories to numbers"),
+    ("weights: [1, 2]\n", "--config"),
+    ("weights: {code: 1\n", "does not parse"),
+    ("confidence: abc\n", "confidence=abc must be in (0, 1)"),
+])
+def test_a_bad_settings_file_is_one_line_before_any_work(sweep, tmp_path, capsys, text, says):
+    (tmp_path / "bad.yaml").write_text(text)
+    out = tmp_path / "rep"
+    assert report.main([str(sweep), "--out", str(out), "--config", str(tmp_path / "bad.yaml")]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
