@@ -711,13 +711,20 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     cell_dir = cell_path(cfg, out_dir, device)
+    created = not cell_dir.exists()
     try:
         cell_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise HarnessError(f"cannot write results to {cell_dir}: {err.strerror}; set out_dir=<a writable directory>") from None
-    # SIGTERM ends a run as Ctrl-C does at any point, loading included: the claim is released, the exit is 130.
-    with _sigterm_as_interrupt(), tracking.claim(cell_dir, quiet=quiet):  # agents or SLURM tasks sharing out_dir may pick the same cell
-        return _run_claimed(cfg, cell_dir, device, quiet)
+    try:
+        # SIGTERM ends a run as Ctrl-C does at any point, loading included: the claim is released, the exit is 130.
+        with _sigterm_as_interrupt(), tracking.claim(cell_dir, quiet=quiet):  # agents or SLURM tasks sharing out_dir may pick the same cell
+            return _run_claimed(cfg, cell_dir, device, quiet)
+    except BaseException:
+        if created:  # a run that stopped before writing anything (a dataset offline, a model missing) leaves no empty cell
+            with contextlib.suppress(OSError):
+                cell_dir.rmdir()  # only when empty: another process's claim or any result keeps it
+        raise
 
 
 def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: bool) -> dict:
@@ -732,7 +739,6 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             with tracking.start(cfg, cell_dir) as tracker:
                 tracker.finish({**summary, "reused": True}, _read_records(lines_path))
         return summary
-    (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     peak_since_reset = _reset_peak_rss()
 
     # Prompts first: a dataset problem should stop the run before a model loads.
@@ -756,6 +762,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             encoded.append((p, as_tensor(ids, device)))
     if not encoded:
         raise HarnessError(f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate")
+    (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # once the cell can start
     if cfg.force:  # once prompts and pair have loaded (a redo that cannot start keeps the finished cell), before
         for path in (summary_path, status_path, lines_path):  # any new result: a stopped redo must not look complete
             path.unlink(missing_ok=True)

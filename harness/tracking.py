@@ -350,6 +350,9 @@ def claim(cell_dir: str | Path, poll_s: float | None = None, stale_s: float = 30
     while True:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileNotFoundError:  # the holder's run stopped before writing anything and removed the empty cell
+            path.parent.mkdir(parents=True, exist_ok=True)
+            continue
         except FileExistsError:
             holder = _read_claim(path)
             if _is_stale(path, holder, stale_s):

@@ -356,8 +356,41 @@ def test_every_prompt_too_long_and_unwritable_out_dir(tiny_pair, tmp_path):
 
 
 def test_missing_dataset_file(tiny_pair, tmp_path):
-    out = harness(*tiny_args(tiny_pair, tmp_path, "dataset=local", f"dataset.path={tmp_path / 'nope.jsonl'}"))
+    out = harness(*tiny_args(tiny_pair, tmp_path / "results", "dataset=local", f"dataset.path={tmp_path / 'nope.jsonl'}"))
     assert out.returncode != 0 and "nope.jsonl" in out.stderr and "Traceback" not in out.stderr
+    assert not list((tmp_path / "results").iterdir())  # a run that could not start leaves no empty cell folder
+
+
+def test_a_run_that_cannot_start_leaves_no_cell_but_keeps_one_that_was_there(tmp_path, monkeypatch):
+    """Nothing written (the dataset offline, the model missing, Ctrl-C while loading): the cell folder this
+    run made goes, so sweeps do not fill the store with folders holding a config and no result."""
+    from test_config import composed
+
+    from harness import run
+    from harness.errors import HarnessError
+
+    def offline(*args, **kwargs):
+        raise HarnessError("dataset gsm8k is not cached and the hub is not reachable")
+
+    monkeypatch.setattr(run, "load_prompts", offline)
+    cfg = run.with_default_pair(composed(["wandb.mode=disabled"]))
+    with pytest.raises(HarnessError):
+        run.run_cell(cfg, out_dir=tmp_path, quiet=True)
+    assert not list(tmp_path.iterdir())
+    (tmp_path / run.cell_key(cfg)).mkdir()
+    (tmp_path / run.cell_key(cfg) / "notes.txt").write_text("the user's")
+    with pytest.raises(HarnessError):
+        run.run_cell(cfg, out_dir=tmp_path, quiet=True)
+    assert (tmp_path / run.cell_key(cfg) / "notes.txt").exists()
+
+
+def test_a_claim_on_a_cell_folder_removed_meanwhile_makes_it_again(tmp_path):
+    """A run waiting for a claim whose holder stopped before writing anything (and removed the empty
+    folder) takes the claim in a new folder instead of failing."""
+    from harness import tracking
+
+    with tracking.claim(tmp_path / "gone" / "cell", quiet=True) as path:
+        assert path.exists() and path.parent.is_dir()
 
 
 def test_sigterm_while_the_models_load_ends_the_run_as_ctrl_c(tiny_pair, tmp_path, monkeypatch):
