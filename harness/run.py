@@ -275,11 +275,42 @@ def unknown_setting(override: str, known: set[str]) -> str | None:
     name = name.lstrip("+") if added_to_dataset else name
     if not equals or name.startswith(("+", "~", "-", "hydra")) or "/" in name or name in known:
         return None
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
-    hint = f"did you mean {close[0]}? " if close else ""
+    close = difflib.get_close_matches(name, sorted(k for k in known if not name.startswith(k + ".")), n=1, cutoff=0.7)
+    hint = f"did you mean {close[0]}? " if close else ""  # not the section the key is in (exactness for exactness.bogus)
     if name.startswith("dataset."):
         return f"unknown setting '{name}': {hint}(no prompt set reads it; --cfg job prints the settings)"
+    section = name.rpartition(".")[0]
+    siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == section) if section else []
+    if siblings and not section.startswith("pair"):  # a section's key mistyped, e.g. exactness.sample
+        return f"unknown setting '{name}': {hint}{section} has {', '.join(siblings)}"
     return f"unknown setting '{name}': {hint}(--cfg job prints them all; +{name}=... adds a new key)"
+
+
+def added_or_removed(override: str, known: set[str]) -> str | None:
+    """A message for `+key=` on a key that exists (Hydra: "Could not append") and for `~key` on one
+    of the harness's own settings (a crash later), which Hydra answers in several lines."""
+    name, equals, value = override.partition("=")
+    bare = name.lstrip("+~")
+    if bare.startswith(("pair", "dataset", "hydra")) or bare not in known:
+        return None  # a pair's or dataset's keys are theirs to add and remove; unknown ones: unknown_setting
+    if name.startswith("+") and equals:
+        return f"{override}: {bare} is already a setting, so drop the '+': {bare}={value}"
+    if name.startswith("~"):
+        return f"{override}: every run needs {bare}; set it instead, e.g. {bare}=..."
+    return None
+
+
+# Hydra's flags that take the next word as their value (`--cfg job`, `-cn config`).
+VALUED_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun"}
+
+
+def bare_words(argv: list[str]) -> str | None:
+    """A message for a word that is neither a flag, a flag's value nor an override (`k 4` for `k=4`)."""
+    for before, arg in zip([None, *argv], argv):
+        if "=" not in arg and not arg.startswith(("-", "~")) and before not in VALUED_FLAGS:
+            return f"cannot read {arg!r}: an override is KEY=VALUE, e.g. k=4 (python -m harness --help lists the flags)"
+    return None
 
 
 def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = True) -> None:
@@ -296,8 +327,12 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
             default = OmegaConf.load(CONF_DIR / "config.yaml").default_pair
             print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
             sys.exit(2)
+    words = bare_words(argv)
+    if words:
+        print(f"error: {words}", file=sys.stderr)
+        sys.exit(2)
     for arg in argv:
-        message = (unparsable(arg) or misplaced(arg, multirun, sweeps) or unknown_choice(arg)
+        message = (unparsable(arg) or misplaced(arg, multirun, sweeps) or unknown_choice(arg) or added_or_removed(arg, known)
                    or next(filter(None, (group_setting(g, arg, chosen[g], options[g]) for g in options)), None)
                    or unknown_setting(arg, known))
         if message:

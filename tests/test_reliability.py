@@ -36,12 +36,24 @@ from test_cli import ROOT, harness, tiny_args
         (["dataset=local", "dataset.path=x.jsonl", "dataset.template=Summarize: {text}"],  # Hydra's grammar: 3 lines
          """quote the value inside the shell's quotes, e.g. 'dataset.template="Summarize: {text}"'"""),
         (["+pair=smollm2", "pair.draft.max_ngram=4"], "unknown setting 'pair.draft.max_ngram' for +pair=smollm2"),
+        (["k", "4"], "cannot read 'k': an override is KEY=VALUE, e.g. k=4"),
+        (["+k=4"], "+k=4: k is already a setting, so drop the '+': k=4"),
+        (["~k"], "~k: every run needs k; set it instead"),
+        (["wandb.mod=offline"], "did you mean wandb.mode? wandb has dir, entity, group, job_type, mode, name, project, tags"),
+        (["--cfg", "job", "k=3", "banana=1"], "unknown setting 'banana'"),  # a flag's value is not a stray word
     ],
 )
 def test_unknown_names_suggest_the_closest(args, message):
     out = harness(*args)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_an_exactness_setting_mistyped_lists_the_section():
+    out = subprocess.run([sys.executable, "-m", "harness.exactness", "temperature=1.0", "exactness.sample=100"],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "did you mean exactness.samples? exactness has alpha, detect_tv, length, max_cells, num_prompts, samples" in out.stderr
 
 
 @pytest.mark.parametrize("args, bad", [
