@@ -60,6 +60,8 @@ def test_the_three_sweeps_exist():
     assert swept.get("dataset_pair") == {"dataset", "pair"}
     pairs = yaml.safe_load((ROOT / "sweeps" / "pair_k.yaml").read_text())["parameters"]["+pair"]["values"]
     assert set(pairs) == PUBLISHED
+    datasets = yaml.safe_load((ROOT / "sweeps" / "dataset_pair.yaml").read_text())["parameters"]["dataset"]["values"]
+    assert set(datasets) == {p.stem for p in (CONF_DIR / "dataset").glob("*.yaml")} - {"local"}  # every named prompt set
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.stem)
