@@ -602,6 +602,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("results/bench/bench.json"))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +pair=smollm2 device=cuda")
     args = parser.parse_args(argv)
+    for flag, values, low in (("--reps", [args.reps], 1), ("--prompts", [args.prompts], 1), ("--ks", args.ks, 1),
+                              ("--max-new-tokens", [args.max_new_tokens], 2), ("--memory-prompts", [args.memory_prompts], 0),
+                              ("--memory-new-tokens", [args.memory_new_tokens], 1)):
+        if min(values) < low:
+            parser.error(f"{flag} {' '.join(map(str, values))}: each must be at least {low}")
     if 0 < args.memory_prompts < 4:
         parser.error(f"--memory-prompts {args.memory_prompts}: give 0 (skip the memory part) or at least 4 (growth is fitted over the second half)")
     check_choices(args.overrides, sweeps=False)  # as `python -m harness` checks them: one line for an unknown name

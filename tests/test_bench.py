@@ -129,6 +129,19 @@ def test_the_bench_checks_its_config_as_the_harness_does(tiny_pair, tmp_path, ar
         run_bench(tiny_pair, tmp_path, *args)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--ks", "1", "0"], "--ks 1 0: each must be at least 1"),
+    (["--reps", "0"], "--reps 0: each must be at least 1"),
+    (["--prompts", "-1"], "--prompts -1: each must be at least 1"),
+    (["--max-new-tokens", "1"], "--max-new-tokens 1: each must be at least 2"),
+])
+def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "load_pair", lambda *a, **k: pytest.fail("loaded a pair"))
+    with pytest.raises(SystemExit) as stop:
+        bench.main(flags)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_hf_refusing_the_static_cache_is_one_clear_error():
     """transformers 5.17's assisted generate refuses the static cache that compile=true gives HF."""
 
