@@ -119,6 +119,8 @@ def settings(args: argparse.Namespace) -> dict:
         out["weights"] = decide_mod.check_weights(out["weights"])
     except (TypeError, ValueError, AttributeError):
         raise HarnessError(f"weights={out['weights']} must map categories to numbers, e.g. --weights conversation=0.5,code=0.3") from None
+    if not all(math.isfinite(w) for w in out["weights"].values()):
+        raise HarnessError(f"weights={out['weights']} must be finite numbers, e.g. --weights conversation=0.5,code=0.3")
     if out["weights"] and not sum(out["weights"].values()) > 0:
         raise HarnessError(f"traffic weights {out['weights']} are all zero: give at least one category a share above 0")
     _check_whatif(w)
@@ -139,6 +141,10 @@ def _settings_file(path: Path):
         raise HarnessError(f"--config {path} does not parse: {str(err).splitlines()[0]}") from None
     if not isinstance(layer, DictConfig):
         raise HarnessError(f"--config {path} must be a mapping of settings (as in conf/report.yaml)")
+    if "whatif" in layer and layer.whatif is None:
+        del layer["whatif"]  # as if not given
+    if "whatif" in layer and not isinstance(layer.whatif, DictConfig):
+        raise HarnessError(f"--config {path}: whatif must be a mapping (name, cost_ratio, target_step_ms, draft_step_ms, verify_slope)")
     unknown = [key for key in layer if key not in DEFAULTS]
     unknown += [f"whatif.{key}" for key in (layer.get("whatif") or {}) if key not in DEFAULTS["whatif"]]
     if unknown:

@@ -291,7 +291,7 @@ def added_or_removed(override: str, known: set[str]) -> str | None:
     of the harness's own settings (a crash later), which Hydra answers in several lines."""
     name, equals, value = override.partition("=")
     bare = name.lstrip("+~")
-    if bare.startswith(("pair", "dataset", "hydra")) or bare not in known:
+    if name.startswith("++") or bare.startswith(("pair", "dataset", "hydra")) or bare not in known:  # ++: Hydra's add-or-set
         return None  # a pair's or dataset's keys are theirs to add and remove; unknown ones: unknown_setting
     if name.startswith("+") and equals:
         return f"{override}: {bare} is already a setting, so drop the '+': {bare}={value}"
@@ -305,10 +305,16 @@ VALUED_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path
                 "--config-dir", "-cd", "--experimental-rerun"}
 
 
+def _takes_value(flag: str | None) -> bool:
+    """A Hydra flag that takes the next word, also shortened as argparse allows (`--cf job`)."""
+    return flag is not None and (flag in VALUED_FLAGS or (flag.startswith("--") and len(flag) > 2
+                                                          and any(f.startswith(flag) for f in VALUED_FLAGS if f.startswith("--"))))
+
+
 def bare_words(argv: list[str]) -> str | None:
     """A message for a word that is neither a flag, a flag's value nor an override (`k 4` for `k=4`)."""
     for before, arg in zip([None, *argv], argv):
-        if "=" not in arg and not arg.startswith(("-", "~")) and before not in VALUED_FLAGS:
+        if "=" not in arg and not arg.startswith(("-", "~")) and not _takes_value(before):
             return f"cannot read {arg!r}: an override is KEY=VALUE, e.g. k=4 (python -m harness --help lists the flags)"
     return None
 
@@ -746,7 +752,6 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     cell_dir = cell_path(cfg, out_dir, device)
-    created = not cell_dir.exists()
     try:
         cell_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -756,9 +761,11 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         with _sigterm_as_interrupt(), tracking.claim(cell_dir, quiet=quiet):  # agents or SLURM tasks sharing out_dir may pick the same cell
             return _run_claimed(cfg, cell_dir, device, quiet)
     except BaseException:
-        if created:  # a run that stopped before writing anything (a dataset offline, a model missing) leaves no empty cell
-            with contextlib.suppress(OSError):
-                cell_dir.rmdir()  # only when empty: another process's claim or any result keeps it
+        # A run that stopped before writing anything (a dataset offline, a model missing) leaves no empty
+        # cell. Only an empty folder goes: another process's claim or any result keeps it (and a process
+        # waiting for the claim makes the folder again).
+        with contextlib.suppress(OSError):
+            cell_dir.rmdir()
         raise
 
 

@@ -49,6 +49,13 @@ def test_unknown_names_suggest_the_closest(args, message):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("args", [["++k=7"], ["--cf", "job", "k=7"], ["--config-n", "config", "k=7"]])
+def test_hydra_forms_the_checks_leave_alone(args):
+    """Hydra's add-or-set (++key=) and its flags shortened as argparse allows are not stray words or appends."""
+    out = harness(*args, *(["--cfg", "job"] if "--cf" not in args else []))
+    assert out.returncode == 0 and "k: 7" in out.stdout, out.stderr
+
+
 def test_an_exactness_setting_mistyped_lists_the_section():
     out = subprocess.run([sys.executable, "-m", "harness.exactness", "temperature=1.0", "exactness.sample=100"],
                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=120)
@@ -386,6 +393,10 @@ def test_a_run_that_cannot_start_leaves_no_cell_but_keeps_one_that_was_there(tmp
 
     monkeypatch.setattr(run, "load_prompts", offline)
     cfg = run.with_default_pair(composed(["wandb.mode=disabled"]))
+    with pytest.raises(HarnessError):
+        run.run_cell(cfg, out_dir=tmp_path, quiet=True)
+    assert not list(tmp_path.iterdir())
+    (tmp_path / run.cell_key(cfg)).mkdir()  # empty, as a run that waited for the claim finds it: it goes too
     with pytest.raises(HarnessError):
         run.run_cell(cfg, out_dir=tmp_path, quiet=True)
     assert not list(tmp_path.iterdir())

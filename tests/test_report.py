@@ -686,6 +686,8 @@ def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, 
     (["--target-step-ms", "-5", "--draft-step-ms", "2"], "whatif.target_step_ms=-5.0 must be above 0"),
     (["--cost-ratio", "nosuch=0.04"], "whatif.cost_ratio names nosuch, which is no draft in these results; the drafts are: big, lookup, small"),
     (["--weights", "chat=0,code=0"], "are all zero"),
+    (["--weights", "chat=inf,code=1"], "must be finite numbers"),
+    (["--weights", "chat=nan,code=1"], "must be finite numbers"),
 ])
 def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flags, says):
     out = tmp_path / "rep"
@@ -702,6 +704,7 @@ def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flag
     ("weights: [1, 2]\n", "--config"),
     ("weights: {code: 1\n", "does not parse"),
     ("confidence: abc\n", "confidence=abc must be in (0, 1)"),
+    ("whatif: 5\n", "whatif must be a mapping"),
 ])
 def test_a_bad_settings_file_is_one_line_before_any_work(sweep, tmp_path, capsys, text, says):
     (tmp_path / "bad.yaml").write_text(text)
@@ -710,6 +713,11 @@ def test_a_bad_settings_file_is_one_line_before_any_work(sweep, tmp_path, capsys
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_settings_file_with_whatif_null_keeps_the_defaults(tmp_path):
+    (tmp_path / "s.yaml").write_text("whatif: null\n")
+    assert report.settings(report.parser().parse_args(["results", "--config", str(tmp_path / "s.yaml")]))["whatif"]["name"] == "other hardware"
 
 
 def test_a_draft_step_time_with_its_cost_ratio_given_needs_no_target_step():
