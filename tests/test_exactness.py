@@ -754,7 +754,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_pair, tmp_path):
     out = exactness_cli(*tiny_args(tiny_pair, tmp_path, "exactness.num_promts=1"))  # a typo in the check's own section
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: unknown setting 'exactness.num_promts': did you mean exactness.num_prompts? "
-        "(--cfg job prints them all; +exactness.num_promts=... adds a new key)"]
+        "exactness has alpha, detect_tv, length, max_cells, num_prompts, samples"]
 
 
 def test_a_dataset_problem_stops_the_check_before_a_model_loads(tmp_path, monkeypatch):

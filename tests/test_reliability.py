@@ -56,13 +56,6 @@ def test_hydra_forms_the_checks_leave_alone(args):
     assert out.returncode == 0 and "k: 7" in out.stdout, out.stderr
 
 
-def test_an_exactness_setting_mistyped_lists_the_section():
-    out = subprocess.run([sys.executable, "-m", "harness.exactness", "temperature=1.0", "exactness.sample=100"],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=120)
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
-    assert "did you mean exactness.samples? exactness has alpha, detect_tv, length, max_cells, num_prompts, samples" in out.stderr
-
-
 @pytest.mark.parametrize("args, bad", [
     (["dataset.path=x.jsonl"], "builtin"),  # the default dataset
     (["+dataset.path=x.jsonl"], "builtin"),  # what Hydra's own message suggests: builtin would ignore it
