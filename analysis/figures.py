@@ -217,9 +217,17 @@ def pareto_front(size: np.ndarray, speedup: np.ndarray) -> np.ndarray:
     return front
 
 
+def size_points(cells: pd.DataFrame) -> pd.DataFrame:
+    """Each draft's best measured k, one row per draft, sampling and dataset: a speedup on one prompt
+    set is never set against another's (a draft's best over two datasets would mix them)."""
+    return cells.loc[cells.groupby(["series", "sampling", "dataset"])["speedup"].idxmax()].copy()
+
+
 def speedup_vs_size(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
-    """Each draft at its best measured k, against parameters and weight memory; Pareto front marked."""
-    best = cells.loc[cells.groupby(["series", "sampling"])["speedup"].idxmax()].copy()
+    """Each draft at its best measured k, against parameters and weight memory; Pareto front marked
+    per context and dataset."""
+    best = size_points(cells)
+    several = best["dataset"].nunique() > 1
     best["memory_mb"] = best["draft_bytes"] / 2**20
     known = best[best["draft_params"].notna()]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -231,14 +239,15 @@ def speedup_vs_size(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
             ax.errorbar(g[column], g["speedup"], yerr=[g["speedup"] - g["speedup_ci_low"], g["speedup_ci_high"] - g["speedup"]],
                         fmt="none", ecolor=palette[series], alpha=0.5)
         sns.scatterplot(data=known, x=column, y="speedup", hue="series", style="sampling", palette=palette, s=70, ax=ax, zorder=3)
-        for i, (_, g) in enumerate(known.groupby(["target", "setup", "sampling"])):  # one front per context
+        for i, (_, g) in enumerate(known.groupby(["target", "setup", "sampling", "dataset"])):  # one front per context and prompt set
             mask = pareto_front(g[column].to_numpy(dtype=float), g["speedup"].to_numpy(dtype=float))
             front = g[mask].sort_values(column)
             ax.step(front[column], front["speedup"], where="post", color="black", linewidth=1, alpha=0.6)
             ax.scatter(front[column], front["speedup"], s=160, facecolors="none", edgecolors="black", linewidths=1.2, zorder=4,
                        label="Pareto front" if i == 0 else None)
         for _, r in known.iterrows():
-            ax.annotate(f"k={r['k']}", (r[column], r["speedup"]), textcoords="offset points", xytext=(5, 5), fontsize=7)
+            ax.annotate(f"k={r['k']}" + (f", {r['dataset']}" if several else ""), (r[column], r["speedup"]),
+                        textcoords="offset points", xytext=(5, 5), fontsize=7)
         _size_axis(ax, known[column].to_numpy(dtype=float), column == "draft_params")
         ax.axhline(1, color="black", linewidth=0.8)
         ax.set(xlabel=xlabel + " (0: prompt lookup)", ylabel="speedup at best k")

@@ -67,7 +67,8 @@ CAPTIONS = {
                              "which prices decode steps only. Below the diagonal: overhead the model does not count "
                              "(sampling, bookkeeping, cache rollback).",
     "speedup_vs_size": "Each draft at its best measured k against its size (parameters; weight memory at the run's "
-                       "dtype). Ringed: the Pareto front (no smaller draft is faster).",
+                       "dtype), one point per dataset. Ringed: the Pareto front of each dataset (no smaller draft is "
+                       "faster on it).",
     "fitted_model": "Left: predicted speedup for k = 1..{max_k} from the fitted α (band: α's interval), c and v; ★ best "
                     "k, ● measured after the first token. Right: the verify cost v(n) measured (dots) and fitted (lines).",
 }

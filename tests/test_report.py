@@ -131,6 +131,20 @@ def test_lookup_length_policies_are_told_apart(tmp_path):
     assert sorted(cells["label"]) == ["lookup/ngram(1-3)", "lookup/ngram(1-3)-cost_aware"]
 
 
+def test_speedup_against_size_never_sets_one_dataset_against_another(tmp_path):
+    """A draft measured on two prompt sets is one point per set in speedup_vs_size, not its best over both."""
+    from analysis.figures import size_points
+
+    for k in (1, 2):
+        write_cell(tmp_path, "a", "model", Fraction(4, 5), k, 0.05, SLOPE, dataset="x", seed=k, params=10**7)
+        write_cell(tmp_path, "a", "model", Fraction(1, 5), k, 0.05, SLOPE, dataset="y", seed=10 + k, params=10**7)
+    cells = load(tmp_path).cells.assign(series="a")
+    points = size_points(cells).set_index("dataset")
+    assert sorted(points.index) == ["x", "y"]
+    for dataset in ("x", "y"):
+        assert points.loc[dataset, "speedup"] == cells[cells["dataset"] == dataset]["speedup"].max()
+
+
 def test_drafts_under_one_pair_name_never_share_a_label(tmp_path):
     """Two lookup settings, and two model drafts whose ids end alike, under one pair name each: every
     draft keeps its own label (and so its own fit and candidate), by the shortest end of its id that
