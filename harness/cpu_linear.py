@@ -19,7 +19,9 @@ compute it with: the real ones, padded with zero rows.
 `cpu_linear=auto` (the default) times both products at every row count up
 to FEW_ROWS over the pair's own weights when the pair is loaded, and gives
 each row count the transposed product, padded to the fewest rows within NEAR
-of its fastest, where that takes under MARGIN of torch's time, else torch's own; `transposed` (one row
+of its fastest, where that takes under MARGIN of torch's time, else torch's own
+(and warns when its sweeps disagree by more than NOISY: another process on the
+cores makes the plan unreliable); `transposed` (one row
 padded to two, no other padding) or `torch` pick one. The choice is per
 process and recorded in a run's conditions. It changes the models' modules,
 so HF generate() in the bench runs on the same products as our loop and the
@@ -42,6 +44,7 @@ MODES = ("auto", "transposed", "torch")
 FEW_ROWS = 17  # k + 1 for k up to 16 (analysis' MAX_K); more rows (a prompt's pass): torch's own product
 MARGIN = 0.9  # auto takes the transposed product for a row count only when it is clearly faster
 NEAR = 1.05  # and pads a row count only to save more than this: closer times are within the probe's noise
+NOISY = 1.25  # sweeps of a probe further apart than this (slowest / fastest, median over row counts): a warning
 PROBE_BYTES = 2**30  # weights a probe pass reads, about (at least one layer): 0.1 s at 10 GB/s
 AS_IS = tuple(range(FEW_ROWS + 1))  # a plan computing each row count as it is
 ONE_AS_TWO = (0, 2, *range(2, FEW_ROWS + 1))  # cpu_linear=transposed: one row runs as a matrix-vector product, padded to two
@@ -125,8 +128,22 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int 
         for m in rows:
             for product, timed in zip(passes[m], times[m]):
                 timed.append(scale * _ms(product))
+    # How far the sweeps disagreed: the median over row counts and products of slowest / fastest sweep.
+    spread = statistics.median(max(t) / min(t) for m in rows for t in times[m] if min(t) > 0) if reps > 1 else 1.0
     return {"rows": list(rows), "torch_ms": [statistics.median(times[m][0]) for m in rows],
-            "transposed_ms": [statistics.median(times[m][1]) for m in rows], "seconds": time.perf_counter() - started}
+            "transposed_ms": [statistics.median(times[m][1]) for m in rows], "spread": spread,
+            "seconds": time.perf_counter() - started}
+
+
+def noisy(found: dict) -> str | None:
+    """A warning when a probe's sweeps disagreed by more than NOISY (another process using the
+    cores, say): its plan may then be off, and so may the run's timings."""
+    spread = found.get("spread", 1.0)
+    if spread <= NOISY:
+        return None
+    return (f"cpu_linear=auto: the probe's sweeps disagreed by {100 * (spread - 1):.0f}% (median over row counts): "
+            f"is something else using these cores? Its plan, and this run's timings, may be off; "
+            f"cpu_linear=transposed or torch skips the probe")
 
 
 def plan(found: dict) -> tuple[int, ...] | None:

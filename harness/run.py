@@ -511,6 +511,8 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     if "probe" in pair.linear:
         print(f"[harness] cpu_linear=auto: {cpu_linear.describe(pair.linear.get('rows_to'))} (a step's linear layers, "
               f"timed at 1 to {cpu_linear.FEW_ROWS} rows, in {pair.linear['probe']['seconds']:.1f} s)", file=sys.stderr)
+        if cpu_linear.noisy(pair.linear["probe"]):
+            print(f"warning: {cpu_linear.noisy(pair.linear['probe'])}", file=sys.stderr)
     _loaded[key] = pair
     return pair
 

@@ -272,3 +272,18 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
         assert plan_of(cpu_linear._linears(pair.models())) == {cpu_linear.plan(found)}
     finally:
         run._loaded.clear()  # the cached pair now has the other product: later tests load their own
+
+
+def test_a_probe_whose_sweeps_disagree_says_so(monkeypatch):
+    """Another process on the cores makes the probe's sweeps disagree (measured here: slowest / fastest
+    1.02-1.05 quiet, 2.0-3.8 beside one busy process, with plans that then took torch's product for one
+    row): the run warns rather than trusting the plan silently."""
+    layers = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    sweeps = iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0])  # the second sweep three times slower
+    monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(sweeps))
+    found = cpu_linear.probe([layers], rows=(1, 2), reps=3)
+    assert found["spread"] == 3.0 and "disagreed by 200%" in cpu_linear.noisy(found)
+    steady = iter([1.0, 1.1] * 6)
+    monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(steady))
+    found = cpu_linear.probe([layers], rows=(1, 2), reps=3)
+    assert found["spread"] == 1.0 and cpu_linear.noisy(found) is None
