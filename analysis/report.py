@@ -125,11 +125,6 @@ def settings(args: argparse.Namespace) -> dict:
     if out["weights"] and not sum(out["weights"].values()) > 0:
         raise HarnessError(f"traffic weights {out['weights']} are all zero: give at least one category a share above 0")
     _check_whatif(w)
-    draft_ms, given_c = w.get("draft_step_ms"), w.get("cost_ratio")
-    c_covers = isinstance(given_c, (int, float)) or (isinstance(draft_ms, dict) and isinstance(given_c, dict) and set(draft_ms) <= set(given_c))
-    if draft_ms not in (None, {}) and not w.get("target_step_ms") and not c_covers:  # it would be silently unused
-        raise HarnessError("a what-if draft step time needs the target's step time on that machine too: add --target-step-ms MS "
-                           "(or give the cost ratio itself with --cost-ratio)")
     return out
 
 
@@ -155,7 +150,8 @@ def _settings_file(path: Path):
 
 
 def _check_whatif(w: dict) -> None:
-    """Costs another machine could have: c and b at least 0, step times above 0."""
+    """Costs another machine could have: c and b at least 0, step times above 0, and a draft step
+    time only with the target's (or with c given for those drafts), which it would otherwise be unused."""
     def numbers(value) -> list:
         return list(value.values()) if isinstance(value, dict) else [] if value is None else [value]
 
@@ -166,6 +162,11 @@ def _check_whatif(w: dict) -> None:
             if not ok or value != value or value == float("inf"):
                 raise HarnessError(f"whatif.{key}={w.get(key)} must be {'above' if strict else 'at least'} 0 "
                                    f"(a finite number{' per draft' if isinstance(w.get(key), dict) else ''})")
+    draft_ms, given_c = w.get("draft_step_ms"), w.get("cost_ratio")
+    c_covers = isinstance(given_c, (int, float)) or (isinstance(draft_ms, dict) and isinstance(given_c, dict) and set(draft_ms) <= set(given_c))
+    if draft_ms not in (None, {}) and not w.get("target_step_ms") and not c_covers:
+        raise HarnessError("a what-if draft step time needs the target's step time on that machine too: add --target-step-ms MS "
+                           "(or give the cost ratio itself with --cost-ratio)")
 
 
 def _check_whatif_labels(w: dict, labels: list[str]) -> None:

@@ -85,20 +85,24 @@ class TimedLM(CachedLM):
         self.__dict__.update(lm.__dict__)  # a static cache stays shared: the compiled steps are bound to it
         if not self.static:
             self.own_cache()
-        self.forward_s = self.rollback_s = 0.0
-        self.forwards = 0
+        self.rollback_s = 0.0
         self.by_positions: dict[int, list] = {}  # positions fed -> [seconds, forwards]
+
+    @property
+    def forward_s(self) -> float:
+        return sum(seconds for seconds, _ in self.by_positions.values())
+
+    @property
+    def forwards(self) -> int:
+        return sum(count for _, count in self.by_positions.values())
 
     def forward(self, input_ids, num_logits=1):
         _sync(self.device)
         start = time.perf_counter()
         out = super().forward(input_ids, num_logits)
         _sync(self.device)
-        spent = time.perf_counter() - start
-        self.forward_s += spent
-        self.forwards += 1
         tally = self.by_positions.setdefault(input_ids.shape[0], [0.0, 0])
-        tally[0] += spent
+        tally[0] += time.perf_counter() - start
         tally[1] += 1
         return out
 

@@ -385,10 +385,10 @@ def check_pair(pair: DictConfig) -> None:
     name, draft = pair.get("name"), pair.get("draft")
     if not pair.get("target") or not pair.target.get("id"):
         raise HarnessError(f"pair {name} has no target: set pair.target.id (an HF id or a local directory)")
-    if isinstance(draft, DictConfig) and draft.get("kind") is not None and draft.get("kind") not in ("model", "ngram"):
-        raise HarnessError(f"pair.draft.kind={draft.get('kind')} must be model (with pair.draft.id) or ngram (prompt lookup)")
-    if not isinstance(draft, DictConfig) or draft.get("kind") not in ("model", "ngram"):
+    if not isinstance(draft, DictConfig) or draft.get("kind") is None:
         raise HarnessError(f"pair {name} has no draft: set pair.draft.kind=model with pair.draft.id, or pair.draft.kind=ngram")
+    if draft.kind not in ("model", "ngram"):
+        raise HarnessError(f"pair.draft.kind={draft.kind} must be model (with pair.draft.id) or ngram (prompt lookup)")
     if draft.kind == "model" and not draft.get("id"):
         raise HarnessError(f"pair {name} has a model draft without an id: set pair.draft.id (an HF id or a local directory)")
     if draft.kind == "ngram":
@@ -511,8 +511,8 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
     if "probe" in pair.linear:
         print(f"[harness] cpu_linear=auto: {cpu_linear.describe(pair.linear.get('rows_to'))} (a step's linear layers, "
               f"timed at 1 to {cpu_linear.FEW_ROWS} rows, in {pair.linear['probe']['seconds']:.1f} s)", file=sys.stderr)
-        if cpu_linear.noisy(pair.linear["probe"]):
-            print(f"warning: {cpu_linear.noisy(pair.linear['probe'])}", file=sys.stderr)
+        if warning := cpu_linear.noisy(pair.linear["probe"]):
+            print(f"warning: {warning}", file=sys.stderr)
     _loaded[key] = pair
     return pair
 
