@@ -233,13 +233,14 @@ class TargetLaw:
             self._force(prefix)
         return self._rows[prefix]
 
-    def prob(self, seq: tuple[int, ...]) -> float:
-        """P(the target's continuation is exactly seq); 0 for an incomplete one."""
+    def possible(self, seq: tuple[int, ...]) -> bool:
+        """Could the target's continuation be exactly seq? Judged factor by factor: the product of
+        a long continuation's probabilities underflows to 0 in float64 (below about e^-745)."""
         if not self.complete(seq) or any(t in self.eos_ids for t in seq[:-1]):
-            return 0.0
+            return False
         if seq[:-1] not in self._rows:
             self._force(seq[:-1])
-        return math.prod(float(self._rows[seq[:i]][t]) for i, t in enumerate(seq))
+        return all(self._rows[seq[:i]][t] > 0.0 for i, t in enumerate(seq))
 
     def _force(self, path: tuple[int, ...]) -> None:
         """Teacher-force prompt + path: memoise the row after each prefix of path."""
@@ -449,7 +450,7 @@ def goodness_of_fit(law: TargetLaw, draws: Sequence[Draw], max_cells: int, seed:
     n = len(draws)
     seqs = [d.tokens for d in draws]
     # Outright failures: continuations the target could never have produced.
-    zero = sum(count for seq, count in Counter(seqs).items() if law.prob(seq) == 0.0)
+    zero = sum(count for seq, count in Counter(seqs).items() if not law.possible(seq))
     min_expected = min_expected_for(n, max_cells)
 
     joint = Partition.build(law, n, law.length, min_expected=min_expected)

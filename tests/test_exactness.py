@@ -35,7 +35,8 @@ from broken import BROKEN, VARIANTS, plugged, variant_table
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.exactness import (
-    TESTS, Partition, TargetLaw, check, detectable_tv, format_report, g_test, holm, run_check, samples_for_tv,
+    TESTS, Partition, TargetLaw, check, detectable_tv, draw_continuations, format_report, g_test, holm, run_check,
+    samples_for_tv,
 )
 from harness.loop import speculative_decode
 from harness.rule import verify
@@ -513,6 +514,20 @@ def test_impossible_samples_fail_outright(markov):
     assert "rerun with dtype=float32" not in format_report(report)  # float32: no rounding excuse
     report["conditions"] = {"dtype": "bfloat16"}  # where chunked passes can round a truncation edge apart
     assert "rerun with dtype=float32 to tell rounding from a sampler bug" in format_report(report)
+
+
+def test_long_continuations_are_not_impossible_by_underflow():
+    """A 450-token continuation of a near-uniform target has probability about e^-806, which is 0
+    in float64; every factor is above 0.1, so the draws are possible and a correct loop passes."""
+    target, draft = markov_pair(6, seed=0, scale=0.1, draft_noise=0.1)
+    prompt = torch.tensor([1, 2, 3])
+    report = check(target, ModelDrafter(draft), [("p", prompt)], k=2, sampling=Sampling(1.0), length=450, samples=40)
+    result = report["prompts"]["p"]
+    assert result["zero_probability_samples"] == 0 and report["passed"], format_report(report)
+    law = TargetLaw(target, prompt, Sampling(1.0), set(), 450)
+    (draw,) = draw_continuations(target, ModelDrafter(draft), prompt, 2, Sampling(1.0), 450, set(), 1, 0)
+    factors = [float(law.row(draw.tokens[:i])[t]) for i, t in enumerate(draw.tokens)]
+    assert math.prod(factors) == 0.0 and min(factors) > 0.05  # the premise: the product underflows
 
 
 # ---------------------------------------------------------------- the check, by sampling
