@@ -69,8 +69,8 @@ from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
 from harness.prompts import as_tensor, encode_within, select
 from harness.run import (
-    CONF_DIR, _current_rss_mb, _sync, _write_json_atomic, check_choices, conditions, load_pair, measure_costs, process_peak_rss_mb,
-    run_prompt, validate, with_default_pair,
+    CONF_DIR, _current_rss_mb, _peak_rss_mb, _reset_peak_rss, _sync, _write_json_atomic, check_choices, conditions, load_pair,
+    measure_costs, process_peak_rss_mb, run_prompt, validate, with_default_pair,
 )
 from harness.sampling import Sampling
 
@@ -486,6 +486,10 @@ def memory(pair, cfg, prompts, encoded, args, device) -> dict:
     """RSS (and CUDA allocated memory) after each prompt of a full baseline + speculative run."""
     cell = OmegaConf.merge(cfg, {"max_new_tokens": args.memory_new_tokens})
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+    # Peaks over this run only: the process's own include loading (and a first run's GGUF dequantisation).
+    since_reset = _reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     rss, cuda = [], []
     for i in range(args.memory_prompts):
         run_prompt(pair, prompts[i % len(prompts)], encoded[i % len(prompts)], i, cell, sampling)
@@ -501,8 +505,10 @@ def memory(pair, cfg, prompts, encoded, args, device) -> dict:
         "rss_first_mb": rss[0], "rss_last_mb": rss[-1], "rss_max_mb": max(rss),
         "rss_growth_mb_per_prompt_second_half": fit.slope, "rss_growth_stderr": fit.stderr,
     }
+    out["peak_rss_mb"], out["peak_rss_over"] = _peak_rss_mb(since_reset)  # over "cell": this run; "process": since start
     if cuda:
-        out.update(cuda_allocated_mb=cuda, cuda_allocated_growth_mb=cuda[-1] - cuda[0])
+        out.update(cuda_allocated_mb=cuda, cuda_allocated_growth_mb=cuda[-1] - cuda[0],
+                   max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20)
     return out
 
 
@@ -650,11 +656,12 @@ def main(argv: list[str] | None = None) -> dict:
     if isinstance(pair.drafter, ModelDrafter):
         result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
         _write(args.out, result)
+    peak_before = process_peak_rss_mb()  # memory() resets the peak (Linux) to take its own
     if args.memory_prompts > 0:
         result["memory"] = memory(pair, cfg, all_prompts, all_encoded, args, device)
-    result["peak_rss_mb"] = process_peak_rss_mb()
+    result["process_peak_rss_mb"] = max(peak_before, process_peak_rss_mb())  # loading included; the memory run's own is in "memory"
     if device.type == "cuda":
-        result["max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        result["process_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20  # since warm-up
     result["goals"] = goals(result)
     result["wall_s"] = time.time() - started
     _write(args.out, result)

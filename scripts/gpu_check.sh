@@ -16,15 +16,22 @@ cd "$(dirname "$0")/.."
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STASH=${SPECBENCH_PAYLOAD:-/tmp/specbench-payload}
-stash="" run=1 rehearse=0
+stash="" run=1 rehearse=0 seconds=570
 while [ $# -gt 0 ]; do
     case "$1" in
         --stash) stash=$2; run=0; shift 2 ;;
         --run) run=1; shift ;;
         --rehearse) rehearse=1; shift ;;
-        *) echo "usage: bash scripts/gpu_check.sh [--stash DIR [--run]] [--rehearse]" >&2; exit 2 ;;
+        --seconds) seconds=$2; shift 2 ;;
+        *) echo "usage: bash scripts/gpu_check.sh [--stash DIR [--run]] [--seconds S] [--rehearse]" >&2; exit 2 ;;
     esac
 done
+case "$seconds" in
+    ''|*[!0-9]*) echo "error: --seconds $seconds: give a whole number of seconds (570 fits one 10-minute device call)" >&2; exit 2 ;;
+esac
+if [ "$seconds" -lt 180 ]; then
+    echo "error: --seconds $seconds: the check needs at least 180 s (eager part, then the compiled part)" >&2; exit 2
+fi
 
 if [ -n "$stash" ]; then
     mkdir -p "$STASH" && cp -r "$stash"/. "$STASH"/
@@ -62,12 +69,13 @@ fi
 
 if [ "$rehearse" = 1 ]; then
     device=cpu t1=1200 end=2400
-    eager=(--reps 1 --prompts 2 --ks 1 --max-new-tokens 8 --memory-prompts 3 --memory-new-tokens 4)
+    eager=(--reps 1 --prompts 2 --ks 1 --max-new-tokens 8 --memory-prompts 4 --memory-new-tokens 4)
     compiled=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
 else
     # Within one 10-minute call of the device tool, set-up included (SECONDS counts from this script's
-    # start), with 30 s left to bring $OUT back: the eager part gets up to 330 s, the compiled part the rest.
-    device=cuda t1=330 end=570
+    # start), with 30 s left to bring $OUT back: of the default 570 s the eager part gets up to 330 s
+    # (58%), the compiled part the rest. --seconds S scales both, for a device with less time left.
+    device=cuda end=$seconds t1=$((seconds * 330 / 570))
     $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path (--rehearse runs it on the CPU)')"
     eager=(--reps 5 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/bench/cpu-*.json
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 0)

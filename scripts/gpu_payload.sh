@@ -56,3 +56,5 @@ for i in $(seq 1 "$n"); do
     if [ "$i" -lt "$n" ]; then run=""; else run=" --run"; fi
     echo "  call $i: carry [\".gpu/$i\"]  command: bash scripts/gpu_check.sh --stash .gpu/$i$run"
 done
+echo "  make them back to back; the last with timeout_s 600. If the device has under 11 minutes left by then,"
+echo "  add --seconds S to the last call, S = its seconds left minus 60 (the check writes each part as it finishes)."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -179,6 +180,22 @@ def test_gpu_scripts_parse():
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
 
 
+class Parsed(Exception):
+    pass
+
+
+def test_the_gpu_check_gives_the_bench_sizes_it_accepts(monkeypatch):
+    """Every argument list in scripts/gpu_check.sh (the GPU's and the rehearsal's) passes the bench's own
+    checks: a refused one would stop that part on the lent machine, where it cannot be rerun."""
+    script = (Path(__file__).parents[1] / "scripts" / "gpu_check.sh").read_text()
+    lists = re.findall(r"^\s*(?:eager|compiled)=\(([^)]*)\)", script, flags=re.M)
+    assert len(lists) == 4
+    monkeypatch.setattr(bench, "check_choices", lambda *a, **k: (_ for _ in ()).throw(Parsed()))
+    for args in lists:
+        with pytest.raises(Parsed):
+            bench.main(args.split())
+
+
 def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     """A contender whose greedy output differs from the target's is an error, unless the
     target's logits for the two tokens at the first difference are within the dtype's tie gap."""
@@ -299,3 +316,22 @@ def test_fewest_lookup_passes_on_a_copied_prompt():
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     assert bench.fewest_lookup_passes(prompt, prompt, 3) == 1 + 2  # 1 token, then 4 + 3 (the last cycle drafts 2)
     assert bench.fewest_lookup_passes(prompt, prompt, 1) == 1 + 4
+
+
+def test_the_memory_part_reports_its_own_peak_not_the_loading(monkeypatch):
+    """The process's peak includes loading (and a first run's GGUF dequantisation); the memory part's
+    peak is over its own prompts. Here 400 MB touched and freed before it must not show in it."""
+    import numpy as np
+
+    if not run._reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs: the peak cannot be reset here")
+    block = np.ones(400 * 2**20 // 8)  # touched: resident
+    del block
+    before, _ = run._peak_rss_mb(True)
+    monkeypatch.setattr(bench, "run_prompt", lambda *a, **k: None)
+    cfg = OmegaConf.create({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 8})
+    args = SimpleNamespace(memory_prompts=4, memory_new_tokens=4)
+    out = bench.memory(None, cfg, [{"id": "p"}], [torch.tensor([1])], args, torch.device("cpu"))
+    assert out["peak_rss_over"] == "cell"
+    assert out["peak_rss_mb"] < before - 300
+    assert out["peak_rss_mb"] == pytest.approx(out["rss_max_mb"], abs=50)
