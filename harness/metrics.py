@@ -14,7 +14,8 @@ results file can always be re-summarised. Definitions (README, "Metrics"):
   expected_alpha        mean over tested positions of sum_v min(p, q), the
                         acceptance the distributions themselves predict
   position_acceptance   [k] P(position i accepted | positions < i accepted)
-  accept_hist           [k + 1] cycles that accepted 0..k drafted tokens
+  accept_hist           [k + 1] cycles that accepted 0..k drafted tokens (a cycle
+                        that drafted nothing counts in 0: cycles_without_draft)
   tokens_per_cycle      committed tokens / cycles (= target passes), bonus included
   accepted_per_cycle    accepted drafted tokens / cycles, bonus excluded
   speedup               (spec tokens / spec time) / (baseline tokens / baseline time),
@@ -151,6 +152,7 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "expected_alpha": _ratio(total("expected_sum"), total("tested")),
         "position_acceptance": [_ratio(a, b) for a, b in zip(kept.tolist(), reached.tolist())],
         "accept_hist": hist,
+        "cycles_without_draft": sum((r["spec"].get("drafted_hist") or [0])[0] for r in records),  # in accept_hist[0] too
         "tokens_per_cycle": _ratio(total("committed"), total("cycles")),
         "accepted_per_cycle": _ratio(total("accepted"), total("cycles")),
         "theoretical_tokens_per_cycle": expected_tokens_per_cycle(alpha, k) if not math.isnan(alpha) else float("nan"),

@@ -37,7 +37,8 @@ def format_summary(s: dict) -> str:
         f"{'TPOT ms spec / baseline':<34}{_f(1e3 * s['spec_tpot_s'], '.2f'):>12} / {_f(1e3 * s['base_tpot_s'], '.2f')}",
         f"{'TTFT ms spec / baseline (median)':<34}{_f(1e3 * s['spec_ttft_s'], '.2f'):>12} / {_f(1e3 * s['base_ttft_s'], '.2f')}",
         f"{'per-position acceptance':<34}  " + " ".join(_f(a, ".2f") for a in s["position_acceptance"]),
-        f"{'accepted per cycle histogram 0..k':<34}  " + " ".join(str(n) for n in s["accept_hist"]),
+        f"{'accepted per cycle histogram 0..k':<34}  " + " ".join(str(n) for n in s["accept_hist"])
+        + (f"  (0 includes {s['cycles_without_draft']} cycles that drafted nothing)" if s.get("cycles_without_draft") else ""),
     ]
     if s.get("max_memory_allocated_mb") is not None:
         lines.append(f"{'peak CUDA memory allocated MB':<34}{_f(s['max_memory_allocated_mb'], '.0f'):>12}")

@@ -350,19 +350,29 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _number(value: Any) -> bool:
+    """An int or float, not a bool (top_k=true would be top-1, temperature=true a cell apart from 1.0)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+PROMPT_SEED_STRIDE = 1_000_003
+MAX_SEED = (2**63 - 1) // PROMPT_SEED_STRIDE - 1_000  # torch seeds are 64-bit signed; leaves room for 10^9 prompt indices
+
+
 def validate(cfg: DictConfig) -> None:
     data = cfg.dataset
     checks = [
         *((isinstance(OmegaConf.select(cfg, name), bool), f"{name}={OmegaConf.select(cfg, name)} must be true or false")
           for name in ("force", "compile", "prompts.shuffle")),  # Hydra reads off / no as strings, which are truthy
-        (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and cfg.seed >= 0, f"seed={cfg.seed} must be an integer >= 0"),
+        (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and 0 <= cfg.seed <= MAX_SEED,
+         f"seed={cfg.seed} must be an integer from 0 to {MAX_SEED} (a prompt's seed is seed x {PROMPT_SEED_STRIDE:_} + its index)"),
         (_positive_int(cfg.k), f"k={cfg.k} must be a positive integer (e.g. k=4)"),
-        (isinstance(cfg.temperature, (int, float)) and 0 <= cfg.temperature < float("inf"),
+        (_number(cfg.temperature) and 0 <= cfg.temperature < float("inf"),
          f"temperature={cfg.temperature} must be a finite number >= 0 (0 is greedy)"),
-        (not isinstance(cfg.temperature, (int, float)) or cfg.temperature == 0 or cfg.temperature >= 1e-6,
+        (not _number(cfg.temperature) or cfg.temperature == 0 or cfg.temperature >= 1e-6,
          f"temperature={cfg.temperature} is greedy in all but name and under float32's range: use temperature=0"),
-        (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
-        (isinstance(cfg.top_k, int) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
+        (_number(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
+        (isinstance(cfg.top_k, int) and not isinstance(cfg.top_k, bool) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
         (_positive_int(cfg.max_new_tokens), f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
         (data.num_prompts is None or _positive_int(data.num_prompts), f"dataset.num_prompts={data.num_prompts} must be a positive integer or null (all)"),
         (data.get("max_rows") is None or _positive_int(data.max_rows), f"dataset.max_rows={data.get('max_rows')} must be a positive integer or null (every row)"),
@@ -607,7 +617,7 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
 
 def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: DictConfig, sampling: Sampling) -> dict:
     """Baseline and speculative decoding of one prompt, back to back."""
-    seed = cfg.seed * 1_000_003 + index
+    seed = cfg.seed * PROMPT_SEED_STRIDE + index
 
     def spec():
         gen = torch.Generator(pair.device).manual_seed(seed)

@@ -52,7 +52,7 @@ METRICS = (
     "theoretical_tokens_per_cycle", "speedup", "speedup_ci_low", "speedup_ci_high", "speedup_geomean",
     "speedup_geomean_ci_low", "speedup_geomean_ci_high", "decode_speedup", "predicted_speedup", "efficiency", "predicted_speedup_cycles", "efficiency_cycles", "cost_ratio",
     "verify_cost", "spec_tpot_s", "base_tpot_s", "spec_ttft_s", "base_ttft_s", "num_prompts", "new_tokens",
-    "cycles", "target_passes", "draft_passes", "spec_time_s", "base_time_s", "peak_rss_mb",
+    "cycles", "cycles_without_draft", "target_passes", "draft_passes", "spec_time_s", "base_time_s", "peak_rss_mb",
 )
 
 
@@ -163,7 +163,7 @@ def start(cfg: DictConfig, cell_dir: str | Path, job_type: str | None = None) ->
         entity=(sweep and os.environ.get("WANDB_ENTITY")) or w.entity,
         group=w.group if w.group else (None if sweep else sweep_name()),
         job_type=job_type or w.job_type,
-        tags=list(w.tags or []) or None,
+        tags=_tags(w.tags),
         name=w.name or cell_dir.name,
         dir=str(run_dir),  # runs land in <dir>/wandb/
         config=OmegaConf.to_container(cfg, resolve=True),
@@ -247,6 +247,14 @@ def sweep_name() -> str | None:
     return None
 
 
+def _tags(tags) -> list[str] | None:
+    """wandb.tags=[a,b] is a list; wandb.tags=a a string (one tag, not one per character), or a number."""
+    if tags is None or tags == "":
+        return None
+    values = [tags] if isinstance(tags, (str, int, float)) else list(tags)
+    return [str(t) for t in values] or None
+
+
 def flat_metrics(summary: dict) -> dict:
     """The CI bounds as scalar keys (a W&B sweep metric or a panel needs a scalar)."""
     flat = {}
@@ -279,7 +287,12 @@ def media(summary: dict, records: list[dict]) -> dict:
         logged["charts/position_acceptance"] = wandb.plot.line(
             positions, "position", "acceptance", title="P(draft position accepted | earlier ones accepted)")
     if "accept_hist" in summary:
-        hist = wandb.Table(columns=["accepted", "cycles"], data=[[str(n), c] for n, c in enumerate(summary["accept_hist"])])
+        # Cycles that drafted nothing (lookup without a match, the budget's last token) get their own bar:
+        # in bin 0 they would read as rejections that alpha does not count.
+        none = int(summary.get("cycles_without_draft") or 0)
+        bars = [["none drafted", none]] if none else []
+        bars += [[str(n), c - (none if n == 0 else 0)] for n, c in enumerate(summary["accept_hist"])]
+        hist = wandb.Table(columns=["accepted", "cycles"], data=bars)
         logged["charts/accept_hist"] = wandb.plot.bar(hist, "accepted", "cycles", title="cycles by accepted drafts (0..k)")
     return logged
 

@@ -157,3 +157,25 @@ def test_prompt_selection_is_balanced_and_seeded():
     assert select(prompts, 12, 5, True) == select(prompts, 12, 5, True)
     assert select(prompts, 12, 5, True) != select(prompts, 12, 6, True)
     assert len(select(prompts, None, 0, False)) == len(prompts)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("top_k=true", "top_k=True must be an integer >= 0"),  # a bool is an int to Python: it would sample top-1
+    ("temperature=true", "temperature=True must be a finite number >= 0"),
+    ("top_p=true", "top_p=True must be in (0, 1]"),
+    ("seed=20000000000000", "seed=20000000000000 must be an integer from 0 to 9223344365821"),  # crashed after loading
+])
+def test_bools_and_overflowing_seeds_are_refused_before_loading(override, message):
+    from harness.errors import HarnessError
+
+    with pytest.raises(HarnessError, match=re.escape(message)):
+        validate(with_default_pair(composed([override])))
+
+
+def test_the_largest_seed_seeds_every_prompt():
+    import torch
+
+    from harness.run import MAX_SEED, PROMPT_SEED_STRIDE
+
+    validate(with_default_pair(composed([f"seed={MAX_SEED}"])))
+    torch.Generator().manual_seed(MAX_SEED * PROMPT_SEED_STRIDE + 10**9)

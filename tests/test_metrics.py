@@ -94,3 +94,22 @@ def test_leviathan_formulas():
     assert expected_tokens_per_cycle(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     # Leviathan et al.'s closed form with verify cost 1: (1 - a^(k+1)) / ((1 - a)(k c + 1))
     assert predicted_speedup(0.8, 4, 0.05, 1.0) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
+
+
+def test_cycles_that_drafted_nothing_are_counted_apart():
+    """Prompt lookup without a match (or the budget's last token) drafts nothing: such a cycle counts in
+    accept_hist[0], which alone would read as a rejection; alpha leaves it out, and the summary says how many."""
+    from harness.report import format_summary
+
+    cycles = [*CYCLES, cyc(0, 0, [])]
+    counts = cycle_counts(cycles, k=4)
+    assert counts["accept_hist"] == [2, 0, 2, 0, 1] and counts["drafted_hist"][0] == 1 and counts["tested"] == 10
+    costs = {"cost_ratio": 0.1, "verify_cost": [1.0, 1.05, 1.1, 1.15, 1.2]}
+    s = summarize([record(counts, 13, 1.0, 13, 2.0)], 4, costs)
+    assert s["cycles_without_draft"] == 1 and s["alpha"] == pytest.approx(8 / 10)
+    assert summarize([record(cycle_counts(CYCLES, k=4), 12, 1.0, 12, 2.0)], 4, costs)["cycles_without_draft"] == 0
+    conditions = {"device": "cpu", "device_name": "x", "dtype": "float32", "threads": 1, "torch": "t", "transformers": "t"}
+    header = {"pair": "p", "target": "t", "draft": "d", "k": 4, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+              "max_new_tokens": 13, "prompts_skipped": 0, "conditions": conditions, "cell_dir": "x"}
+    line = next(l for l in format_summary({**s, **header}).splitlines() if l.startswith("accepted per cycle"))
+    assert line.endswith("2 0 2 0 1  (0 includes 1 cycles that drafted nothing)")

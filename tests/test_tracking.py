@@ -523,3 +523,17 @@ def test_exactness_check_is_logged_as_its_own_run(tiny_pair, tmp_path, offline):
     assert run["summary"]["tables/exactness"]["nrows"] == 3  # one prompt x (joint, first, bonus)
     (results,) = [a for a in run["artifacts"] if a[1] == "cell-results"]
     assert set(results[2]) == {"exactness.json", "config.yaml"}
+
+
+def test_the_histogram_chart_shows_cycles_without_a_draft_apart():
+    """In bin 0 they would read as cycles whose every draft was rejected, which alpha does not count."""
+    chart = tracking.media({"accept_hist": [5, 1, 2], "cycles_without_draft": 3}, [])["charts/accept_hist"]
+    assert chart.table.data == [["none drafted", 3], ["0", 2], ["1", 1], ["2", 2]]
+    chart = tracking.media({"accept_hist": [5, 1, 2], "cycles_without_draft": 0}, [])["charts/accept_hist"]
+    assert chart.table.data == [["0", 5], ["1", 1], ["2", 2]]
+
+
+@pytest.mark.parametrize("tags, expected", [("baseline", ["baseline"]), (["ci", "tiny"], ["ci", "tiny"]), (7, ["7"]),
+                                            (None, None), ([], None)])
+def test_a_single_tag_is_one_tag_not_one_per_character(tags, expected):
+    assert tracking._tags(tags) == expected
