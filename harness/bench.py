@@ -659,7 +659,8 @@ def main(argv: list[str] | None = None) -> dict:
     peak_before = process_peak_rss_mb()  # memory() resets the peak (Linux) to take its own
     if args.memory_prompts > 0:
         result["memory"] = memory(pair, cfg, all_prompts, all_encoded, args, device)
-    result["process_peak_rss_mb"] = max(peak_before, process_peak_rss_mb())  # loading included; the memory run's own is in "memory"
+    result["process_peak_rss_mb"] = max(peak_before, process_peak_rss_mb(), result.get("memory", {}).get("peak_rss_mb", 0.0))
+    # ^ loading included; the memory run's own peak is in "memory"
     if device.type == "cuda":
         result["process_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20  # since warm-up
     result["goals"] = goals(result)
