@@ -27,6 +27,7 @@ tokenizes, so a large split costs no more than the rows it reads.
 from __future__ import annotations
 
 import contextlib
+import glob
 import re
 import string
 import sys
@@ -78,10 +79,12 @@ def load_prompts(dataset_cfg) -> list[dict]:
 
 def _rows_to_read(cfg) -> int | None:
     """How many rows to read from the source: `max_rows` (a window the seeded
-    choice picks from), never fewer than num_prompts; None reads all."""
+    choice picks from), never fewer than num_prompts; None reads all, streamed
+    or not (reading only num_prompts rows of a streamed set stored by category
+    would leave categories out, and make prompts.shuffle a reordering)."""
     max_rows, wanted = cfg.get("max_rows"), cfg.get("num_prompts")
     if max_rows is None:
-        return wanted if cfg.get("streaming") else None
+        return None
     return max(max_rows, wanted or 0)
 
 
@@ -119,7 +122,8 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
     if path.stat().st_size == 0:
         raise HarnessError(f"{shown} is empty: it needs one prompt per row")
     try:
-        ds = hf_datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=bool(cfg.get("streaming")))
+        # Escaped: data_files is a glob pattern, and a name like p[1].jsonl would match p1.jsonl instead.
+        ds = hf_datasets.load_dataset(fmt, data_files=glob.escape(str(path)), split="train", streaming=bool(cfg.get("streaming")))
         rows = _first_rows(ds, _rows_to_read(cfg))
     except (DatasetGenerationError, ValueError, StopIteration, OSError) as err:
         if isinstance(err, StopIteration) or "corresponds to no data" in str(err):
@@ -138,6 +142,9 @@ def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None]:
     try:
         with _offline(offline_reason is not None):
             ds = hf_datasets.load_dataset(hf_id, cfg.get("hf_config"), split=cfg.split, streaming=streaming)
+            if isinstance(ds, (hf_datasets.DatasetDict, hf_datasets.IterableDatasetDict)):  # split=null: every split
+                raise HarnessError(f"dataset.split=null reads every split of {hf_id} ({cfg.name}): set dataset.split to one of "
+                                   f"{', '.join(ds)}")
             rows = _first_rows(ds, _rows_to_read(cfg))
     except DatasetNotFoundError as err:
         if offline_reason is None:
@@ -343,11 +350,20 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
     if not text_fields and not template:
         raise HarnessError(f"dataset={cfg.name} names no text: set dataset.text_field=<field> or dataset.template='...{{field}}...'")
     id_field, category_field = cfg.get("id_field"), cfg.get("category_field")
-    fixed_category = cfg.get("category") or cfg.name
     needed = list(dict.fromkeys(text_fields + _template_fields(cfg) + [f for f in (category_field, id_field) if f]))
     if columns is not None:
         _check_fields(cfg, needed, columns)
 
+    try:
+        return _rows_to_prompts(cfg, rows, columns, text_fields, template, needed)
+    except UnicodeDecodeError as err:  # pyarrow reads a jsonl's bytes unchecked; its strings decode per row, here
+        raise HarnessError(f"{cfg.name}: a row holds text that is not UTF-8 ({err.reason} at byte {err.start}): "
+                           f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _rows_to_prompts(cfg, rows, columns, text_fields, template, needed) -> list[dict]:
+    id_field, category_field = cfg.get("id_field"), cfg.get("category_field")
+    fixed_category = cfg.get("category") or cfg.name
     prompts, seen, read, empty = [], set(), 0, 0
     for index, row in enumerate(rows):
         read += 1

@@ -87,8 +87,8 @@ def _load_error(model_id: str, role: str, kwargs: dict, err: OSError) -> Harness
 def hub_reachable() -> bool:
     """One quick connection attempt, so an offline machine fails in seconds
     instead of after huggingface_hub's retries (about a minute)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
+    if any(os.environ.get(v, "0").lower() in ("1", "on", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False  # huggingface_hub's true values; transformers also honours TRANSFORMERS_OFFLINE
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     proxy = next((os.environ[v] for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(v)), None)
     where = urlparse(proxy if proxy and "://" in proxy else f"http://{proxy}") if proxy else endpoint  # behind a proxy: reach it

@@ -231,6 +231,31 @@ def test_unknown_extension_is_one_line(tmp_path):
         load_prompts(composed("dataset=local", f"dataset.path={path}").dataset)
 
 
+def test_a_file_that_is_not_utf8_is_one_line(tmp_path):
+    """pyarrow reads a jsonl's bytes unchecked and decodes them per row, outside load_dataset."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"question_id": 1, "category": "a", "turns": ["h\xe9llo"]}\n'.encode("latin-1"))
+    with pytest.raises(HarnessError, match="not UTF-8 .*save the file as UTF-8"):
+        load_prompts(composed("dataset=local", f"dataset.path={path}").dataset)
+
+
+def test_a_path_is_a_file_name_not_a_glob_pattern(tmp_path):
+    """p[1].jsonl as a pattern matches p1.jsonl: the results would hash one file and hold another's prompts."""
+    write_jsonl(tmp_path / "p[1].jsonl", [{"question_id": 1, "category": "a", "turns": ["the right file"]}])
+    write_jsonl(tmp_path / "p1.jsonl", [{"question_id": 9, "category": "a", "turns": ["WRONG FILE"]}])
+    prompts = load_prompts(composed("dataset=local", f"dataset.path='{tmp_path / 'p[1].jsonl'}'").dataset)
+    assert [p["prompt"] for p in prompts] == ["the right file"]
+
+
+def test_a_streamed_set_without_max_rows_is_read_to_its_end():
+    """Reading only num_prompts rows of the builtin set (stored category by category) left categories out."""
+    for streaming in ("false", "true"):
+        cfg = composed("dataset=builtin", "dataset.num_prompts=12", f"dataset.streaming={streaming}").dataset
+        chosen = select(load_prompts(cfg), cfg.num_prompts, 0, shuffle=False)
+        assert len({p["category"] for p in chosen}) == 6, streaming
+
+
+# --------------------------------------------------------- cached hub sets
 # --------------------------------------------------------- cached hub sets
 
 
@@ -257,6 +282,14 @@ def test_a_split_or_config_the_cached_set_lacks_is_named(offline_cache, tmp_path
     message = str(err.value)
     assert message.startswith(f"{override} is not a ") and f"are {there}; set dataset.{key} to one of them" in message
     assert "not in the datasets cache" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_null_split_names_the_splits(offline_cache, tmp_path, streaming):
+    """split=null makes load_dataset return every split: its split names are no fields."""
+    fake_hub_cache(offline_cache, "openai/gsm8k", "main", "test", [{"question": "Q?", "answer": "A"}], tmp_path)
+    with pytest.raises(HarnessError, match="dataset.split=null reads every split of openai/gsm8k .*set dataset.split to one of test"):
+        load_prompts(composed("dataset=gsm8k", "dataset.split=null", f"dataset.streaming={streaming}").dataset)
 
 
 def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp_path):

@@ -65,12 +65,17 @@ def test_what_cannot_be_loaded_says_why(saved):
 def test_the_hub_probe_uses_the_endpoint_port(monkeypatch):
     server = socket.create_server(("127.0.0.1", 0))  # a mirror on a port of its own
     port = server.getsockname()[1]
-    for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     try:
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
         models.hub_reachable.cache_clear()
         assert models.hub_reachable()
+        for var, value in (("HF_HUB_OFFLINE", "ON"), ("TRANSFORMERS_OFFLINE", "1")):  # offline as huggingface_hub reads it
+            monkeypatch.setenv(var, value)
+            models.hub_reachable.cache_clear()
+            assert not models.hub_reachable(), var
+            monkeypatch.delenv(var)
         monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:1")  # behind a proxy that is down: unreachable
         models.hub_reachable.cache_clear()
         assert not models.hub_reachable()
