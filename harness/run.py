@@ -652,8 +652,10 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
-    """Treat SIGTERM (a scheduler or `kill`) like Ctrl-C, so both end a run the same way."""
-    if threading.current_thread() is not threading.main_thread():
+    """Treat SIGTERM (a scheduler or `kill`) like Ctrl-C, so both end a run the same way. Not in a
+    submitit task (Hydra's SLURM launcher): submitit ignores SIGTERM on purpose, since SLURM sends it
+    on preemption too, and requeues the task on its own signal (the cell then resumes)."""
+    if threading.current_thread() is not threading.main_thread() or os.environ.get("SUBMITIT_EXECUTOR"):
         yield
         return
 
@@ -788,6 +790,10 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         summary = json.loads(summary_path.read_text())
         if not quiet:
             print(f"[harness] cell already complete, not re-run (force=true to redo): {cell_dir}", file=sys.stderr)
+        then, now = (summary.get("conditions") or {}).get("harness_commit"), harness_commit()
+        if then and now and then != now:  # the cell key holds the settings, not the code that measured them
+            print(f"warning: {cell_dir.name} was measured by harness commit {then}, and this is {now}: its numbers are "
+                  f"kept as they are; force=true remeasures it with this code", file=sys.stderr)
         summary = {**summary, "cell": cell_dir.name, "cell_dir": str(cell_dir)}  # where it is now (the store may have moved)
         if os.environ.get("WANDB_SWEEP_ID"):  # the sweep's run gets the stored numbers: its metric, its report's cell
             with tracking.start(cfg, cell_dir) as tracker:
@@ -841,6 +847,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
                 record = run_prompt(pair, p, ids, i, cfg, sampling)
                 record["rss_mb"] = _current_rss_mb()
                 record["host"] = platform.node()  # a resumed cell may have run part of its prompts elsewhere
+                record["harness_commit"] = harness_commit()  # ... or with other code
                 record["linear"] = pair.linear.get("product")
                 if pair.linear.get("rows_to"):
                     record["linear_rows_to"] = pair.linear["rows_to"]
@@ -858,6 +865,11 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             run_conditions["hostnames"] = hosts
             print(f"warning: the prompts of {cell_dir.name} ran under several host names ({', '.join(hosts)}): if these are "
                   f"different machines its timings mix them; force=true reruns it in one go", file=sys.stderr)
+        commits = sorted({r.get("harness_commit") or "unknown" for r in records} | {run_conditions["harness_commit"] or "unknown"})
+        if len(commits) > 1:  # a resumed cell whose earlier prompts ran with other code (or code before commits were kept)
+            run_conditions["harness_commits"] = commits
+            print(f"warning: the prompts of {cell_dir.name} were measured by several harness versions ({', '.join(commits)}): "
+                  f"force=true reruns it with one", file=sys.stderr)
         summary.update(
             pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
             k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,

@@ -59,7 +59,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     lines = (cell / "prompts.jsonl").read_text().splitlines()
     (cell / "prompts.jsonl").write_text("\n".join(lines[:2]) + "\n")
     # Two prompts from another process on another host (its memory, its machine), then a line cut by a kill mid-write.
-    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6, "host": "node-07"}) for line in lines[2:4]]
+    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6, "host": "node-07", "harness_commit": "0123abc"}) for line in lines[2:4]]
     with (cell / "prompts.jsonl").open("a") as out:
         out.write("\n".join(doctored) + "\n" + lines[4][:100])
     (cell / "summary.json").unlink()
@@ -69,11 +69,20 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     assert "rss_first_mb" not in summary  # 2 prompts ran in this process: too few to fit a growth
     assert json.loads((cell / "summary.json").read_text()).get("rss_last_mb", 0) < 1e6
     assert summary["conditions"]["hostnames"] == sorted({"node-07", platform.node()}) and "ran under several host names" in second.stderr
+    now = summary["conditions"]["harness_commit"] or "unknown"
+    assert summary["conditions"]["harness_commits"] == sorted({"0123abc", now})  # and the first two prompts' (this code's)
+    assert "measured by several harness versions" in second.stderr
     ids = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]  # every line parses
     assert len(ids) == 6 == len(set(ids))
     assert ids[:4] == [json.loads(line)["id"] for line in lines[:4]]  # finished prompts were kept, not redone
     third = harness(*args)
-    assert third.returncode == 0 and "already complete" in third.stderr
+    assert third.returncode == 0 and "already complete" in third.stderr and "was measured by harness commit" not in third.stderr
+    stored = json.loads((cell / "summary.json").read_text())
+    stored["conditions"]["harness_commit"] = "0123abc"  # finished by other code: kept, and said so
+    (cell / "summary.json").write_text(json.dumps(stored))
+    fourth = harness(*args)
+    assert fourth.returncode == 0 and "already complete" in fourth.stderr
+    assert ("was measured by harness commit 0123abc" in fourth.stderr) == (now != "unknown")
 
 
 @pytest.mark.parametrize(

@@ -436,6 +436,27 @@ def test_sigterm_while_the_models_load_ends_the_run_as_ctrl_c(tiny_pair, tmp_pat
     assert not list(tmp_path.glob("*/.claim"))
 
 
+def test_a_submitit_task_keeps_submitits_sigterm_handling(monkeypatch):
+    """submitit ignores SIGTERM on purpose (SLURM sends it on preemption) and requeues on its own
+    signal; turning SIGTERM into an interruption there would end the task before the requeue."""
+    from harness import run
+
+    def submitits(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, submitits)
+    try:
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+        with run._sigterm_as_interrupt():
+            assert signal.getsignal(signal.SIGTERM) is submitits
+        monkeypatch.delenv("SUBMITIT_EXECUTOR")
+        with run._sigterm_as_interrupt():
+            assert signal.getsignal(signal.SIGTERM) is not submitits
+        assert signal.getsignal(signal.SIGTERM) is submitits
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_sigterm_mid_sweep_then_resume_completes_without_duplicates(tiny_pair, tmp_path):
     args = ["-m", *tiny_args(tiny_pair, tmp_path, "k=1,2", "temperature=1.0", "max_new_tokens=48"),
             "dataset.num_prompts=30", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
