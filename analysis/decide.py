@@ -142,13 +142,11 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list
         per_candidate = {c: per_candidate[c] for c in candidates}
     union = set().union(*(set(df.index) for df in per_candidate.values()))
     common = sorted(set.intersection(*(set(df.index) for df in per_candidate.values())))
-    if not common:  # disjoint prompt sets: keep the largest group of candidates that ran the same prompts
-        groups: dict[frozenset, list] = {}
-        for c, df in per_candidate.items():
-            groups.setdefault(frozenset(df.index), []).append(c)
-        keys, kept = max(groups.items(), key=lambda item: (len(item[1]), len(item[0])))
+    if not common:  # no prompt all ran: keep the most candidates that share prompts
+        keys, kept = _most_shared(per_candidate)
         dropped = [f"{label} k={k}" for label, k in candidates if (label, k) not in kept]
-        notes.append(f"candidates ran disjoint prompt sets: compared only those on the most common set; left out: {', '.join(dropped)}")
+        notes.append(f"no prompt was run by every candidate: compared the {len(kept)} that share the most prompts "
+                     f"({len(keys)}); left out: {', '.join(dropped)}")
         candidates, common = kept, sorted(keys)
         per_candidate = {c: per_candidate[c] for c in kept}
     elif len(common) < len(union):
@@ -162,6 +160,20 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list
     table = Table(candidates, kinds, common, first["category"].astype(str).tolist(), stack("spec_new_tokens"),
                   stack("spec_time_s"), stack("base_new_tokens"), stack("base_time_s"))
     return table, notes
+
+
+def _most_shared(per_candidate: dict) -> tuple[set, list]:
+    """(prompts, candidates): the most candidates whose common prompts are not empty, and those prompts
+    (ties: more prompts). Tried per dataset, on all the candidates that ran some of it (a draft that
+    ran two datasets meets on each the drafts that ran only that one), and per identical prompt set."""
+    options = []
+    for dataset in sorted(set().union(*(df["dataset"] for df in per_candidate.values()))):
+        ran = [c for c, df in per_candidate.items() if (df["dataset"] == dataset).any()]
+        shared = set.intersection(*(set(per_candidate[c].index[per_candidate[c]["dataset"] == dataset]) for c in ran))
+        options.append((shared, ran))
+    for c, df in per_candidate.items():
+        options.append((set(df.index), [d for d, other in per_candidate.items() if set(df.index) <= set(other.index)]))
+    return max((o for o in options if o[0]), key=lambda o: (len(o[1]), len(o[0])))
 
 
 def resample_counts(categories: list[str], n_resamples: int, seed: int) -> np.ndarray:
@@ -243,6 +255,21 @@ def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float)
                      + (f" and {len(named) - 8} more" if len(named) > 8 else ""))
     cells = cells[cells["dataset"] == dataset].sort_values("num_prompts", ascending=False, kind="stable")
     cells = cells.drop_duplicates(["label", "k"])
+    # Unpaired speedups compare only over the same prompts: a quick cell on an easy few would win.
+    typical = float(np.nanmedian(cells["num_prompts"])) if cells["num_prompts"].notna().any() else math.nan
+    is_short = cells["num_prompts"] < MIN_COVERAGE * typical  # False where either is unknown
+    if is_short.any():
+        notes.append("left out, fewer than half the prompts of the median candidate: "
+                     + ", ".join(f"{r.label} k={r.k} ({int(r.num_prompts)} prompts)" for r in cells[is_short].itertuples()))
+        cells = cells[~is_short]
+    known = cells["prompt_set"].dropna() if "prompt_set" in cells else pd.Series(dtype=object)
+    if known.nunique() > 1:  # keep the prompt set most candidates ran (ties: the larger one)
+        sizes = cells.groupby("prompt_set")["num_prompts"].max()
+        counts = known.value_counts()
+        kept = max(counts.index, key=lambda p: (counts[p], sizes[p], p))
+        other = cells[cells["prompt_set"].notna() & (cells["prompt_set"] != kept)]
+        notes.append(f"left out, run on other prompts of {dataset}: " + ", ".join(f"{r.label} k={r.k}" for r in other.itertuples()))
+        cells = cells[cells["prompt_set"].isna() | (cells["prompt_set"] == kept)]
     candidates = [{"label": r.label, "k": int(r.k), "draft_kind": r.draft_kind, "speedup": float(r.speedup),
                    "low": float(r.speedup_ci_low), "high": float(r.speedup_ci_high), "categories": {}}
                   for r in cells.sort_values("speedup", ascending=False).itertuples()]

@@ -219,14 +219,18 @@ def pareto_front(size: np.ndarray, speedup: np.ndarray) -> np.ndarray:
 
 def size_points(cells: pd.DataFrame) -> pd.DataFrame:
     """Each draft's best measured k, one row per draft, sampling and dataset: a speedup on one prompt
-    set is never set against another's (a draft's best over two datasets would mix them)."""
-    return cells.loc[cells.groupby(["series", "sampling", "dataset"])["speedup"].idxmax()].copy()
+    set is never set against another's (a draft's best over two datasets would mix them). Cells
+    without a speedup (NaN: a W&B summary that lacks it) are no point."""
+    measured = cells[np.isfinite(cells["speedup"].astype(float))]
+    return measured.loc[measured.groupby(["series", "sampling", "dataset"])["speedup"].idxmax()].copy()
 
 
 def speedup_vs_size(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
     """Each draft at its best measured k, against parameters and weight memory; Pareto front marked
     per context and dataset."""
     best = size_points(cells)
+    if best.empty:
+        return None
     several = best["dataset"].nunique() > 1
     best["memory_mb"] = best["draft_bytes"] / 2**20
     known = best[best["draft_params"].notna()]

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import yaml
 from omegaconf import OmegaConf
 
 from analysis.sizes import draft_size
@@ -127,6 +128,19 @@ def load_local(root: Path) -> Results:
     return results
 
 
+def _pointed_dir(pointer_path: Path, cell_dir: str) -> Path:
+    """A pointer's cell folder. Pointers written before they were absolute hold a path relative to
+    where the job ran: the job's .hydra/hydra.yaml records that folder (hydra.runtime.cwd)."""
+    path = Path(cell_dir)
+    if path.is_absolute() or (path / "summary.json").exists():
+        return path
+    try:
+        cwd = yaml.safe_load((pointer_path.parent / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["cwd"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return path
+    return Path(cwd) / path
+
+
 def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
     """Finished cell directories under `root` or pointed at by Hydra jobs in it, and notes on the rest."""
     notes: list[str] = []
@@ -136,6 +150,8 @@ def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
             pointer = json.loads(pointer_path.read_text())
         except (OSError, ValueError):
             continue
+        if pointer.get("cell_dir"):
+            pointer["cell_dir"] = str(_pointed_dir(pointer_path, pointer["cell_dir"]))
         done_since = bool(pointer.get("cell_dir")) and (Path(pointer["cell_dir"]) / "summary.json").exists()  # a job resumed since
         if pointer.get("status") != "finished" and not done_since or not pointer.get("cell_dir"):
             overrides = " ".join(pointer.get("overrides") or [])
@@ -312,6 +328,10 @@ def cell_row(raw: RawCell) -> dict:
         draft_id = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" + ("" if length == "match" else f"-{length}")
     else:
         draft_id = str(s.get("draft") or draft.get("id")).rstrip("/") or "/"  # a folder named with or without its slash: one draft
+        draft_id += _revision(draft)
+        dtype = _resolved_dtype(draft.get("dtype"), conditions)
+        if dtype and conditions.get("dtype") and dtype != conditions["dtype"]:  # a draft in another dtype than its target
+            draft_id += f"[{dtype}]"
     temperature = float(s.get("temperature", cfg.get("temperature", 0.0)))
     top_k, top_p = int(s.get("top_k", cfg.get("top_k", 0)) or 0), float(s.get("top_p", cfg.get("top_p", 1.0)) or 1.0)
     ci = s.get("speedup_ci") or [s.get("speedup_ci_low", np.nan), s.get("speedup_ci_high", np.nan)]
@@ -321,7 +341,7 @@ def cell_row(raw: RawCell) -> dict:
         "cell": s.get("cell") or Path(raw.origin).name,
         "origin": raw.origin,
         "pair": s.get("pair") or pair.get("name"),
-        "target": str(s.get("target") or (pair.get("target") or {}).get("id")),
+        "target": (str(s.get("target") or (pair.get("target") or {}).get("id")).rstrip("/") or "/") + _revision(pair.get("target") or {}),
         "draft": draft_id,
         "draft_kind": kind,
         "dataset": str(dataset.get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown")),
@@ -334,6 +354,9 @@ def cell_row(raw: RawCell) -> dict:
         "top_p": top_p,
         "sampling": sampling_name(temperature, top_k, top_p),
         "seed": cfg.get("seed"),
+        # Which prompts the cell ran (None when the summary does not say): cells compared on summaries alone must match.
+        "prompt_set": hashlib.sha256(json.dumps(sorted(map(str, s["prompt_ids"]))).encode()).hexdigest()[:12]
+        if isinstance(s.get("prompt_ids"), list) else None,
         **{key: _num(s.get(key)) for key in SUMMARY_SCALARS},
         "speedup_ci_low": _num(ci[0]), "speedup_ci_high": _num(ci[1]),
         "speedup_geomean_ci_low": _num(gci[0]), "speedup_geomean_ci_high": _num(gci[1]),
@@ -366,7 +389,7 @@ def cell_row(raw: RawCell) -> dict:
         if alpha == alpha and alpha > 0:  # tested = accepted / alpha, whatever each cycle drafted
             row["tested_total"] = row["accepted_total"] / alpha
         else:  # nothing accepted: each cycle that drafted tested one position (at most one per cycle)
-            row["tested_total"] = float(sum(hist))
+            row["tested_total"] = float(sum(hist)) - _num(s.get("cycles_without_draft") or 0)
         cycles = row["cycles"] if row["cycles"] == row["cycles"] else 0.0
         row["position_reached"] = [cycles] * len(row["position_acceptance"])
         row["position_accepted"] = [cycles * a for a in row["position_acceptance"]]
@@ -459,6 +482,22 @@ def sampling_name(temperature: float, top_k: int = 0, top_p: float = 1.0) -> str
     if top_p < 1.0:
         name += f" top_p={top_p:g}"
     return name
+
+
+def _revision(model: dict) -> str:
+    """'@v2' for a model pinned to a revision other than the hub's default branch: another model."""
+    revision = model.get("revision")
+    return "" if revision in (None, "", "main") else f"@{revision}"
+
+
+def _resolved_dtype(dtype: Any, conditions: dict) -> str | None:
+    """A model's dtype setting as the harness resolves it (harness.models.resolve_dtype): auto is
+    bfloat16 on CUDA, float32 elsewhere; None when the setting was not recorded."""
+    if dtype in (None, ""):
+        return None
+    if dtype == "auto":
+        return "bfloat16" if str(conditions.get("device", "")).startswith("cuda") else "float32"
+    return str(dtype)
 
 
 def _labels(cells: pd.DataFrame) -> pd.Series:

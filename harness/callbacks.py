@@ -76,7 +76,8 @@ def record_job(summary: dict | None = None, error: str | None = None, status: st
         "status": status or ("failed" if error else "finished"),
         "error": error,
         "cell": (summary or {}).get("cell"),
-        "cell_dir": (summary or {}).get("cell_dir"),
+        # Absolute: out_dir is relative to where the job ran, and the report may run from anywhere.
+        "cell_dir": str(Path(summary["cell_dir"]).resolve()) if (summary or {}).get("cell_dir") else None,
     }
     _write_atomic(Path(hydra_cfg.runtime.output_dir) / POINTER, json.dumps(pointer, indent=2) + "\n")
 

@@ -178,6 +178,40 @@ def test_drafts_under_one_pair_name_never_share_a_label(tmp_path):
     assert cells.loc["m3-k4-t0.0-synthetic", "label"] == "mine/a/final" and cells.loc["unnamed-k2-t0.0-synthetic", "label"] == "unnamed"
 
 
+def test_a_draft_in_another_dtype_or_revision_is_another_draft(tmp_path):
+    """pair.draft.dtype and pair.draft.revision change the draft: cells that differ in one were
+    pooled into one fit, and one of them was never compared. The dtype counts as resolved (auto is
+    bfloat16 on CUDA), and only where it differs from the target's; a revision other than main counts."""
+    drafts = {"bf": {"dtype": "auto"}, "bf2": {"dtype": "bfloat16"}, "fp": {"dtype": "float32"},
+              "v2": {"dtype": "auto", "revision": "v2"}, "main": {"revision": "main"}}
+    for name, extra in drafts.items():
+        out = write_cell(tmp_path, name, "model", Fraction(1, 2), 2, 0.05, SLOPE)
+        config = json.loads((out / "config.yaml").read_text())
+        config["pair"].update(name="p", draft={"kind": "model", "id": "org/d", **extra})
+        config["pair"]["target"]["revision"] = "r1" if name == "main" else "main"
+        (out / "config.yaml").write_text(json.dumps(config))
+        summary = json.loads((out / "summary.json").read_text())
+        (out / "summary.json").write_text(json.dumps({**summary, "pair": "p", "draft": "org/d"}))
+    cells = load(tmp_path).cells.set_index("cell")
+    label = lambda name: cells.loc[f"{name}-k2-t0.0-synthetic", "label"]  # noqa: E731
+    assert label("bf") == label("bf2") == "p/d" and label("fp") == "p/d[float32]" and label("v2") == "p/d@v2"
+    assert cells.loc["main-k2-t0.0-synthetic", "target"] == "org/target@r1" and cells.loc["bf-k2-t0.0-synthetic", "target"] == "org/target"
+
+
+def test_a_cell_without_a_speedup_is_no_point_in_the_size_figure(tmp_path):
+    """A summary whose speedup is NaN (a W&B summary that lacks it) made the report stop with a
+    traceback in the speedup-vs-size figure; the decision is made on the per-prompt rows anyway."""
+    from analysis.figures import size_points
+
+    out = write_cell(tmp_path, "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "speedup": float("nan"), "speedup_ci": [float("nan")] * 2}))
+    write_cell(tmp_path, "b", "model", Fraction(3, 5), 2, 0.05, SLOPE)
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "rep"), "--resamples", "100"]) == 0
+    cells = load(tmp_path).cells.assign(series=lambda f: f["label"])
+    assert list(size_points(cells)["label"]) == ["b"] and size_points(cells[cells["label"] == "a"]).empty
+
+
 def test_tested_positions_without_prompt_rows_come_from_alpha():
     """A cell known only by its summary (a W&B run without its artifact): prompt lookup's
     cycles that proposed nothing test no position, which the accepted histogram cannot
@@ -192,6 +226,8 @@ def test_tested_positions_without_prompt_rows_come_from_alpha():
     assert (row["accepted_total"], row["tested_total"]) == (2.0, pytest.approx(3.0))
     nothing = cell_row(RawCell(config, {**summary, "accept_hist": [4, 0, 0, 0, 0], "alpha": 0.0}, None, "run"))
     assert (nothing["accepted_total"], nothing["tested_total"]) == (0.0, 4.0)
+    unmatched = cell_row(RawCell(config, {**summary, "accept_hist": [4, 0, 0, 0, 0], "alpha": 0.0, "cycles_without_draft": 3}, None, "run"))
+    assert unmatched["tested_total"] == 1.0  # three of the four cycles drafted nothing: they tested no position
 
 
 # Three drafts with known alpha and c, b = 0.02, run at k = 1, 2, 3. By the
@@ -476,6 +512,20 @@ def fake_runs(sweep: Path, with_artifacts: bool = True) -> list[FakeRun]:
     return runs
 
 
+def test_a_relative_pointer_is_read_from_where_its_job_ran(tmp_path, monkeypatch):
+    """With out_dir=results, pointers written before they were absolute hold results/<key>, relative
+    to the folder the sweep ran in (the job's hydra.runtime.cwd), not to the report's own."""
+    exp = tmp_path / "exp"
+    cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
+    job = exp / "multirun" / "d" / "t" / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n")
+    (job / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=2"], "error": None,
+                                               "cell": cell.name, "cell_dir": f"results/{cell.name}"}))
+    monkeypatch.chdir(tmp_path)  # not where the sweep ran
+    assert list(load(exp / "multirun").cells["cell"]) == [cell.name]
+
+
 def test_wandb_sweep_loads_into_the_same_frames_as_the_local_tree(sweep):
     local = load(sweep)
     api = FakeApi(fake_runs(sweep))
@@ -541,7 +591,7 @@ def test_prompts_of_two_local_files_are_never_paired(tmp_path):
     assert named == {"a-k2": "local:easy.jsonl", "b-k2": "local:hard.jsonl"}
     assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
     (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=100)
-    assert len(d["candidates"]) == 1 and any("disjoint prompt sets" in n for n in d["notes"])
+    assert len(d["candidates"]) == 1 and any("no prompt was run by every candidate" in n for n in d["notes"])
 
     content(b2, "ab" * 32)  # a newer cell records the file's content; the older one (moved since) joins it
     b3 = write_cell(tmp_path, "b", "model", Fraction(1, 5), 3, 0.05, SLOPE, seed=2, config=local("/moved/hard.jsonl"))
@@ -611,6 +661,26 @@ def test_a_decision_from_summaries_compares_cells_of_one_prompt_set(tmp_path):
     assert {(c["label"], c["k"]) for c in d["candidates"]} == {("a", 2), ("b", 2)}
     assert (d["mix"]["ship"], d["mix"]["k"]) == ("b", 2)
     assert any("decided on hard" in n and "a k=4 (easy)" in n for n in d["notes"])
+
+
+def test_a_decision_from_summaries_leaves_out_cells_on_fewer_or_other_prompts(tmp_path):
+    """quick ran 3 easy prompts (chat) of the 12 full ran: on summaries alone its speedup looked best,
+    though full is the better draft on chat. Then two cells of one size on other prompt ids."""
+    write_cell(tmp_path, "full", "model", Fraction(4, 5), 2, 0.05, SLOPE, alphas={"code": Fraction(1, 5)}, seed=1)
+    write_cell(tmp_path, "quick", "model", Fraction(7, 10), 2, 0.05, SLOPE, categories=("chat",), per_category=3, seed=2)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells.assign(has_prompts=False), results.prompts.iloc[:0], None, None)
+    assert [c["label"] for c in d["candidates"]] == ["full"] and d["mix"]["ship"] == "full"
+    assert any("fewer than half the prompts of the median candidate: quick k=2 (3 prompts)" in n for n in d["notes"])
+
+    other = write_cell(tmp_path, "other", "model", Fraction(9, 10), 2, 0.05, SLOPE, seed=3)
+    summary = json.loads((other / "summary.json").read_text())  # 12 prompts, but not the same 12
+    (other / "summary.json").write_text(json.dumps({**summary, "prompt_ids": [f"x{i}" for i in range(12)]}))
+    write_cell(tmp_path, "b", "model", Fraction(3, 5), 2, 0.05, SLOPE, alphas={"code": Fraction(1, 5)}, seed=4)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells.assign(has_prompts=False), results.prompts.iloc[:0], None, None)
+    assert sorted(c["label"] for c in d["candidates"]) == ["b", "full"]
+    assert any("run on other prompts of synthetic: other k=2" in n for n in d["notes"])
 
 
 def test_report_from_wandb_logs_figures_back(sweep, tmp_path, monkeypatch):
@@ -1035,6 +1105,20 @@ def test_max_k_reaches_the_text_and_the_figures(two_targets):
     left, right = drawn["fitted_model"].axes[:2]
     assert "k ≤ 8" in left.get_title()
     assert max(max(line.get_xdata()) for line in right.get_lines()) == 9  # v(k + 1) up to k = max_k
+
+
+def test_without_common_prompts_the_draft_that_ran_both_datasets_meets_the_others(tmp_path):
+    """a ran dataset x, b ran y, c ran both: no prompt is common to all. Grouping only identical
+    prompt sets dropped c (the best draft on x) and shipped a; on x, c meets a and wins."""
+    for k in (1, 2):
+        write_cell(tmp_path, "a", "model", Fraction(3, 5), k, 0.05, SLOPE, dataset="x", seed=k)
+        write_cell(tmp_path, "b", "model", Fraction(3, 5), k, 0.05, SLOPE, dataset="y", seed=10 + k)
+    for dataset, seed in (("x", 21), ("y", 22)):
+        write_cell(tmp_path, "c", "model", Fraction(4, 5), 2, 0.05, SLOPE, dataset=dataset, seed=seed)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=200)
+    assert {(c["label"], c["k"]) for c in d["candidates"]} == {("a", 1), ("a", 2), ("c", 2)}
+    assert d["mix"]["best"]["label"] == "c" and any("left out: b k=1, b k=2" in n for n in d["notes"])
 
 
 def test_a_draft_that_ran_one_dataset_of_two_is_compared_not_left_out(tmp_path):

@@ -537,3 +537,18 @@ def test_the_histogram_chart_shows_cycles_without_a_draft_apart():
                                             (None, None), ([], None)])
 def test_a_single_tag_is_one_tag_not_one_per_character(tags, expected):
     assert tracking._tags(tags) == expected
+
+
+def test_a_jobs_pointer_holds_its_cell_as_an_absolute_path(tmp_path, monkeypatch):
+    """out_dir=results is relative to where the sweep ran; the report may run from anywhere."""
+    from harness import callbacks
+
+    job_dir = tmp_path / "sweep" / "0"
+    job_dir.mkdir(parents=True)
+    hydra_cfg = OmegaConf.create({"job": {"num": 0}, "overrides": {"task": ["k=2"]}, "runtime": {"output_dir": str(job_dir)}})
+    monkeypatch.setattr(callbacks.HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(callbacks.HydraConfig, "get", staticmethod(lambda: hydra_cfg))
+    monkeypatch.chdir(tmp_path)
+    callbacks.record_job({"cell": "c1", "cell_dir": "results/c1"})
+    pointer = json.loads((job_dir / callbacks.POINTER).read_text())
+    assert pointer["cell_dir"] == str((tmp_path / "results" / "c1").resolve()) and pointer["status"] == "finished"
