@@ -333,6 +333,18 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
             default = OmegaConf.load(CONF_DIR / "config.yaml").default_pair
             print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
             sys.exit(2)
+    shown = next((arg for arg in argv if arg in ("--cfg", "-c", "--info", "-i") or arg.startswith(("--cfg=", "--info="))), None)
+    if multirun and shown:  # Hydra: a ValueError traceback
+        print(f"error: -m runs the cells and {shown} only prints: give one of them (--cfg job without -m shows "
+              f"one cell's config)", file=sys.stderr)
+        sys.exit(2)
+    swept_pairs = next((arg for arg in argv if arg.startswith("+pair=") and (re.search(r"(?<!\\),", arg)
+                        or re.match(r"\s*(choice|range|glob)\(", arg.partition("=")[2]))), None)
+    setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.")), None)
+    if multirun and swept_pairs and setting:  # Hydra applies it before any pair is chosen: "not in struct"
+        print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): sweep one pair per command, "
+              f"or give each variant its own conf/pair/NAME.yaml", file=sys.stderr)
+        sys.exit(2)
     words = bare_words(argv)
     if words:
         print(f"error: {words}", file=sys.stderr)

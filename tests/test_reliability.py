@@ -31,6 +31,9 @@ from test_cli import ROOT, harness, tiny_args
         (["+pair=smollm2", "pair.draft.length=cost_aware"],
          "unknown setting 'pair.draft.length' for +pair=smollm2: use one that takes it, e.g. +pair=smollm2_ngram"),
         (["pair.draft.max_ngram=4"], "pair.draft.max_ngram=4 sets the pair, so choose the pair first"),
+        (["-m", "k=1,2", "--cfg", "job"], "error: -m runs the cells and --cfg only prints: give one of them"),
+        (["-m", "+pair=smollm2,llama_7b_68m", "pair.target.id=/m"],
+         "pair.target.id=/m cannot go with a sweep over pairs (+pair=smollm2,llama_7b_68m): sweep one pair per command"),
         (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),
         (["k=1,2"], "k=1,2 lists several values: add -m to run one cell each"),
         (["dataset=local", "dataset.path=x.jsonl", "dataset.template=Summarize: {text}"],  # Hydra's grammar: 3 lines
