@@ -128,17 +128,21 @@ def load_local(root: Path) -> Results:
     return results
 
 
-def _pointed_dir(pointer_path: Path, cell_dir: str) -> Path:
-    """A pointer's cell folder. Pointers written before they were absolute hold a path relative to
-    where the job ran: the job's .hydra/hydra.yaml records that folder (hydra.runtime.cwd)."""
-    path = Path(cell_dir)
-    if path.is_absolute() or (path / "summary.json").exists():
-        return path
-    try:
-        cwd = yaml.safe_load((pointer_path.parent / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["cwd"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return path
-    return Path(cwd) / path
+def _pointed_dir(pointer_path: Path, pointer: dict) -> Path:
+    """A pointer's cell folder: its absolute path where that exists; else the path as the job was given
+    it (older pointers hold only that), relative to the folder the job ran in (hydra.runtime.cwd in the
+    job's .hydra/hydra.yaml), then to the folders above the pointer (an experiment moved or copied
+    since), then to the current folder."""
+    cell_dir, given = Path(pointer["cell_dir"]), Path(pointer.get("cell_dir_given") or pointer["cell_dir"])
+    options = [cell_dir] if cell_dir.is_absolute() else []
+    if not given.is_absolute():
+        try:
+            cwd = yaml.safe_load((pointer_path.parent / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["cwd"]
+            options.append(Path(cwd) / given)
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            pass
+        options += [folder / given for folder in pointer_path.parents] + [given]
+    return next((p for p in options if (p / "summary.json").exists()), options[0] if options else given)
 
 
 def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
@@ -151,7 +155,7 @@ def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
         except (OSError, ValueError):
             continue
         if pointer.get("cell_dir"):
-            pointer["cell_dir"] = str(_pointed_dir(pointer_path, pointer["cell_dir"]))
+            pointer["cell_dir"] = str(_pointed_dir(pointer_path, pointer))
         done_since = bool(pointer.get("cell_dir")) and (Path(pointer["cell_dir"]) / "summary.json").exists()  # a job resumed since
         if pointer.get("status") != "finished" and not done_since or not pointer.get("cell_dir"):
             overrides = " ".join(pointer.get("overrides") or [])
@@ -328,10 +332,9 @@ def cell_row(raw: RawCell) -> dict:
         draft_id = f"ngram({draft.get('min_ngram', 1)}-{draft.get('max_ngram', 3)})" + ("" if length == "match" else f"-{length}")
     else:
         draft_id = str(s.get("draft") or draft.get("id")).rstrip("/") or "/"  # a folder named with or without its slash: one draft
-        draft_id += _revision(draft)
         dtype = _resolved_dtype(draft.get("dtype"), conditions)
-        if dtype and conditions.get("dtype") and dtype != conditions["dtype"]:  # a draft in another dtype than its target
-            draft_id += f"[{dtype}]"
+        variant = _variant(draft) + (f"[{dtype}]" if dtype and conditions.get("dtype") and dtype != conditions["dtype"] else "")
+        draft_id += variant  # a draft in another dtype than its target is another draft
     temperature = float(s.get("temperature", cfg.get("temperature", 0.0)))
     top_k, top_p = int(s.get("top_k", cfg.get("top_k", 0)) or 0), float(s.get("top_p", cfg.get("top_p", 1.0)) or 1.0)
     ci = s.get("speedup_ci") or [s.get("speedup_ci_low", np.nan), s.get("speedup_ci_high", np.nan)]
@@ -341,8 +344,9 @@ def cell_row(raw: RawCell) -> dict:
         "cell": s.get("cell") or Path(raw.origin).name,
         "origin": raw.origin,
         "pair": s.get("pair") or pair.get("name"),
-        "target": (str(s.get("target") or (pair.get("target") or {}).get("id")).rstrip("/") or "/") + _revision(pair.get("target") or {}),
+        "target": (str(s.get("target") or (pair.get("target") or {}).get("id")).rstrip("/") or "/") + _variant(pair.get("target") or {}),
         "draft": draft_id,
+        "draft_variant": variant if kind != "ngram" else "",  # the end of `draft` that is no part of its path
         "draft_kind": kind,
         "dataset": str(dataset.get("name") or (s["dataset"] if isinstance(s.get("dataset"), str) else "unknown")),
         "dataset_file": dataset.get("path"),  # _dataset_names reads these two, then drops them
@@ -484,10 +488,11 @@ def sampling_name(temperature: float, top_k: int = 0, top_p: float = 1.0) -> str
     return name
 
 
-def _revision(model: dict) -> str:
-    """'@v2' for a model pinned to a revision other than the hub's default branch: another model."""
-    revision = model.get("revision")
-    return "" if revision in (None, "", "main") else f"@{revision}"
+def _variant(model: dict) -> str:
+    """What makes another model of one id: '@v2' for a revision other than the hub's default branch,
+    '[model-q4.gguf]' for a GGUF file of the repo."""
+    revision, gguf = model.get("revision"), model.get("gguf_file")
+    return ("" if revision in (None, "", "main") else f"@{revision}") + (f"[{gguf}]" if gguf else "")
 
 
 def _resolved_dtype(dtype: Any, conditions: dict) -> str | None:
@@ -505,15 +510,17 @@ def _labels(cells: pd.DataFrame) -> pd.Series:
     (by the shortest end of the drafts' ids that tells them apart: `pair/final` or `pair/a/final`;
     prompt lookup by its whole setting, `ngram(1-3)`), so that two drafts never share a label."""
     pairs = pd.Series([p if isinstance(p, str) else "unnamed" for p in cells["pair"]], index=cells.index)  # a missing name too
+    variants = dict(zip(cells["draft"].astype(str), cells.get("draft_variant", pd.Series("", index=cells.index)).fillna("")))
     short: dict[tuple[str, str], str] = {}
     for pair, drafts in cells["draft"].groupby(pairs):
         ids = sorted(set(map(str, drafts)))
         if len(ids) == 1:
             short[(pair, ids[0])] = str(pair)
             continue
-        parts = {d: d.split("/") for d in ids}
+        # Split the path only: a revision like refs/pr/3 stays whole after it.
+        parts = {d: d[:len(d) - len(variants.get(d, ""))].split("/") for d in ids}
         for depth in range(1, max(map(len, parts.values())) + 1):
-            ends = {d: "/".join(p[-depth:]) for d, p in parts.items()}
+            ends = {d: "/".join(p[-depth:]) + variants.get(d, "") for d, p in parts.items()}
             if len(set(ends.values())) == len(ids):
                 break
         short.update({(pair, d): f"{pair}/{end}" for d, end in ends.items()})

@@ -656,13 +656,14 @@ def main(argv: list[str] | None = None) -> dict:
     if isinstance(pair.drafter, ModelDrafter):
         result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
         _write(args.out, result)
-    peak_before = process_peak_rss_mb()  # memory() resets the peak (Linux) to take its own
+    peak_before = process_peak_rss_mb()  # memory() resets the peaks (Linux RSS, CUDA) to take its own
+    cuda_before = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     if args.memory_prompts > 0:
         result["memory"] = memory(pair, cfg, all_prompts, all_encoded, args, device)
     result["process_peak_rss_mb"] = max(peak_before, process_peak_rss_mb(), result.get("memory", {}).get("peak_rss_mb", 0.0))
     # ^ loading included; the memory run's own peak is in "memory"
     if device.type == "cuda":
-        result["process_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20  # since warm-up
+        result["process_max_memory_allocated_mb"] = max(cuda_before, torch.cuda.max_memory_allocated(device) / 2**20)  # since warm-up
     result["goals"] = goals(result)
     result["wall_s"] = time.time() - started
     _write(args.out, result)

@@ -76,8 +76,10 @@ def record_job(summary: dict | None = None, error: str | None = None, status: st
         "status": status or ("failed" if error else "finished"),
         "error": error,
         "cell": (summary or {}).get("cell"),
-        # Absolute: out_dir is relative to where the job ran, and the report may run from anywhere.
+        # Absolute, since out_dir is relative to where the job ran and the report may run from anywhere; and
+        # as given, for an experiment folder moved or copied since (analysis.load tries both).
         "cell_dir": str(Path(summary["cell_dir"]).resolve()) if (summary or {}).get("cell_dir") else None,
+        "cell_dir_given": (summary or {}).get("cell_dir"),
     }
     _write_atomic(Path(hydra_cfg.runtime.output_dir) / POINTER, json.dumps(pointer, indent=2) + "\n")
 

@@ -243,10 +243,15 @@ def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:
     return None
 
 
+def _is_multirun_flag(arg: str) -> bool:
+    """-m or --multirun (or a prefix of it from --m, as Hydra's argparse takes)."""
+    return arg == "-m" or (len(arg) >= 3 and "--multirun".startswith(arg))
+
+
 def is_multirun(argv: list[str]) -> bool:
     """-m, --multirun (or a prefix of it from --m, as Hydra's argparse takes), or hydra.mode=MULTIRUN."""
-    return any(arg == "-m" or (len(arg) >= 3 and "--multirun".startswith(arg))
-               or re.fullmatch(r"\+*hydra\.mode=\s*(['\"]?)(RunMode\.)?(MULTIRUN|2)\1\s*", arg) for arg in argv)
+    return any(_is_multirun_flag(arg) or re.fullmatch(r"\+*hydra\.mode=\s*(['\"]?)(RunMode\.)?(MULTIRUN|2)\1\s*", arg)
+               for arg in argv)
 
 
 def unparsable(override: str) -> str | None:
@@ -334,16 +339,16 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
             print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
             sys.exit(2)
     shown = next((arg for arg in argv if arg in ("--cfg", "-c", "--info", "-i") or arg.startswith(("--cfg=", "--info="))), None)
-    if multirun and shown:  # Hydra: a ValueError traceback
+    if shown and any(_is_multirun_flag(arg) for arg in argv):  # Hydra: a ValueError traceback (hydra.mode=MULTIRUN it allows)
         print(f"error: -m runs the cells and {shown} only prints: give one of them (--cfg job without -m shows "
               f"one cell's config)", file=sys.stderr)
         sys.exit(2)
     swept_pairs = next((arg for arg in argv if arg.startswith("+pair=") and (re.search(r"(?<!\\),", arg)
                         or re.match(r"\s*(choice|range|glob)\(", arg.partition("=")[2]))), None)
-    setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.")), None)
+    setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.") and not arg.startswith("++")), None)
     if multirun and swept_pairs and setting:  # Hydra applies it before any pair is chosen: "not in struct"
-        print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): sweep one pair per command, "
-              f"or give each variant its own conf/pair/NAME.yaml", file=sys.stderr)
+        print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): write it ++{setting.lstrip('+~')} to set "
+              f"it in every swept pair, or sweep one pair per command", file=sys.stderr)
         sys.exit(2)
     words = bare_words(argv)
     if words:
@@ -368,7 +373,7 @@ def _number(value: Any) -> bool:
 
 
 PROMPT_SEED_STRIDE = 1_000_003
-MAX_SEED = (2**63 - 1) // PROMPT_SEED_STRIDE - 1_000  # torch seeds are 64-bit signed; leaves room for 10^9 prompt indices
+MAX_SEED = (2**64 - 1) // PROMPT_SEED_STRIDE - 1_000  # torch takes seeds below 2**64; leaves room for 10^9 prompt indices
 
 
 def validate(cfg: DictConfig) -> None:
@@ -662,12 +667,20 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
     }
 
 
+def _submitit_handles_sigterm() -> bool:
+    """In a submitit task (its environment variable set, and its own handler on SIGTERM): not in a
+    process the task started, such as a `wandb agent`'s harness, which would then die unhandled."""
+    handler = signal.getsignal(signal.SIGTERM)
+    owner = getattr(getattr(handler, "__self__", None), "__class__", type(handler))
+    return bool(os.environ.get("SUBMITIT_EXECUTOR")) and owner.__module__.startswith("submitit")
+
+
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
     """Treat SIGTERM (a scheduler or `kill`) like Ctrl-C, so both end a run the same way. Not in a
     submitit task (Hydra's SLURM launcher): submitit ignores SIGTERM on purpose, since SLURM sends it
     on preemption too, and requeues the task on its own signal (the cell then resumes)."""
-    if threading.current_thread() is not threading.main_thread() or os.environ.get("SUBMITIT_EXECUTOR"):
+    if threading.current_thread() is not threading.main_thread() or _submitit_handles_sigterm():
         yield
         return
 

@@ -29,6 +29,7 @@ done
 case "$seconds" in
     ''|*[!0-9]*) echo "error: --seconds $seconds: give a whole number of seconds (570 fits one 10-minute device call)" >&2; exit 2 ;;
 esac
+seconds=$((10#$seconds))  # decimal, also with a leading zero (bash reads 0300 as octal)
 if [ "$seconds" -lt 180 ]; then
     echo "error: --seconds $seconds: the check needs at least 180 s (eager part, then the compiled part)" >&2; exit 2
 fi

@@ -33,7 +33,7 @@ from test_cli import ROOT, harness, tiny_args
         (["pair.draft.max_ngram=4"], "pair.draft.max_ngram=4 sets the pair, so choose the pair first"),
         (["-m", "k=1,2", "--cfg", "job"], "error: -m runs the cells and --cfg only prints: give one of them"),
         (["-m", "+pair=smollm2,llama_7b_68m", "pair.target.id=/m"],
-         "pair.target.id=/m cannot go with a sweep over pairs (+pair=smollm2,llama_7b_68m): sweep one pair per command"),
+         "pair.target.id=/m cannot go with a sweep over pairs (+pair=smollm2,llama_7b_68m): write it ++pair.target.id=/m"),
         (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),
         (["k=1,2"], "k=1,2 lists several values: add -m to run one cell each"),
         (["dataset=local", "dataset.path=x.jsonl", "dataset.template=Summarize: {text}"],  # Hydra's grammar: 3 lines
@@ -444,18 +444,29 @@ def test_a_submitit_task_keeps_submitits_sigterm_handling(monkeypatch):
     signal; turning SIGTERM into an interruption there would end the task before the requeue."""
     from harness import run
 
-    def submitits(signum, frame):
+    class SignalHandler:  # as submitit.core.job_environment installs it
+        def bypass(self, signum, frame):
+            pass
+
+    SignalHandler.__module__ = "submitit.core.job_environment"
+    submitits = SignalHandler().bypass
+
+    def a_parents(signum, frame):  # a process the task started (a `wandb agent`'s harness) has no submitit handler
         pass
 
     previous = signal.signal(signal.SIGTERM, submitits)
     try:
         monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
         with run._sigterm_as_interrupt():
-            assert signal.getsignal(signal.SIGTERM) is submitits
-        monkeypatch.delenv("SUBMITIT_EXECUTOR")
+            assert signal.getsignal(signal.SIGTERM) == submitits
+        signal.signal(signal.SIGTERM, a_parents)
         with run._sigterm_as_interrupt():
-            assert signal.getsignal(signal.SIGTERM) is not submitits
-        assert signal.getsignal(signal.SIGTERM) is submitits
+            assert signal.getsignal(signal.SIGTERM) is not a_parents
+        monkeypatch.delenv("SUBMITIT_EXECUTOR")
+        signal.signal(signal.SIGTERM, submitits)
+        with run._sigterm_as_interrupt():
+            assert signal.getsignal(signal.SIGTERM) != submitits
+        assert signal.getsignal(signal.SIGTERM) == submitits
     finally:
         signal.signal(signal.SIGTERM, previous)
 

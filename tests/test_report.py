@@ -183,7 +183,8 @@ def test_a_draft_in_another_dtype_or_revision_is_another_draft(tmp_path):
     pooled into one fit, and one of them was never compared. The dtype counts as resolved (auto is
     bfloat16 on CUDA), and only where it differs from the target's; a revision other than main counts."""
     drafts = {"bf": {"dtype": "auto"}, "bf2": {"dtype": "bfloat16"}, "fp": {"dtype": "float32"},
-              "v2": {"dtype": "auto", "revision": "v2"}, "main": {"revision": "main"}}
+              "v2": {"dtype": "auto", "revision": "v2"}, "main": {"revision": "main"}, "pr": {"revision": "refs/pr/3"},
+              "q4": {"gguf_file": "d-q4.gguf"}}
     for name, extra in drafts.items():
         out = write_cell(tmp_path, name, "model", Fraction(1, 2), 2, 0.05, SLOPE)
         config = json.loads((out / "config.yaml").read_text())
@@ -195,6 +196,7 @@ def test_a_draft_in_another_dtype_or_revision_is_another_draft(tmp_path):
     cells = load(tmp_path).cells.set_index("cell")
     label = lambda name: cells.loc[f"{name}-k2-t0.0-synthetic", "label"]  # noqa: E731
     assert label("bf") == label("bf2") == "p/d" and label("fp") == "p/d[float32]" and label("v2") == "p/d@v2"
+    assert label("pr") == "p/d@refs/pr/3" and label("q4") == "p/d[d-q4.gguf]"  # a revision's own slashes stay in it
     assert cells.loc["main-k2-t0.0-synthetic", "target"] == "org/target@r1" and cells.loc["bf-k2-t0.0-synthetic", "target"] == "org/target"
 
 
@@ -524,6 +526,24 @@ def test_a_relative_pointer_is_read_from_where_its_job_ran(tmp_path, monkeypatch
                                                "cell": cell.name, "cell_dir": f"results/{cell.name}"}))
     monkeypatch.chdir(tmp_path)  # not where the sweep ran
     assert list(load(exp / "multirun").cells["cell"]) == [cell.name]
+    # Another experiment with a cell of the same key where the report runs: the job's own folder comes first.
+    other = write_cell(tmp_path / "results", "a", "model", Fraction(1, 5), 2, 0.05, SLOPE)
+    assert other.name == cell.name and list(load(exp / "multirun").cells["alpha"]) == [pytest.approx(0.8)]
+
+
+def test_a_moved_experiment_is_found_through_the_path_its_job_was_given(tmp_path, monkeypatch):
+    """Pointers hold the cell's absolute path and the one the job was given (out_dir=results): after
+    the experiment folder is moved or copied, the second, relative to the folders above the pointer."""
+    exp = tmp_path / "exp"
+    cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
+    job = exp / "multirun" / "d" / "t" / "0"
+    job.mkdir(parents=True)
+    (job / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=2"], "error": None, "cell": cell.name,
+                                               "cell_dir": str(cell), "cell_dir_given": f"results/{cell.name}"}))
+    shutil.move(str(exp), str(tmp_path / "moved"))
+    monkeypatch.chdir(tmp_path)
+    results = load(tmp_path / "moved" / "multirun")
+    assert list(results.cells["cell"]) == [cell.name] and not any("no summary.json" in n for n in results.notes)
 
 
 def test_wandb_sweep_loads_into_the_same_frames_as_the_local_tree(sweep):
