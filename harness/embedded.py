@@ -101,6 +101,8 @@ def embedded_model_dir(name: str) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for path in tmp.rglob("*"):  # transformers writes the weights owner-only (0600)
+            _as_created(path)
         tmp.rename(out)
     except OSError:
         if not (out / "config.json").exists():  # not a run that finished first

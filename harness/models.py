@@ -216,10 +216,15 @@ class CachedLM:
         self.vocab_size = vocab_size  # rows beyond it (padding) are dropped
         self.device = next(model.parameters()).device
         self.static = cache == "static"
-        self.context = getattr(model.config, "max_position_embeddings", None) or 2048
+        # A composite model (Gemma 3 4B and up, Mistral 3: *ForConditionalGeneration) keeps these on its text config.
+        self.text_config = model.config.get_text_config(decoder=True)
+        self.context = getattr(self.text_config, "max_position_embeddings", None) or 2048
         self.capacity = min(max_len or self.context, self.context)
         if self.static:
             self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)  # `reserve` sizes it for a run
+            if compile and any(self.cache.is_sliding):
+                raise HarnessError(f"{type(model).__name__} has sliding-window layers, whose static cache (transformers' "
+                                   f"StaticSlidingWindowLayer) compiles a new graph at every length: use compile=false")
         self.compiled = _compile(model) if compile else None
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
@@ -251,7 +256,7 @@ class CachedLM:
                 layer.reserve(max_len)
             return
         capacity = min(-(-max_len // 256) * 256, self.context)
-        window = getattr(self.model.config, "sliding_window", None)
+        window = getattr(self.text_config, "sliding_window", None)
         if window and max_len <= window < capacity:  # sliding-window layers roll back only within their window
             capacity = window
         if capacity != self.capacity:
@@ -262,7 +267,7 @@ class CachedLM:
 
     def _check_static_rollback(self) -> None:
         if not self.cache.is_croppable:  # sliding-window layers shorter than the cache drop what a rollback restores
-            window = getattr(self.model.config, "sliding_window", None)
+            window = getattr(self.text_config, "sliding_window", None)
             raise HarnessError(f"{type(self.model).__name__} has sliding-window attention (window {window}) and a static cache "
                                f"of {self.capacity} tokens cannot roll back past the window: use cache=dynamic")
 
@@ -358,9 +363,15 @@ def _compile(model: PreTrainedModel):
     """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
     Hooks registered on the model still run. Calls run `unwatched`: a host-read count
     (harness.host_syncs) active around them would make dynamo compile them anew."""
-    # Input lengths 1..k+1 each compile once: allow more than dynamo's default of 8.
+    # Input lengths 1..k+1 each compile once, for target and draft alike (one code object: transformers'
+    # forward wrapper), and again for each cache capacity a process reserves (a multirun's cells): allow far
+    # more than dynamo's default of 8, and make running out an error, not a silent fall back to eager.
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
-    setattr(config, limit, max(getattr(config, limit), 2 * CachedLM.COMPILED_MAX_TOKENS))
+    setattr(config, limit, max(getattr(config, limit), 64 * CachedLM.COMPILED_MAX_TOKENS))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * getattr(config, limit))
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True
     mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
     return functools.partial(unwatched, torch.compile(model, mode=mode, dynamic=False))

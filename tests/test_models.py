@@ -15,7 +15,7 @@ import harness.embedded as embedded
 from harness import models
 from harness.draft_model import build_shared_draft, save_shared_draft
 from harness.errors import HarnessError
-from harness.models import ModelSpec, load_model, load_tokenizer
+from harness.models import CachedLM, ModelSpec, load_model, load_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -119,6 +119,8 @@ def test_the_embedded_cache_is_readable_by_other_users(monkeypatch, tmp_path):
     finally:
         os.umask(old)
     assert out.stat().st_mode & 0o777 == 0o755  # not tempfile's private 0o700
+    files = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert files["model.safetensors"] == 0o644 and set(files.values()) == {0o644}, files  # transformers writes weights 0600
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -184,3 +186,43 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
     set_pair_template(pair.tokenizer, "{{ bos_token }}" + cfg.pair.chat_template)  # a template that writes its own BOS
     assert encode(pair.tokenizer, "Name a prime.", "auto").count(bos) == 1  # not twice
     harness.run._loaded.clear()  # the cached pair's tokenizer was changed here
+
+
+def test_compile_refuses_a_static_cache_with_sliding_window_layers():
+    """transformers' StaticSlidingWindowLayer keeps its length as a Python int, which dynamo guards on:
+    a new graph at every length, then (past the recompile limit) eager steps timed as compiled."""
+    from tests.test_loop import sliding_window_pair
+
+    target, _ = sliding_window_pair(window=8)
+    with pytest.raises(HarnessError, match="has sliding-window layers, whose static cache .* use compile=false"):
+        CachedLM(target, 98, cache="static", compile=True)
+    assert not CachedLM(target, 98, cache="static").compiled  # static without compile stays allowed
+
+
+def test_compiling_makes_running_out_of_graphs_an_error():
+    """Target and draft share one code object (transformers' forward wrapper), and every cache capacity
+    a multirun reserves adds graphs: dynamo's default limit of 8 fell back to eager steps, silently."""
+    from harness.models import _compile
+
+    config = torch._dynamo.config
+    saved = {k: getattr(config, k) for k in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")}
+    try:
+        _compile(make_model(98, seed=1))
+        assert config.recompile_limit >= 64 * CachedLM.COMPILED_MAX_TOKENS and config.fail_on_recompile_limit_hit
+        assert config.accumulated_recompile_limit >= config.recompile_limit
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+def test_a_composite_models_context_comes_from_its_text_config():
+    """Gemma 3 (4B and up) loads as *ForConditionalGeneration, whose top config has no max_position_embeddings."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {"vocab_size": 98, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 4096, "sliding_window": 64}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+              "patch_size": 14}
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    assert getattr(model.config, "max_position_embeddings", None) is None
+    assert CachedLM(model, 98).context == 4096
