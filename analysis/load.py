@@ -134,14 +134,16 @@ def _pointed_dir(pointer_path: Path, pointer: dict) -> Path:
     job's .hydra/hydra.yaml), then to the folders above the pointer (an experiment moved or copied
     since), then to the current folder."""
     cell_dir, given = Path(pointer["cell_dir"]), Path(pointer.get("cell_dir_given") or pointer["cell_dir"])
-    options = [cell_dir] if cell_dir.is_absolute() else []
-    if not given.is_absolute():
-        try:
-            cwd = yaml.safe_load((pointer_path.parent / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["cwd"]
-            options.append(Path(cwd) / given)
-        except (OSError, yaml.YAMLError, KeyError, TypeError):
-            pass
-        options += [folder / given for folder in pointer_path.parents] + [given]
+    try:
+        runtime = yaml.safe_load((pointer_path.parent / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]
+        cwd, ran_in = runtime.get("cwd"), runtime.get("output_dir")
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        cwd = ran_in = None
+    # Moved or copied: the job's folder is no longer where it ran, and the original may still hold another run's cell.
+    moved = ran_in is not None and Path(ran_in).resolve() != pointer_path.parent.resolve()
+    here = [folder / given for folder in pointer_path.parents] if not given.is_absolute() else []
+    there = ([cell_dir] if cell_dir.is_absolute() else []) + ([Path(cwd) / given] if cwd and not given.is_absolute() else [])
+    options = (here + there if moved else there + here) + ([given] if not given.is_absolute() else [])
     return next((p for p in options if (p / "summary.json").exists()), options[0] if options else given)
 
 

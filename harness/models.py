@@ -371,7 +371,7 @@ def _compile(model: PreTrainedModel):
     setattr(config, limit, max(getattr(config, limit), 64 * CachedLM.COMPILED_MAX_TOKENS))
     if hasattr(config, "accumulated_recompile_limit"):
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * getattr(config, limit))
-    if hasattr(config, "fail_on_recompile_limit_hit"):
+    if hasattr(config, "fail_on_recompile_limit_hit") and not config.suppress_errors:  # torch refuses both at once
         config.fail_on_recompile_limit_hit = True
     mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
     return functools.partial(unwatched, torch.compile(model, mode=mode, dynamic=False))

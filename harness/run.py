@@ -347,8 +347,9 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
                         or re.match(r"\s*(choice|range|glob)\(", arg.partition("=")[2]))), None)
     setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.") and not arg.startswith("++")), None)
     if multirun and swept_pairs and setting:  # Hydra applies it before any pair is chosen: "not in struct"
-        print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): write it ++{setting.lstrip('+~')} to set "
-              f"it in every swept pair, or sweep one pair per command", file=sys.stderr)
+        fix = "sweep one pair per command" if setting.startswith("~") else \
+            f"write it ++{setting.lstrip('+')} to set it in every swept pair, or sweep one pair per command"
+        print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): {fix}", file=sys.stderr)
         sys.exit(2)
     words = bare_words(argv)
     if words:

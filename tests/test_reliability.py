@@ -32,6 +32,8 @@ from test_cli import ROOT, harness, tiny_args
          "unknown setting 'pair.draft.length' for +pair=smollm2: use one that takes it, e.g. +pair=smollm2_ngram"),
         (["pair.draft.max_ngram=4"], "pair.draft.max_ngram=4 sets the pair, so choose the pair first"),
         (["-m", "k=1,2", "--cfg", "job"], "error: -m runs the cells and --cfg only prints: give one of them"),
+        (["-m", "+pair=smollm2,llama_7b_68m", "~pair.draft.revision"],
+         "~pair.draft.revision cannot go with a sweep over pairs (+pair=smollm2,llama_7b_68m): sweep one pair per command"),
         (["-m", "+pair=smollm2,llama_7b_68m", "pair.target.id=/m"],
          "pair.target.id=/m cannot go with a sweep over pairs (+pair=smollm2,llama_7b_68m): write it ++pair.target.id=/m"),
         (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),

@@ -546,6 +546,24 @@ def test_a_moved_experiment_is_found_through_the_path_its_job_was_given(tmp_path
     assert list(results.cells["cell"]) == [cell.name] and not any("no summary.json" in n for n in results.notes)
 
 
+def test_a_copied_experiment_reads_its_own_cells_not_the_originals(tmp_path, monkeypatch):
+    """An experiment archived by copy, then the same config rerun in place: the copy's pointers still
+    name the original folder, which now holds the rerun's cell. The copy's own cell comes first."""
+    exp = tmp_path / "exp"
+    cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
+    job = exp / "multirun" / "d" / "t" / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n    output_dir: {job}\n")
+    (job / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=2"], "error": None, "cell": cell.name,
+                                               "cell_dir": str(cell), "cell_dir_given": f"results/{cell.name}"}))
+    shutil.copytree(exp, tmp_path / "archive")
+    shutil.rmtree(cell)
+    write_cell(exp / "results", "a", "model", Fraction(1, 5), 2, 0.05, SLOPE)  # the rerun, in place
+    monkeypatch.chdir(tmp_path)
+    assert list(load(tmp_path / "archive" / "multirun").cells["alpha"]) == [pytest.approx(0.8)]
+    assert list(load(exp / "multirun").cells["alpha"]) == [pytest.approx(0.2)]  # in place: the original's
+
+
 def test_wandb_sweep_loads_into_the_same_frames_as_the_local_tree(sweep):
     local = load(sweep)
     api = FakeApi(fake_runs(sweep))
