@@ -129,10 +129,12 @@ def load_local(root: Path) -> Results:
 
 
 def _pointed_dir(pointer_path: Path, pointer: dict) -> Path:
-    """A pointer's cell folder: its absolute path where that exists; else the path as the job was given
-    it (older pointers hold only that), relative to the folder the job ran in (hydra.runtime.cwd in the
-    job's .hydra/hydra.yaml), then to the folders above the pointer (an experiment moved or copied
-    since), then to the current folder."""
+    """A pointer's cell folder, the first of these that holds a summary.json: its absolute path, the
+    path the job was given (older pointers hold only that) relative to the folder the job ran in
+    (hydra.runtime.cwd in the job's .hydra/hydra.yaml), then relative to the folders above the pointer,
+    then to the current folder. For a job folder no longer where it ran (hydra.runtime.output_dir: an
+    experiment moved or copied since), the folders above the pointer come first: the original place
+    may hold another run's cell by now."""
     cell_dir, given = Path(pointer["cell_dir"]), Path(pointer.get("cell_dir_given") or pointer["cell_dir"])
     try:
         runtime = yaml.safe_load((pointer_path.parent / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]
