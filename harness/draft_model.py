@@ -47,14 +47,19 @@ class SubsetHead(nn.Module):
         return logits
 
 
-def build_shared_draft(target: PreTrainedModel, num_layers: int, head_token_ids: torch.Tensor, init_layers: list[int] | None = None):
-    """A new draft: `num_layers` layers (copied from `init_layers` of the target),
-    the target's embedding table (shared, not copied) and a subset head."""
-    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": num_layers})
+def build_shared_draft(target: PreTrainedModel, num_layers: int, head_token_ids: torch.Tensor, init_layers: list[int] | None = None,
+                       layer_types: list[str] | None = None):
+    """A new draft: `num_layers` layers (copied from `init_layers` of the target; their attention
+    types, full or sliding, from those layers unless `layer_types` says), the target's embedding
+    table (shared, not copied) and a subset head."""
+    init_layers = init_layers if init_layers is not None else list(range(num_layers))
+    settings = {**target.config.to_dict(), "num_hidden_layers": num_layers}
+    if layer_types is not None or settings.get("layer_types"):  # Qwen2/3, Mistral-style configs: one type per layer
+        settings["layer_types"] = list(layer_types) if layer_types is not None else [settings["layer_types"][i] for i in init_layers]
+    config = AutoConfig.for_model(**settings)
     config.quantization_config = None
     del config.quantization_config
     draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
-    init_layers = init_layers if init_layers is not None else list(range(num_layers))
     for mine, theirs in zip(draft.model.layers, init_layers):
         mine.load_state_dict(target.model.layers[theirs].state_dict())
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -75,17 +80,34 @@ def save_shared_draft(draft: PreTrainedModel, out: Path, meta: dict, dtype: torc
     draft.config.save_pretrained(out)
     state = {k: (v if k == "head_token_ids" else v.to(dtype)).contiguous().cpu() for k, v in own_state_dict(draft).items()}
     save_file(state, out / "weights.safetensors")
-    (out / "harness_draft.json").write_text(json.dumps({"format": 1, **meta}, indent=2) + "\n")
+    meta = {"format": 1, **meta, "target_embedding_sample": embedding_sample(draft.get_input_embeddings().weight)}
+    (out / "harness_draft.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-# What a shared draft's layers and head assume of the target they sit on.
+# What a shared draft's layers and head assume of the target they sit on: its shapes, and the settings its
+# layers were trained under (another norm epsilon or rope would run them on other arithmetic).
 SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+SETTING_KEYS = ("head_dim", "hidden_act", "rms_norm_eps", "rope_parameters", "rope_theta", "attention_bias", "mlp_bias")
+SAMPLE_ROWS = (0, 1, 2, 100, 1000)  # a few rows of the embedding table tell one target's weights from another's
+
+
+def embedding_sample(weight: torch.Tensor) -> list[list[float]]:
+    """The first 8 values of a few rows of the target's embedding table: a fingerprint of its weights
+    that survives a change of dtype (compared with a tolerance), unlike a hash of the bytes."""
+    rows = [r for r in SAMPLE_ROWS if r < weight.shape[0]]
+    return weight[rows, :8].detach().float().cpu().tolist()
 
 
 def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(path)
     mismatched = [f"{key} {getattr(config, key, None)} vs {getattr(target.config, key, None)}"
-                  for key in SHAPE_KEYS if getattr(config, key, None) != getattr(target.config, key, None)]
+                  for key in (*SHAPE_KEYS, *SETTING_KEYS) if getattr(config, key, None) != getattr(target.config, key, None)]
+    meta_path = path / "harness_draft.json"
+    sample = json.loads(meta_path.read_text()).get("target_embedding_sample") if meta_path.exists() else None
+    if sample is not None and not mismatched:  # the same shapes and settings, but are these the same weights?
+        here = torch.tensor(embedding_sample(target.get_input_embeddings().weight))
+        if here.shape != torch.Size([len(sample), 8]) or not torch.allclose(here, torch.tensor(sample), rtol=2e-2, atol=1e-3):
+            mismatched.append("the embedding table's values")
     if mismatched:
         raise HarnessError(f"draft '{path}' shares the weights of the target it was made for, and this target differs "
                            f"({', '.join(mismatched)}; draft vs target): pair it with that target (see its harness_draft.json)")
@@ -94,7 +116,8 @@ def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -
                            f"({str(target.dtype).removeprefix('torch.')}): drop pair.draft.dtype, or set the target's dtype instead")
     state = load_file(path / "weights.safetensors")
     head_token_ids = state.pop("head_token_ids")
-    draft = build_shared_draft(target, config.num_hidden_layers, head_token_ids.to(next(target.parameters()).device))
+    draft = build_shared_draft(target, config.num_hidden_layers, head_token_ids.to(next(target.parameters()).device),
+                               layer_types=getattr(config, "layer_types", None))
     missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     assert not unexpected and all(k.startswith(("model.embed_tokens", "lm_head")) for k in missing), (missing, unexpected)
     draft.shares_target_weights = True  # same tokenizer as the target by construction

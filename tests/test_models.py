@@ -54,6 +54,32 @@ def test_a_shared_draft_refuses_a_target_it_was_not_made_for(saved):
         load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=other)
 
 
+def test_a_shared_draft_refuses_a_target_of_the_same_shapes_with_other_weights_or_settings(saved):
+    """Same shapes, other weights (a base model for its instruct one), or another norm epsilon or rope:
+    the draft's layers would run on arithmetic they were not trained for. The same target in bfloat16 loads."""
+    target = load_model(ModelSpec(str(saved / "target")), CPU)
+    twin = make_model(98, seed=7)
+    with pytest.raises(HarnessError, match="this target differs \\(the embedding table's values"):
+        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin)
+    twin.load_state_dict(target.state_dict())
+    twin.config.rms_norm_eps = 0.1
+    with pytest.raises(HarnessError, match="this target differs \\(rms_norm_eps 1e-06 vs 0.1"):
+        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin)
+    bf16 = load_model(ModelSpec(str(saved / "target"), dtype="bfloat16"), CPU)
+    assert load_model(ModelSpec(str(saved / "shared_draft"), dtype="bfloat16"), CPU, "draft", target=bf16) is not None
+
+
+def test_a_shared_draft_of_a_target_with_layer_types_keeps_its_layers_types():
+    """Qwen2-style configs list one attention type per layer: the draft takes those of the layers it copies."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=98, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    target = Qwen2ForCausalLM(config).eval()
+    draft = build_shared_draft(target, 2, torch.arange(98), init_layers=[0, 3])
+    assert draft.config.layer_types == [target.config.layer_types[0], target.config.layer_types[3]]
+
+
 def test_what_cannot_be_loaded_says_why(saved):
     with pytest.raises(HarnessError, match="could not be loaded: Error no file named model.safetensors") as err:
         load_model(ModelSpec(str(saved / "no_weights")), CPU)
