@@ -192,7 +192,7 @@ class AggregateCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.exists():
+        if not sweep_dir.exists() or not collect(sweep_dir):  # no benchmark job recorded a cell (python -m harness.exactness -m)
             return
         rows, table = write_aggregate(sweep_dir)
         print(f"\n{len(rows)} cells in {sweep_dir}\n{table}\nsaved: {sweep_dir / 'aggregate.csv'}, {sweep_dir / 'aggregate.md'}")

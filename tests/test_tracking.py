@@ -258,6 +258,10 @@ def test_modes(monkeypatch, offline, tmp_path, capsys):
     (tmp_path / "wandb-config").mkdir()
     (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = https://wandb.corp.example\n")
     assert tracking.resolve_mode("auto") == "online"  # `wandb login --host=https://wandb.corp.example` saved it there
+    (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = http://localhost:8080\n")
+    assert tracking.resolve_mode("auto") == "offline"
+    (tmp_path / "netrc").write_text("machine localhost:8080 login user password " + "x" * 40 + "\n")
+    assert tracking.resolve_mode("auto") == "online"  # a server on a port: wandb files its key under host:port
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment pins auto (CI)
     assert tracking.resolve_mode("auto") == "disabled" and tracking.resolve_mode("offline") == "offline"
     assert isinstance(tracking.start(composed(["wandb.mode=disabled"]), tmp_path / "c"), tracking.NoTracking)
@@ -552,3 +556,15 @@ def test_a_jobs_pointer_holds_its_cell_as_an_absolute_path(tmp_path, monkeypatch
     callbacks.record_job({"cell": "c1", "cell_dir": "results/c1"})
     pointer = json.loads((job_dir / callbacks.POINTER).read_text())
     assert pointer["cell_dir"] == str((tmp_path / "results" / "c1").resolve()) and pointer["status"] == "finished"
+
+
+def test_a_multirun_without_benchmark_jobs_prints_no_table(tmp_path, capsys):
+    """`python -m harness.exactness -m ...` composes the same config, callback included, and records no cell:
+    no '0 cells' table, no aggregate files."""
+    from harness.callbacks import AggregateCallback
+
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    AggregateCallback().on_multirun_end(config)
+    assert "cells in" not in capsys.readouterr().out and not (sweep / "aggregate.md").exists()
