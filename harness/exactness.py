@@ -63,10 +63,12 @@ on bad input. docs/exactness.md explains how to read it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+import traceback
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -549,6 +551,8 @@ def size_samples(
     for _, ids in prompts:
         law = TargetLaw(target, ids, sampling, eos_ids, length)
         n = samples_for_tv(detect_tv, 1, level)
+        if n > limit:
+            raise HarnessError(f"exactness.detect_tv={detect_tv} needs over {limit} samples per prompt: ask for a larger TV")
         for _ in range(50):
             df = len(Partition.build(law, n, length, min_expected=min_expected_for(n, max_cells)).probs) - 1
             want = samples_for_tv(detect_tv, df, level)
@@ -678,12 +682,21 @@ def chosen_prompts(cfg: DictConfig) -> list[dict]:
 
 
 def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict]) -> list[tuple[str, torch.Tensor]]:
-    """The chosen prompts (chosen_prompts), as `python -m harness` encodes them, cut to fit the context."""
+    """The chosen prompts (chosen_prompts), as `python -m harness` encodes them, within the context left by
+    `length` tokens of continuation: cut (prompts.overlong=truncate) or left out (skip)."""
     from harness.prompts import as_tensor, encode_within
 
     budget = pair.prompt_budget(length)
-    return [(p["id"], as_tensor(encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, "truncate"), pair.device))
-            for p in chosen]
+    if budget < 1:
+        raise HarnessError(f"exactness.length={length} leaves no room for a prompt in the pair's {pair.context}-token context: "
+                           f"lower exactness.length")
+    encoded = [(p["id"], encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong,
+                                       "exactness.length")) for p in chosen]
+    kept = [(pid, as_tensor(ids, pair.device)) for pid, ids in encoded if ids is not None]
+    if not kept:
+        raise HarnessError(f"every chosen prompt is longer than the context budget ({budget} tokens) and prompts.overlong=skip: "
+                           f"lower exactness.length or use prompts.overlong=truncate")
+    return kept
 
 
 def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
@@ -712,14 +725,18 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
         if not quiet:
             print(f"[harness] exactness check already done, not re-run (force=true to redo): {run_dir}", file=sys.stderr)
         return json.loads(report_path.read_text())
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-
-    chosen = chosen_prompts(cfg)  # first: a dataset problem should stop the check before a model loads
-    # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
-    pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"))
-    sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     length = e.length if e.length is not None else cfg.k + 2
-    prompts = encode_prompts(cfg, pair, length, chosen)
+    try:
+        chosen = chosen_prompts(cfg)  # first: a dataset problem should stop the check before a model loads
+        # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
+        pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"))
+        prompts = encode_prompts(cfg, pair, length, chosen)
+    except BaseException:  # a check that cannot start leaves no empty folder (another process's files keep it)
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
+        raise
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # once the check can start
+    sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k)
     pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))  # as run_cell does: the proposals a run makes
 
@@ -745,6 +762,20 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     return report
 
 
+# Exit status: 0 passed, 1 exactness rejected, 2 bad input, 3 the check itself failed (a traceback), 130 interrupted.
+# In a multirun every job runs, and the process exits with the highest status of its jobs.
+EXIT_CODES: list[int] = []
+
+
+def _end(code: int) -> None:
+    """Exit now in a single run; in a multirun, record the code and let the next job run."""
+    from harness.callbacks import in_multirun
+
+    if code and not in_multirun():
+        sys.exit(code)
+    EXIT_CODES.append(code)
+
+
 @hydra.main(config_path="../conf", config_name="exactness_check", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from transformers.utils import logging as hf_logging
@@ -757,11 +788,14 @@ def main(cfg: DictConfig) -> None:
         sys.exit(130)
     except HarnessError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+        return _end(err.exit_code)
+    except Exception:  # a bug or a broken model, not a verdict: exit 1 would read as "not exact"
+        traceback.print_exc()
+        print("error: the check itself failed (traceback above): no verdict", file=sys.stderr)
+        return _end(3)
     print(format_report(report))
     print(json.dumps({k: v for k, v in report.items() if k not in ("prompts", "conditions")}))
-    if not report["passed"]:
-        sys.exit(1)
+    _end(0 if report["passed"] else 1)
 
 
 if __name__ == "__main__":
@@ -769,3 +803,4 @@ if __name__ == "__main__":
 
     check_choices(sys.argv[1:], extra={"exactness": DEFAULTS})
     main()
+    sys.exit(max(EXIT_CODES, default=0))

@@ -67,7 +67,8 @@ def encode(tokenizer, text: str, template: str) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def encode_within(tokenizer, text: str, template: str, budget: int, overlong: str) -> list[int] | None:
+def encode_within(tokenizer, text: str, template: str, budget: int, overlong: str,
+                  length_setting: str = "max_new_tokens") -> list[int] | None:
     """Token ids for a user prompt (as `encode` makes them) within `budget` tokens.
 
     A longer prompt is skipped (None) with overlong=skip. With
@@ -75,7 +76,8 @@ def encode_within(tokenizer, text: str, template: str, budget: int, overlong: st
     benchmarks do: the template (BOS, role headers, generation prompt) and
     both ends of the text (an instruction at the start, a question at the
     end) are kept. The cut is the smallest that fits, found by bisection on
-    the number of characters kept, re-encoding each time.
+    the number of characters kept, re-encoding each time. `length_setting`: the
+    setting that leaves the budget, named in the error when the template alone overflows.
     """
     ids = encode(tokenizer, text, template)
     if len(ids) <= budget:
@@ -84,7 +86,7 @@ def encode_within(tokenizer, text: str, template: str, budget: int, overlong: st
         return None
     fitting = encode(tokenizer, "", template)
     if len(fitting) > budget:
-        raise HarnessError(f"the prompt template alone takes {len(fitting)} tokens, more than the {budget}-token context budget: lower max_new_tokens, or use prompts.template=raw")
+        raise HarnessError(f"the prompt template alone takes {len(fitting)} tokens, more than the {budget}-token context budget: lower {length_setting}, or use prompts.template=raw")
     kept, too_many = 0, len(text)  # keeping `kept` characters fits, keeping `too_many` does not
     while too_many - kept > 1:
         middle = (kept + too_many) // 2

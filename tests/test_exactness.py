@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -754,6 +755,7 @@ def test_cost_aware_lookup_is_checked_with_the_proposals_a_run_makes(tiny_pair, 
     ("exactness.samples=5", "exactness.samples=5 must be an integer >= 20"),
     ("exactness.alpha=2.0", "exactness.alpha=2.0 must be in (0, 1)"),
     ("k=0", "k=0 must be a positive integer"),
+    ("exactness.length=600", "exactness.length=600 leaves no room for a prompt in the pair's 512-token context"),
 ])
 def test_bad_input_is_refused_before_any_work(tiny_pair, tmp_path, override, message):
     with pytest.raises(HarnessError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -770,6 +772,50 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_pair, tmp_path):
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: unknown setting 'exactness.num_promts': did you mean exactness.num_prompts? "
         "exactness has alpha, detect_tv, length, max_cells, num_prompts, samples"]
+
+
+def test_a_multirun_runs_every_job_and_exits_with_the_worst_status(tiny_pair, tmp_path):
+    """k=0 is bad input (2) and k=1 passes: the sweep goes on past the first, and exits 2."""
+    out = exactness_cli("-m", *tiny_args(tiny_pair, tmp_path, "k=0,1", "temperature=1.0", "exactness.samples=50",
+                                         "exactness.num_prompts=1", f"hydra.sweep.dir={tmp_path}/sweep"))
+    assert out.returncode == 2 and "error: k=0 must be a positive integer" in out.stderr and "PASS" in out.stdout, out.stderr
+    assert "cells in" not in out.stdout  # no benchmark table for a sweep of checks
+
+
+def test_a_check_that_crashes_exits_3_not_1(tiny_pair, tmp_path):
+    """Exit 1 means "not exact": a broken model is no verdict."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pair["target"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "vocab_size": "x"}))  # transformers raises a TypeError
+    out = exactness_cli(*tiny_args(tiny_pair, tmp_path, "temperature=1.0", "exactness.samples=50"), f"pair.target.id={broken}")
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" in out.stderr and "error: the check itself failed (traceback above): no verdict" in out.stderr
+
+
+def test_prompts_that_do_not_fit_are_skipped_as_the_benchmark_skips_them(tiny_pair, tmp_path):
+    """prompts.overlong=skip is honoured (the check truncated every prompt), and a budget none fits is one line."""
+    from harness.exactness import encode_prompts
+    from harness.run import load_pair
+
+    cfg = compose_check(tiny_pair, tmp_path, "temperature=1.0", "prompts.overlong=skip")
+    pair = load_pair(cfg.pair, torch.device("cpu"), cfg.cache, cfg.compile, cfg.cpu_linear)
+    prompts = [{"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "word " * 2000}]
+    assert [pid for pid, _ in encode_prompts(cfg, pair, 8, prompts)] == ["short"]
+    with pytest.raises(HarnessError, match="every chosen prompt is longer than the context budget"):
+        encode_prompts(cfg, pair, 8, prompts[1:])
+    cfg.prompts.overlong = "truncate"
+    assert [pid for pid, _ in encode_prompts(cfg, pair, 8, prompts)] == ["short", "long"]
+
+
+def test_the_sample_limit_holds_when_the_first_estimate_suffices(markov):
+    """One cell (top-k 1: greedy in all but name) needs no second estimate: the limit was checked only after one."""
+    from harness.exactness import size_samples
+
+    target, _ = markov
+    with pytest.raises(HarnessError, match="needs over 1000 samples per prompt"):
+        size_samples(target, [("prompt", PROMPT)], sampling=Sampling(1.0, top_k=1), length=4, eos_ids=set(),
+                     detect_tv=0.05, alpha=1e-3, limit=1000)
 
 
 def test_a_dataset_problem_stops_the_check_before_a_model_loads(tmp_path, monkeypatch):
