@@ -188,7 +188,8 @@ class AggregateCallback(Callback):
             pointer = {"job": config.hydra.job.num, "overrides": list(config.hydra.overrides.task), "status": "failed",
                        "error": f"{type(error).__name__}: {error}", "cell": None, "cell_dir": None}
             _write_atomic(output_dir / POINTER, json.dumps(pointer, indent=2) + "\n")
-        write_aggregate(config.hydra.sweep.dir)
+        if collect(config.hydra.sweep.dir):  # none: not a benchmark multirun (python -m harness.exactness -m)
+            write_aggregate(config.hydra.sweep.dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -16,6 +16,7 @@ On disk only what is not shared is stored, in one directory:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -80,7 +81,8 @@ def save_shared_draft(draft: PreTrainedModel, out: Path, meta: dict, dtype: torc
     draft.config.save_pretrained(out)
     state = {k: (v if k == "head_token_ids" else v.to(dtype)).contiguous().cpu() for k, v in own_state_dict(draft).items()}
     save_file(state, out / "weights.safetensors")
-    meta = {"format": 1, **meta, "target_embedding_sample": embedding_sample(draft.get_input_embeddings().weight)}
+    meta = {"format": 1, **meta, "target_embedding_sample": embedding_sample(draft.get_input_embeddings().weight),
+            "target_head_sample": embedding_sample(draft.lm_head.weight)}  # the head's rows the draft keeps
     (out / "harness_draft.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -89,6 +91,23 @@ def save_shared_draft(draft: PreTrainedModel, out: Path, meta: dict, dtype: torc
 SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
 SETTING_KEYS = ("head_dim", "hidden_act", "rms_norm_eps", "rope_parameters", "rope_theta", "attention_bias", "mlp_bias")
 SAMPLE_ROWS = (0, 1, 2, 100, 1000)  # a few rows of the embedding table tell one target's weights from another's
+
+
+def _same(a, b) -> bool:
+    """Config values equal, floats to float32's precision (a GGUF stores rms_norm_eps 1e-6 as 9.99999997e-7)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _sample_matches(sample: list | None, weight: torch.Tensor) -> bool:
+    """Whether `weight` shows the values recorded in `sample` (True when none was recorded: older drafts)."""
+    if sample is None:
+        return True
+    here, there = torch.tensor(embedding_sample(weight)), torch.tensor(sample)
+    return here.shape == there.shape and torch.allclose(here, there, rtol=2e-2, atol=1e-3)
 
 
 def embedding_sample(weight: torch.Tensor) -> list[list[float]]:
@@ -101,13 +120,11 @@ def embedding_sample(weight: torch.Tensor) -> list[list[float]]:
 def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(path)
     mismatched = [f"{key} {getattr(config, key, None)} vs {getattr(target.config, key, None)}"
-                  for key in (*SHAPE_KEYS, *SETTING_KEYS) if getattr(config, key, None) != getattr(target.config, key, None)]
+                  for key in (*SHAPE_KEYS, *SETTING_KEYS) if not _same(getattr(config, key, None), getattr(target.config, key, None))]
     meta_path = path / "harness_draft.json"
-    sample = json.loads(meta_path.read_text()).get("target_embedding_sample") if meta_path.exists() else None
-    if sample is not None and not mismatched:  # the same shapes and settings, but are these the same weights?
-        here = torch.tensor(embedding_sample(target.get_input_embeddings().weight))
-        if here.shape != torch.Size([len(sample), 8]) or not torch.allclose(here, torch.tensor(sample), rtol=2e-2, atol=1e-3):
-            mismatched.append("the embedding table's values")
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if not mismatched and not _sample_matches(meta.get("target_embedding_sample"), target.get_input_embeddings().weight):
+        mismatched.append("the embedding table's values")  # the same shapes and settings, but not the same weights
     if mismatched:
         raise HarnessError(f"draft '{path}' shares the weights of the target it was made for, and this target differs "
                            f"({', '.join(mismatched)}; draft vs target): pair it with that target (see its harness_draft.json)")
@@ -118,6 +135,9 @@ def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -
     head_token_ids = state.pop("head_token_ids")
     draft = build_shared_draft(target, config.num_hidden_layers, head_token_ids.to(next(target.parameters()).device),
                                layer_types=getattr(config, "layer_types", None))
+    if not _sample_matches(meta.get("target_head_sample"), draft.lm_head.weight):  # an untied target's head: its own check
+        raise HarnessError(f"draft '{path}' shares the weights of the target it was made for, and this target's LM head "
+                           f"differs: pair it with that target (see its harness_draft.json)")
     missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     assert not unexpected and all(k.startswith(("model.embed_tokens", "lm_head")) for k in missing), (missing, unexpected)
     draft.shares_target_weights = True  # same tokenizer as the target by construction

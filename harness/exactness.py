@@ -717,7 +717,12 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     e = cfg.exactness
     run_dir = Path(cfg.out_dir) / f"exactness-{cell_key(cfg)}"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir()
+            created = True
+        except FileExistsError:  # a check run before, or one of another process running now
+            created = False
     except OSError as err:
         raise HarnessError(f"cannot write results to {run_dir}: {err.strerror}; set out_dir=<a writable directory>") from None
     report_path = run_dir / "exactness.json"
@@ -731,9 +736,10 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
         # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
         pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"))
         prompts = encode_prompts(cfg, pair, length, chosen)
-    except BaseException:  # a check that cannot start leaves no empty folder (another process's files keep it)
-        with contextlib.suppress(OSError):
-            run_dir.rmdir()
+    except BaseException:  # a check that cannot start leaves no empty folder of its own making
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
         raise
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # once the check can start
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
@@ -768,10 +774,15 @@ EXIT_CODES: list[int] = []
 
 
 def _end(code: int) -> None:
-    """Exit now in a single run; in a multirun, record the code and let the next job run."""
+    """Exit now in a single run, or in a multirun whose jobs run in processes of their own (SLURM's
+    submitit: its launcher sees the failure); in a multirun run in this process, record the code
+    and let the next job run."""
+    from hydra.core.hydra_config import HydraConfig
+
     from harness.callbacks import in_multirun
 
-    if code and not in_multirun():
+    in_process = in_multirun() and HydraConfig.get().launcher._target_.endswith("BasicLauncher")
+    if code and not in_process:
         sys.exit(code)
     EXIT_CODES.append(code)
 

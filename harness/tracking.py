@@ -217,11 +217,10 @@ def has_api_key() -> bool:
         return True
     url = urlsplit(os.environ.get("WANDB_BASE_URL") or _settings_base_url() or "https://api.wandb.ai")
     path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
-    try:  # `wandb login --host http://localhost:8080` files the key under the host with its port, as wandb reads it
-        entries = netrc.netrc(path) if path.is_file() else None
+    try:  # `wandb login --host http://localhost:8080` files the key under the host with its port, where wandb reads it
+        return path.is_file() and netrc.netrc(path).authenticators(url.netloc) is not None
     except (OSError, netrc.NetrcParseError):
         return False
-    return entries is not None and any(entries.authenticators(h) is not None for h in {url.netloc, url.hostname} if h)
 
 
 def _settings_base_url() -> str | None:

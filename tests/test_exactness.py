@@ -779,7 +779,51 @@ def test_a_multirun_runs_every_job_and_exits_with_the_worst_status(tiny_pair, tm
     out = exactness_cli("-m", *tiny_args(tiny_pair, tmp_path, "k=0,1", "temperature=1.0", "exactness.samples=50",
                                          "exactness.num_prompts=1", f"hydra.sweep.dir={tmp_path}/sweep"))
     assert out.returncode == 2 and "error: k=0 must be a positive integer" in out.stderr and "PASS" in out.stdout, out.stderr
-    assert "cells in" not in out.stdout  # no benchmark table for a sweep of checks
+    assert "cells in" not in out.stdout and not (tmp_path / "sweep" / "aggregate.md").exists()  # no benchmark table
+
+
+@pytest.mark.parametrize("launcher, exits", [("hydra._internal.core_plugins.basic_launcher.BasicLauncher", False),
+                                             ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher", True)])
+def test_a_failed_job_exits_where_its_launcher_can_see_it(monkeypatch, launcher, exits):
+    """In-process jobs (the basic launcher) record their status for the end; a submitit job runs in a
+    process of its own, whose exit status is how the launcher learns it failed."""
+    from types import SimpleNamespace
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from harness import callbacks, exactness
+
+    monkeypatch.setattr(callbacks, "in_multirun", lambda: True)
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(launcher=SimpleNamespace(_target_=launcher))))
+    monkeypatch.setattr(exactness, "EXIT_CODES", [])
+    if exits:
+        with pytest.raises(SystemExit) as stop:
+            exactness._end(1)
+        assert stop.value.code == 1
+    else:
+        exactness._end(1)
+        assert exactness.EXIT_CODES == [1]
+
+
+def test_a_check_that_cannot_start_keeps_a_folder_it_did_not_make(tiny_pair, tmp_path, monkeypatch):
+    """Its own empty folder goes; another process's check of the same cell may have made the folder
+    and be loading its models, so that one stays."""
+    from harness import exactness
+
+    seen = []
+
+    def dataset_gone(cfg):
+        seen.extend(tmp_path.glob("exactness-*"))
+        raise HarnessError("dataset gone")
+
+    monkeypatch.setattr(exactness, "chosen_prompts", dataset_gone)
+    with pytest.raises(HarnessError, match="dataset gone"):
+        run_check(compose_check(tiny_pair, tmp_path, "temperature=1.0"), quiet=True)
+    assert len(seen) == 1 and not seen[0].exists()
+    seen[0].mkdir()  # made by another process first
+    with pytest.raises(HarnessError, match="dataset gone"):
+        run_check(compose_check(tiny_pair, tmp_path, "temperature=1.0"), quiet=True)
+    assert seen[0].is_dir()
 
 
 def test_a_check_that_crashes_exits_3_not_1(tiny_pair, tmp_path):

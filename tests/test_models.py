@@ -65,6 +65,12 @@ def test_a_shared_draft_refuses_a_target_of_the_same_shapes_with_other_weights_o
     twin.config.rms_norm_eps = 0.1
     with pytest.raises(HarnessError, match="this target differs \\(rms_norm_eps 1e-06 vs 0.1"):
         load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin)
+    twin.config.rms_norm_eps = 9.999999974752427e-07  # 1e-6 as a GGUF file's float32 holds it: the same arithmetic
+    assert load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin) is not None
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2)  # an untied target whose head is another one's
+    with pytest.raises(HarnessError, match="this target's LM head differs"):
+        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin)
     bf16 = load_model(ModelSpec(str(saved / "target"), dtype="bfloat16"), CPU)
     assert load_model(ModelSpec(str(saved / "shared_draft"), dtype="bfloat16"), CPU, "draft", target=bf16) is not None
 

@@ -260,6 +260,8 @@ def test_modes(monkeypatch, offline, tmp_path, capsys):
     assert tracking.resolve_mode("auto") == "online"  # `wandb login --host=https://wandb.corp.example` saved it there
     (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = http://localhost:8080\n")
     assert tracking.resolve_mode("auto") == "offline"
+    (tmp_path / "netrc").write_text("machine localhost login user password " + "x" * 40 + "\n")
+    assert tracking.resolve_mode("auto") == "offline"  # wandb itself looks up host:port only
     (tmp_path / "netrc").write_text("machine localhost:8080 login user password " + "x" * 40 + "\n")
     assert tracking.resolve_mode("auto") == "online"  # a server on a port: wandb files its key under host:port
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment pins auto (CI)
