@@ -151,9 +151,12 @@ def to_csv(rows: list[dict]) -> str:
 
 
 def write_aggregate(sweep_dir: str | Path) -> tuple[list[dict], str]:
-    """Collect the sweep's cells and write aggregate.csv and aggregate.md; returns (rows, markdown)."""
+    """Collect the sweep's cells and write aggregate.csv and aggregate.md; returns (rows, markdown).
+    No rows, no files: a multirun without benchmark jobs (python -m harness.exactness -m)."""
     sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
+    if not rows:
+        return rows, ""
     table = to_markdown(rows)
     _write_atomic(sweep_dir / "aggregate.csv", to_csv(rows))
     _write_atomic(sweep_dir / "aggregate.md", table + "\n")
@@ -188,14 +191,15 @@ class AggregateCallback(Callback):
             pointer = {"job": config.hydra.job.num, "overrides": list(config.hydra.overrides.task), "status": "failed",
                        "error": f"{type(error).__name__}: {error}", "cell": None, "cell_dir": None}
             _write_atomic(output_dir / POINTER, json.dumps(pointer, indent=2) + "\n")
-        if collect(config.hydra.sweep.dir):  # none: not a benchmark multirun (python -m harness.exactness -m)
-            write_aggregate(config.hydra.sweep.dir)
+        write_aggregate(config.hydra.sweep.dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.exists() or not collect(sweep_dir):  # no benchmark job recorded a cell (python -m harness.exactness -m)
+        if not sweep_dir.exists():
             return
         rows, table = write_aggregate(sweep_dir)
+        if not rows:  # no benchmark job recorded a cell
+            return
         print(f"\n{len(rows)} cells in {sweep_dir}\n{table}\nsaved: {sweep_dir / 'aggregate.csv'}, {sweep_dir / 'aggregate.md'}")
         failed = [r for r in rows if r["status"] != "finished"]
         if failed:

@@ -66,7 +66,11 @@ def load_prompts(dataset_cfg) -> list[dict]:
             rows, columns = _load_hub(cfg)
         else:
             raise HarnessError(f"dataset.source={cfg.source} is not a source: use builtin, hub or local")
-        prompts = _to_prompts(cfg, rows, columns)
+        try:
+            prompts = _to_prompts(cfg, rows, columns)
+        except UnicodeDecodeError as err:  # pyarrow reads a jsonl's bytes unchecked; its strings decode per row, there
+            raise HarnessError(f"{cfg.name}: a row holds text that is not UTF-8 ({err.reason} at byte {err.start}): "
+                               f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
     wanted = cfg.get("num_prompts")
     if wanted is not None and wanted > len(prompts):
@@ -350,20 +354,11 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
     if not text_fields and not template:
         raise HarnessError(f"dataset={cfg.name} names no text: set dataset.text_field=<field> or dataset.template='...{{field}}...'")
     id_field, category_field = cfg.get("id_field"), cfg.get("category_field")
+    fixed_category = cfg.get("category") or cfg.name
     needed = list(dict.fromkeys(text_fields + _template_fields(cfg) + [f for f in (category_field, id_field) if f]))
     if columns is not None:
         _check_fields(cfg, needed, columns)
 
-    try:
-        return _rows_to_prompts(cfg, rows, columns, text_fields, template, needed)
-    except UnicodeDecodeError as err:  # pyarrow reads a jsonl's bytes unchecked; its strings decode per row, here
-        raise HarnessError(f"{cfg.name}: a row holds text that is not UTF-8 ({err.reason} at byte {err.start}): "
-                           f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-
-
-def _rows_to_prompts(cfg, rows, columns, text_fields, template, needed) -> list[dict]:
-    id_field, category_field = cfg.get("id_field"), cfg.get("category_field")
-    fixed_category = cfg.get("category") or cfg.name
     prompts, seen, read, empty = [], set(), 0, 0
     for index, row in enumerate(rows):
         read += 1
