@@ -69,7 +69,7 @@ NOT_CELLS = ("exactness", "report")
 # A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
 CELL_CONFIDENCE = 0.95
 # A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
-LOCAL_LOOKING = re.compile(r"^[./~]|(^|/)(\d{4}-\d{2}-\d{2}|\d{2}-\d{2}-\d{2})(/|$)")
+LOCAL_LOOKING = re.compile(r"^[./~]|(^|/)(\d{4}-\d{2}-\d{2}|\d{2}-\d{2}-\d{2}(\.\d{6})?)(/|$)")
 
 
 @dataclass

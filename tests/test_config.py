@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,19 @@ def test_every_pair_composes(pair):
     assert cfg.pair.name == pair
     assert cfg.pair.target.id and cfg.pair.draft.kind in ("model", "ngram")
     assert cell_key(cfg).startswith(pair)
+
+
+def test_commands_started_in_the_same_second_get_folders_of_their_own():
+    """One `python -m harness -m ...` per GPU, started by a loop: a shared sweep folder would mix their
+    job folders and aggregate tables (each multirun clears the pointers it finds there)."""
+    folders = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for _ in range(2):
+            hydra = compose(config_name="config", return_hydra_config=True).hydra
+            folders.append((hydra.sweep.dir, hydra.run.dir))
+            time.sleep(0.002)
+    assert folders[0][0] != folders[1][0] and folders[0][1] != folders[1][1]
+    assert re.fullmatch(r"multirun/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}\.\d{6}", folders[0][0])
 
 
 def test_published_pairs_name_real_hub_ids():

@@ -1050,7 +1050,7 @@ def test_weights_of_one_context_leave_the_others_on_equal_weights(tmp_path):
 def test_a_mistyped_local_path_is_not_taken_for_wandb(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "results").mkdir()
-    for path in ("multirun/2026-11-29/12-00-0", "./multirun/x", "results/typo", str(tmp_path / "resluts")):
+    for path in ("multirun/2026-11-29/12-00-0", "12-00-00.123456", "./multirun/x", "results/typo", str(tmp_path / "resluts")):
         assert report.main([path]) == 2
         assert capsys.readouterr().err == f"error: no such results directory: {path}\n"
     with pytest.raises(HarnessError, match="no finished benchmark run in W&B"):  # still a W&B path
