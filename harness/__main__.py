@@ -8,6 +8,7 @@ leaves the finished prompts on disk and exits 130; re-running resumes.
 
 import json
 import sys
+from pathlib import Path
 
 import hydra
 import torch
@@ -39,6 +40,7 @@ def main(cfg: DictConfig) -> float:
         message = str(err).splitlines()[0] if isinstance(err, HarnessError) else f"out of memory: {str(err).splitlines()[0]}"
         print(f"error: {message}", file=sys.stderr)
         record_job(error=message)
+        _record_failure(cfg, message)
         exit_code = getattr(err, "exit_code", 1)
         del err
         if torch.cuda.is_available():
@@ -47,6 +49,7 @@ def main(cfg: DictConfig) -> float:
             return float("nan")
         sys.exit(exit_code)
     except Exception as err:
+        _record_failure(cfg, f"{type(err).__name__}: {err}")
         if not in_multirun():
             raise  # a bug, not a user mistake: keep the traceback
         # One failing cell (a model that will not load, a runtime error) must not end the sweep.
@@ -68,6 +71,19 @@ def _cell_of(cfg: DictConfig) -> dict:
     except Exception:  # a config that did not get as far as a cell
         return {}
     return {"cell": path.name, "cell_dir": str(path)}
+
+
+def _record_failure(cfg: DictConfig, error: str) -> None:
+    """Under `wandb agent`, a W&B run that says why the cell failed, if it failed before opening one."""
+    from harness import tracking
+    from harness.run import with_default_pair
+
+    try:
+        cfg = with_default_pair(cfg)
+    except Exception:  # the pair is what failed: the run gets the config as given
+        pass
+    cell_dir = _cell_of(cfg).get("cell_dir") or Path(str(cfg.get("out_dir") or "results")) / "failed-cell"
+    tracking.record_failure(cfg, cell_dir, error.splitlines()[0] if error else error)
 
 
 if __name__ == "__main__":

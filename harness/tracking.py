@@ -77,6 +77,7 @@ class NoTracking:
 
 
 _active: WandbTracker | None = None  # the run this process has open (one at a time)
+_tried = False  # this process has tried to open a run (W&B on): record_failure then adds none
 _online_failed = False  # an online init failed: this process's later cells go straight to offline
 
 
@@ -125,7 +126,9 @@ class WandbTracker:
             self.run.summary.update({**summary, **flat_metrics(summary), "status": status})
             if "conditions" in summary:
                 self.run.config.update({"conditions": summary["conditions"]}, allow_val_change=True)
-            self.run.log_artifact(results_artifact(self.cell_dir, summary, status))
+            artifact = results_artifact(self.cell_dir, summary, status)
+            if artifact is not None:
+                self.run.log_artifact(artifact)
         except Exception as err:  # noqa: BLE001
             _warn(f"could not log the results of {self.cell_dir.name} ({_first_line(err)}); they are in {self.cell_dir}")
         try:
@@ -148,13 +151,14 @@ class WandbTracker:
 def start(cfg: DictConfig, cell_dir: str | Path, job_type: str | None = None) -> WandbTracker | NoTracking:
     """Open the W&B run of one cell (or a no-op tracker when W&B is off or fails).
     `job_type` overrides wandb.job_type (the exactness check logs as "exactness")."""
-    global _active, _online_failed
+    global _active, _online_failed, _tried
     cell_dir = Path(cell_dir)
     if _active is not None:  # the previous cell raised and the launcher went on to this one
         _active.finish({}, [], status="failed")
     mode = resolve_mode(cfg.wandb.mode)
     if mode == "disabled":
         return NoTracking()
+    _tried = True
     w, sweep = cfg.wandb, bool(os.environ.get("WANDB_SWEEP_ID"))
     run_dir = Path(w.dir) if w.dir else cell_dir.parent
     kwargs = dict(
@@ -194,6 +198,21 @@ def start(cfg: DictConfig, cell_dir: str | Path, job_type: str | None = None) ->
     print(f"[harness] W&B {mode} run {run.name}: {where}", file=sys.stderr)
     _active = WandbTracker(run, cell_dir)
     return _active
+
+
+def record_failure(cfg: DictConfig, cell_dir: str | Path, error: str) -> None:
+    """Under `wandb agent`: a cell that failed before its W&B run opened (a dataset or a model that would
+    not load, a setting refused) still gets its run, finished as failed with the error. Otherwise the
+    sweep's run never exists and its dashboard shows nothing of why. Nothing outside a W&B sweep, or once
+    this process has tried to open a run."""
+    if not os.environ.get("WANDB_SWEEP_ID") or _tried:
+        return
+    try:
+        tracker = start(cfg, cell_dir)
+    except Exception as err:  # noqa: BLE001 - the W&B settings may be what failed
+        _warn(f"no run for the failed cell ({_first_line(err)})")
+        return
+    tracker.finish({"error": error}, [], status="failed")
 
 
 def resolve_mode(mode: str) -> str:
@@ -321,14 +340,17 @@ def exactness_media(report: dict) -> dict:
 
 
 def results_artifact(cell_dir: Path, summary: dict, status: str):
-    """The cell's own files (prompts.jsonl, summary.json or exactness.json, config.yaml) as one artifact."""
+    """The cell's own files (prompts.jsonl, summary.json or exactness.json, config.yaml) as one artifact;
+    None when it has none (a cell that failed before it started)."""
     import wandb
 
+    files = [cell_dir / f for f in ("prompts.jsonl", "summary.json", "exactness.json", "config.yaml") if (cell_dir / f).exists()]
+    if not files:
+        return None
     name = re.sub(r"[^\w.-]", "_", f"cell-{cell_dir.name}")[:128]
     artifact = wandb.Artifact(name, type="cell-results", metadata={"status": status, "cell_dir": str(cell_dir)})
-    for file in ("prompts.jsonl", "summary.json", "exactness.json", "config.yaml"):
-        if (cell_dir / file).exists():
-            artifact.add_file(str(cell_dir / file))
+    for file in files:
+        artifact.add_file(str(file))
     return artifact
 
 

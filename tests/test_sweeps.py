@@ -156,3 +156,57 @@ def test_an_agent_run_of_a_complete_cell_logs_the_stored_results(monkeypatch, tm
     monkeypatch.delenv("WANDB_SWEEP_ID")  # outside a sweep a complete cell makes no run
     run_cell(cfg, out_dir=tmp_path / "results", quiet=True)
     assert len(list((tmp_path / "results" / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_an_agent_run_whose_cell_fails_before_it_starts_still_reports_the_failure(tiny_pair, tmp_path):
+    """Under `wandb agent`, a cell that stops before its run opens (here a prompt file that is not there)
+    gets a run all the same, failed, with the error line, so that the sweep's dashboard says why."""
+    import os
+    import subprocess
+    import sys
+
+    from test_tracking import runs_in
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {
+        "WANDB_SWEEP_ID": "sweep0", "WANDB_RUN_ID": "run7", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
+        **{name: str(tmp_path / name) for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_DIR")}}
+    missing = tmp_path / "questions.jsonl"
+    args = ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
+            "dataset=local", f"dataset.path={missing}", f"out_dir={tmp_path / 'results'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    (run,) = runs_in(tmp_path / "results" / "wandb")
+    assert (run["run"].sweep_id, run["run"].run_id) == ("sweep0", "run7")
+    assert run["summary"]["status"] == "failed" and run["summary"]["error"] == error.removeprefix("error: ")
+    assert run["exit_code"] == 1 and run["artifacts"] == []  # the cell wrote nothing to keep
+    assert not list((tmp_path / "results").glob("llama_7b_68m*"))  # nor left an empty cell folder
+
+    env.pop("WANDB_SWEEP_ID")  # outside a sweep, the console and the aggregate table say it: no run
+    subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert len(runs_in(tmp_path / "results" / "wandb")) == 1
+
+
+def test_a_cell_whose_run_opened_gets_no_second_run_for_its_failure(monkeypatch, tmp_path):
+    import wandb
+    from test_tracking import runs_in
+
+    from harness import tracking
+
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name))
+    monkeypatch.setenv("WANDB_SWEEP_ID", "sweep0")
+    monkeypatch.setenv("WANDB_RUN_ID", "run3")
+    monkeypatch.setattr(tracking, "_tried", False)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = with_default_pair(compose(config_name="config", overrides=["wandb.mode=offline"]))
+    cell_dir = tmp_path / "results" / cell_key(cfg)
+    wandb.teardown()
+    try:
+        with pytest.raises(RuntimeError), tracking.start(cfg, cell_dir):  # the run opens, then the cell fails
+            raise RuntimeError("mid-cell")
+        tracking.record_failure(cfg, cell_dir, "RuntimeError: mid-cell")
+    finally:
+        wandb.teardown()
+    (run,) = runs_in(tmp_path / "results" / "wandb")
+    assert run["summary"]["status"] == "failed" and "error" not in run["summary"]
