@@ -93,12 +93,14 @@ def check_weights(weights: dict | None, measured: list[str] | None = None) -> di
     return weights
 
 
-def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str, float], list[str]]:
-    """Normalised weights over the categories present, and notes on what was dropped. Weights that
-    fall on none of them (they are another context's categories) give equal weights, with a note."""
+def resolve_weights(weights: dict | None, present: list[str], unpaired: set[str] | frozenset = frozenset()
+                    ) -> tuple[dict[str, float], list[str], dict[str, float]]:
+    """Normalised weights over the categories present, notes on what was dropped, and the dropped weighted
+    categories with their share of the weight. `unpaired`: categories some candidates ran but not all (not
+    in the comparison). Weights that fall on none of the present ones (another context's) give equal weights."""
     equal = {g: 1 / len(present) for g in present}
     if not weights:
-        return equal, ["no traffic weights given: every category weighs the same"]
+        return equal, ["no traffic weights given: every category weighs the same"], {}
     weights = check_weights(weights)
     notes = []
     missing = {g: w for g, w in weights.items() if g not in present and w > 0}
@@ -106,20 +108,24 @@ def resolve_weights(weights: dict | None, present: list[str]) -> tuple[dict[str,
     covered = sum(w for g, w in weights.items() if g in present)
     if covered <= 0:
         return equal, [f"the traffic weights name {', '.join(sorted(weights))}, none of which is measured here: "
-                       f"every category ({', '.join(present)}) weighs the same"]
-    if missing:
-        share = 100 * sum(missing.values()) / sum(weights.values())
-        notes.append(f"no measurements for {', '.join(sorted(missing))} ({share:.0f}% of the traffic weight): "
-                     f"the mix is renormalised over the measured categories")
+                       f"every category ({', '.join(present)}) weighs the same"], {}
+    shares = {g: w / sum(weights.values()) for g, w in missing.items()}
+    for why, names in (("not run by every candidate, so not in the paired comparison", [g for g in missing if g in unpaired]),
+                       ("no measurements", [g for g in missing if g not in unpaired])):
+        if names:
+            notes.append(f"{why}: {', '.join(sorted(names))} ({100 * sum(shares[g] for g in names):.0f}% of the traffic "
+                         f"weight); the mix is renormalised over the compared categories")
     if unweighted:
         notes.append(f"not in the mix (no weight): {', '.join(unweighted)}")
-    return {g: weights.get(g, 0.0) / covered for g in present}, notes
+    return {g: weights.get(g, 0.0) / covered for g in present}, notes, shares
 
 
-def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list[str]]:
+def build_table(cells: pd.DataFrame, prompts: pd.DataFrame, weights: dict | None = None) -> tuple[Table, list[str], set[str]]:
     """Align one context's candidates on the prompts they all ran (leaving out those that ran
     fewer than MIN_COVERAGE of the median candidate's prompts on every dataset they ran: one cell
-    that ran more prompts than the rest must not push the others out)."""
+    that ran more prompts than the rest must not push the others out; and those that ran no prompt
+    of a weighted category other candidates ran: pairing would drop it for all). Returns the table,
+    notes, and the categories some candidates ran but the pairing left out."""
     notes = []
     chosen = []
     for (label, k, dataset), group in cells.groupby(["label", "k", "dataset"], sort=True):
@@ -140,6 +146,14 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list
                      + ", ".join(f"{label} k={k} ({sum(coverage[(label, k)].values())} prompts)" for label, k in short))
         candidates = [c for c in candidates if c not in short]
         per_candidate = {c: per_candidate[c] for c in candidates}
+    ran = {c: set(df["category"].astype(str)) for c, df in per_candidate.items()}
+    needed = {g for g, w in (weights or {}).items() if w > 0} & set().union(*ran.values())
+    lacking = [c for c in candidates if needed - ran[c]]
+    if lacking and len(lacking) < len(candidates):  # else no candidate ran them all: the pairing note says what goes
+        notes.append("left out, no prompts in a weighted category other candidates ran: " + ", ".join(
+            f"{label} k={k} (no {', '.join(sorted(needed - ran[(label, k)]))})" for label, k in lacking))
+        candidates = [c for c in candidates if c not in lacking]
+        per_candidate = {c: per_candidate[c] for c in candidates}
     union = set().union(*(set(df.index) for df in per_candidate.values()))
     common = sorted(set.intersection(*(set(df.index) for df in per_candidate.values())))
     if not common:  # no prompt all ran: keep the most candidates that share prompts
@@ -159,7 +173,8 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame) -> tuple[Table, list
     kinds = [cells[(cells["label"] == c[0])]["draft_kind"].iloc[0] for c in candidates]
     table = Table(candidates, kinds, common, first["category"].astype(str).tolist(), stack("spec_new_tokens"),
                   stack("spec_time_s"), stack("base_new_tokens"), stack("base_time_s"))
-    return table, notes
+    unpaired = set().union(*(set(df["category"].astype(str)) for df in per_candidate.values())) - set(table.categories)
+    return table, notes, unpaired
 
 
 def _most_shared(per_candidate: dict) -> tuple[set, list]:
@@ -287,9 +302,9 @@ def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float)
 
 def decide_context(context: dict, cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame | None,
                    weights: dict | None, confidence: float, n_resamples: int, seed: int, notes: list[str]) -> dict:
-    table, table_notes = build_table(cells, prompts)
+    table, table_notes, unpaired = build_table(cells, prompts, weights)
     names = sorted(set(table.categories))
-    w, weight_notes = resolve_weights(weights, names)
+    w, weight_notes, left_out = resolve_weights(weights, names, unpaired)
     w_vec = np.array([w[g] for g in names])
     counts = resample_counts(table.categories, n_resamples, seed)
     per_cat, mix = speedups(category_sums(table, counts, names), w_vec)
@@ -324,6 +339,9 @@ def decide_context(context: dict, cells: pd.DataFrame, prompts: pd.DataFrame, fi
         per_category[g] = _choose(candidates, per_cat[:, :, j], per_prompt, cats == g, stat, confidence)
         per_category[g]["prompts"] = int((cats == g).sum())
 
+    if left_out:  # the verdict is for a mix without these: say so where it is read
+        mix_choice["verdict"] += (f" Decided without {', '.join(sorted(left_out))} ({100 * sum(left_out.values()):.0f}% of "
+                                  f"the traffic weight): see the notes.")
     decision = {
         **context,
         "prompts": len(table.prompt_keys),
@@ -454,7 +472,7 @@ def what_would_change(decision: dict, table: Table, names: list[str], w: np.ndar
         rows = fits[(fits["label"] == label) & (fits[CONTEXT_KEYS] == [decision[k] for k in CONTEXT_KEYS]).all(axis=1)]
         for _, f in rows.iterrows():
             measured = {int(k) for k in f["ks"].split()}
-            if f["best_k"] and f["best_k"] not in measured:
+            if f["best_k"] and f["best_k"] not in measured and f["predicted_best"] > 1:  # one that would lose changes nothing
                 out.append(f"Unmeasured k ({f['dataset']}): the fit puts {label}'s best k at {f['best_k']} "
                            f"(predicted {f['predicted_best']:.3f}×, measured k: {f['ks']}); run k={f['best_k']} to confirm.")
             where = f"Costs (fitted model, {f['dataset']}): {label}"

@@ -401,9 +401,11 @@ def test_mix_speedup_is_baseline_time_over_speculative_time():
 
 
 def test_traffic_weights_are_normalised_over_measured_categories():
-    w, notes = decide_mod.resolve_weights({"chat": 2, "code": 1, "math": 1}, ["chat", "code", "qa"])
-    assert w == pytest.approx({"chat": 2 / 3, "code": 1 / 3, "qa": 0.0})
-    assert any("math" in n and "25%" in n for n in notes) and any("qa" in n for n in notes)
+    w, notes, left_out = decide_mod.resolve_weights({"chat": 2, "code": 1, "math": 1}, ["chat", "code", "qa"])
+    assert w == pytest.approx({"chat": 2 / 3, "code": 1 / 3, "qa": 0.0}) and left_out == {"math": 0.25}
+    assert any(n.startswith("no measurements: math (25%") for n in notes) and any("qa" in n for n in notes)
+    _, notes, _ = decide_mod.resolve_weights({"chat": 2, "code": 1, "math": 1}, ["chat", "code"], unpaired={"math"})
+    assert any(n.startswith("not run by every candidate, so not in the paired comparison: math (25%") for n in notes)
     assert decide_mod.resolve_weights({}, ["a", "b"])[0] == {"a": 0.5, "b": 0.5}
     with pytest.raises(HarnessError, match="no traffic weight"):  # in no context at all: a typo
         decide_mod.check_weights({"math": 1}, ["chat"])
@@ -1173,3 +1175,53 @@ def test_a_draft_that_ran_one_dataset_of_two_is_compared_not_left_out(tmp_path):
     assert d["prompts"] == 12 and not any("left out" in n for n in d["notes"])
     assert any("paired on the 12 all ran" in n for n in d["notes"])
     assert d["mix"]["ship"] == "b"
+
+
+def test_a_candidate_without_a_weighted_category_is_left_out_not_the_category(tmp_path):
+    """Pairing on the prompts every candidate ran would drop code for all when b ran only chat: the
+    verdict for a 70%-code mix would then come from chat alone. b is left out instead; where every
+    candidate lacks a weighted category some other ran, the verdict says what it was decided without."""
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, 0.02)
+    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, 0.02, categories=("chat",), seed=1)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.3, "code": 0.7}, n_resamples=100)
+    assert d["categories"] == {"chat": 6, "code": 6} and d["weights"] == pytest.approx({"chat": 0.3, "code": 0.7})
+    assert [c["label"] for c in d["candidates"]] == ["a"] and d["mix"]["best"]["label"] == "a"
+    assert any(n == "left out, no prompts in a weighted category other candidates ran: b k=2 (no code)" for n in d["notes"])
+    assert "Decided without" not in d["mix"]["verdict"]
+
+    write_cell(tmp_path, "c", "model", Fraction(4, 5), 2, 0.05, 0.02, categories=("chat", "math"), seed=2)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.3, "code": 0.5, "math": 0.2}, n_resamples=100)
+    assert d["categories"] == {"chat": 6}  # a lacks math, b and c code: no candidate can be kept for all
+    assert d["mix"]["verdict"].endswith("Decided without code, math (70% of the traffic weight): see the notes.")
+    assert any(n.startswith("not run by every candidate, so not in the paired comparison: code, math (70%") for n in d["notes"])
+
+
+def test_a_draft_sized_from_its_config_counts_its_own_dtype(tmp_path):
+    """Without sizes recorded by the run (older results, W&B), bytes come from the parameter count at the
+    draft's dtype: a float32 draft beside a bfloat16 target takes 4 bytes a parameter, not 2."""
+    from analysis.load import RawCell, cell_row
+
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+                                                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}))
+    summary = {"k": 2, "costs": {"cost_ratio": 0.1, "verify_cost": [1, 1, 1]}, "conditions": GPU, "alpha": 0.5,
+               "accept_hist": [1, 1, 1], "cycles": 3, "speedup": 1.2}
+    for dtype, itemsize in (("float32", 4), (None, 2), ("auto", 2)):
+        draft = {"kind": "model", "id": str(folder), **({"dtype": dtype} if dtype else {})}
+        row = cell_row(RawCell({"pair": {"name": "p", "target": {"id": "t"}, "draft": draft}, "dataset": {"name": "d"}}, summary, None, "x"))
+        assert row["draft_size_source"] == "config" and row["draft_params"] > 0
+        assert row["draft_bytes"] == itemsize * row["draft_params"], dtype
+
+
+def test_no_unmeasured_k_is_suggested_where_the_fit_predicts_a_loss(tmp_path):
+    """'run k=... to confirm' only where the fit's best k would beat the baseline."""
+    write_cell(tmp_path / "slow", "a", "model", Fraction(1, 5), 2, 0.5, 0.3)
+    write_cell(tmp_path / "fast", "a", "model", Fraction(4, 5), 1, 0.05, 0.02)
+    for name, expected in (("slow", False), ("fast", True)):
+        results = load(tmp_path / name)
+        fits, _ = fit_mod.fit(results.cells, results.prompts, 0.95, 200, 0)
+        (d,) = decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=200)
+        assert any(line.startswith("Unmeasured k") for line in d["mix"]["what_would_change"]) is expected, name
