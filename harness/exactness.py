@@ -296,30 +296,34 @@ class Partition:
             part.labels.append((prefix, kind))
             return len(probs) - 1
 
-        def expand(prefix: tuple[int, ...], mass: float) -> None:
-            nonlocal pool, pool_mass
+        # Depth first, most likely child first, each node's remainder after its children. An explicit
+        # stack, not recursion: a near-deterministic law expands one node per token, past Python's limit.
+        stack: list[tuple[tuple[int, ...], float, bool]] = [(root, 1.0, False)]  # (prefix, mass, is its remainder)
+        while stack:
+            prefix, mass, is_rest = stack.pop()
+            if is_rest:  # the node's children are done: its remainder gets its cell now
+                rest_mass = mass
+                if n * rest_mass >= min_expected:
+                    part._rest[prefix] = new_cell(rest_mass, prefix, "other")
+                else:
+                    if pool < 0:
+                        pool = new_cell(0.0, (), "pool")
+                    probs[pool] += rest_mass
+                    pool_mass += rest_mass
+                    part._rest[prefix] = pool
+                continue
             if len(prefix) - len(root) >= depth or law.terminal(prefix):
                 part._leaf[prefix] = new_cell(mass, prefix, "seq")
-                return
+                continue
             row = law.row(prefix)  # [V]
             big = np.flatnonzero(n * mass * row >= min_expected)
             big = big[np.argsort(-row[big], kind="stable")]  # most likely first: a deterministic order
             part._split[prefix] = set(big.tolist())
-            for t in big.tolist():
-                expand(prefix + (t,), mass * float(row[t]))
             rest = np.ones_like(row, dtype=bool)
             rest[big] = False
-            rest_mass = mass * float(row[rest].sum())  # summed directly: exact even when tiny
-            if n * rest_mass >= min_expected:
-                part._rest[prefix] = new_cell(rest_mass, prefix, "other")
-            else:
-                if pool < 0:
-                    pool = new_cell(0.0, (), "pool")
-                probs[pool] += rest_mass
-                pool_mass += rest_mass
-                part._rest[prefix] = pool
+            stack.append((prefix, mass * float(row[rest].sum()), True))  # summed directly: exact even when tiny
+            stack.extend((prefix + (t,), mass * float(row[t]), False) for t in reversed(big.tolist()))
 
-        expand(root, 1.0)
         part.probs = np.array(probs)
         if pool >= 0 and len(probs) > 1 and n * pool_mass < min_expected:
             others = [c for c in range(len(probs)) if c != pool]

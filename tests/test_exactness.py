@@ -450,6 +450,23 @@ def test_partition_merges_a_small_pool():
     assert len(merged) == 1 and part.labels[merged[0]][0] != () and merged[0] < len(part.probs) - 1
 
 
+def test_partition_of_a_long_near_deterministic_continuation():
+    """exactness.length far past Python's recursion limit: a law that almost always repeats one token
+    expands one node per position, 1500 deep. The partition still covers the law."""
+
+    class Repeating:  # the law's two methods Partition reads
+        def row(self, prefix):
+            return np.array([1 - 1e-5, 0.5e-5, 0.5e-5])
+
+        def terminal(self, prefix):
+            return len(prefix) >= 1500
+
+    part = Partition.build(Repeating(), 10_000, 1500)
+    assert part.labels[0] == ((0,) * 1500, "seq") and part.probs[0] == pytest.approx((1 - 1e-5) ** 1500)
+    assert part.labels[1] == ((), "pool") and part.probs.sum() == pytest.approx(1.0)
+    assert part.cell((0,) * 1500) == 0 and part.cell((0, 1)) == part.cell((0,) * 700 + (2,)) == 1
+
+
 def test_power_and_sizing_agree_with_the_noncentral_chi_square():
     from scipy import stats
 
