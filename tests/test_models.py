@@ -263,3 +263,29 @@ def test_a_composite_models_context_comes_from_its_text_config():
     model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
     assert getattr(model.config, "max_position_embeddings", None) is None
     assert CachedLM(model, 98).context == 4096
+
+
+def test_a_draft_that_scores_fewer_tokens_than_the_target_is_refused(tiny_pair, tmp_path):
+    """Same tokenizer, but a head (and embedding) two rows short: cutting the target's range to the
+    draft's would silently change the target's own output; a draft padded wider is fine."""
+    from hydra import compose, initialize_config_dir
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from harness.errors import HarnessError
+    from harness.run import CONF_DIR, load_pair
+
+    tokenizer_files = AutoTokenizer.from_pretrained(tiny_pair["target"])
+    vocab = AutoConfig.from_pretrained(tiny_pair["target"]).vocab_size
+    for name, rows in (("short", vocab - 2), ("padded", vocab + 30)):
+        folder = tmp_path / name
+        make_model(rows, seed=3).save_pretrained(folder)
+        tokenizer_files.save_pretrained(folder)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}",
+                                                           f"pair.draft.id={folder}"])
+        if name == "short":
+            with pytest.raises(HarnessError, match=rf"scores {rows} tokens but the target can produce {vocab}"):
+                load_pair(cfg.pair, torch.device("cpu"), linear="torch")
+        else:
+            assert load_pair(cfg.pair, torch.device("cpu"), linear="torch").target.vocab_size == vocab
