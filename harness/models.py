@@ -348,7 +348,7 @@ class CachedLM:
                                    f"from {self.length} to {length} tokens restores: only what the last forward passes fed can be dropped")
             self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove; static: moves the position
             self.length = length
-        elif self.trims:
+        elif self.trims and self.length > 0:  # an empty cache (a one-token prompt's draft) has no layer to trim
             self.cache.crop(0)  # nothing rejected: sliding-window layers drop what left the window
 
 

@@ -120,6 +120,17 @@ def test_sliding_window_models_roll_back_past_the_window(k):
     assert rejected
 
 
+@pytest.mark.parametrize("max_new_tokens", [1, 2])
+def test_a_one_token_prompt_with_a_sliding_window_draft(max_new_tokens):
+    """The draft prefills nothing (all but the last prompt token), and with one token to make drafts
+    nothing either: its rollback then finds an empty cache, with no sliding layer to trim."""
+    target, draft = sliding_window_pair(window=8)
+    prompt = torch.tensor([5])
+    cycles = list(speculative_decode(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), prompt, 4, GREEDY,
+                                     max_new_tokens, set(), torch.Generator().manual_seed(0)))
+    assert [t for c in cycles for t in c.tokens] == base_tokens(target, prompt, max_new_tokens, set())
+
+
 def test_a_sliding_window_cache_refuses_a_rollback_past_its_last_cycle():
     """After a cycle's rollback, sliding-window layers keep only the window: dropping more than
     the last forward fed is refused in one line (HF's crop would cut the wrong positions), while
