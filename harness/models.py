@@ -308,14 +308,16 @@ class CachedLM:
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
         out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
-        if not self.cache_checked:  # once per model: reading the cache's length is a host sync on CUDA
-            self.cache_checked = True
+        if not self.cache_checked:  # once per model (until it passes): reading the cache's length is a host sync on CUDA
             if self.cache.get_seq_length() != input_ids.shape[0]:
                 raise HarnessError(f"{type(self.model).__name__}.forward did not fill the KV cache passed as `{self.cache_kwarg}`: "
                                    "its forward must take the cache as `cache` or `past_key_values` and fill it (HF causal LMs do)")
+            if self.static:  # a static cache not croppable: sliding-window layers shorter than it (reserve() says so too)
+                self._check_static_rollback()
             if not self.cache.is_croppable:
                 raise HarnessError(f"{type(self.model).__name__} keeps a recurrent state in its cache (linear attention), which "
                                    "cannot be rolled back to drop rejected drafts: speculative decoding here needs an attention model")
+            self.cache_checked = True
         self.length += input_ids.shape[0]
         logits = out.logits[0, -num_logits:, : self.vocab_size]
         if step is self.compiled and self.device.type == "cuda":
