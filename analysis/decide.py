@@ -65,6 +65,10 @@ from harness.errors import HarnessError
 CONTEXT_KEYS = ["target", "sampling", "setup"]
 NO_SPECULATION = "no speculation"
 MIN_COVERAGE = 0.5  # a candidate with fewer prompts than this share of the median candidate's is left out
+# A weighted category some candidates did not run, while others did: where those categories carry at least
+# this share of the traffic weight, such a candidate is left out (it cannot be judged on the mix); below it,
+# the candidates are compared without those categories, and the verdict says so.
+KEEP_CATEGORY_SHARE = 0.10
 
 
 @dataclass
@@ -124,8 +128,9 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame, weights: dict | None
     """Align one context's candidates on the prompts they all ran (leaving out those that ran
     fewer than MIN_COVERAGE of the median candidate's prompts on every dataset they ran: one cell
     that ran more prompts than the rest must not push the others out; and those that ran no prompt
-    of a weighted category other candidates ran: pairing would drop it for all). Returns the table,
-    notes, and the categories some candidates ran but the pairing left out."""
+    of weighted categories other candidates ran, carrying KEEP_CATEGORY_SHARE of the weight or more:
+    pairing would drop them for all). Returns the table, notes, and the categories some candidate ran
+    that the comparison leaves out."""
     notes = []
     chosen = []
     for (label, k, dataset), group in cells.groupby(["label", "k", "dataset"], sort=True):
@@ -136,6 +141,7 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame, weights: dict | None
     rows = prompts[prompts["cell"].isin(chosen)]
     candidates = sorted({(r.label, int(r.k)) for r in cells[cells["cell"].isin(chosen)].itertuples()})
     per_candidate = {c: rows[(rows["label"] == c[0]) & (rows["k"] == c[1])].set_index("prompt_key") for c in candidates}
+    measured = set().union(*(set(df["category"].astype(str)) for df in per_candidate.values()))  # by any candidate
     # Coverage is judged per dataset: a draft that ran all of one dataset and none of another is a
     # full run to pair on, not a quick exploratory cell.
     coverage = {c: df.groupby("dataset").size().to_dict() for c, df in per_candidate.items()}  # {dataset: prompts}
@@ -146,12 +152,15 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame, weights: dict | None
                      + ", ".join(f"{label} k={k} ({sum(coverage[(label, k)].values())} prompts)" for label, k in short))
         candidates = [c for c in candidates if c not in short]
         per_candidate = {c: per_candidate[c] for c in candidates}
+    total = sum(w for w in (weights or {}).values() if w > 0)
+    share = {g: w / total for g, w in (weights or {}).items() if w > 0 and g in measured}
     ran = {c: set(df["category"].astype(str)) for c, df in per_candidate.items()}
-    needed = {g for g, w in (weights or {}).items() if w > 0} & set().union(*ran.values())
-    lacking = [c for c in candidates if needed - ran[c]]
+    lacking = {c: sorted(set(share) - ran[c]) for c in candidates}
+    lacking = {c: gs for c, gs in lacking.items() if sum(share[g] for g in gs) >= KEEP_CATEGORY_SHARE}
     if lacking and len(lacking) < len(candidates):  # else no candidate ran them all: the pairing note says what goes
-        notes.append("left out, no prompts in a weighted category other candidates ran: " + ", ".join(
-            f"{label} k={k} (no {', '.join(sorted(needed - ran[(label, k)]))})" for label, k in lacking))
+        notes.append(f"left out, no prompts in weighted categories other candidates ran ({100 * KEEP_CATEGORY_SHARE:.0f}% of "
+                     "the traffic weight or more): " + ", ".join(
+                         f"{label} k={k} (no {', '.join(gs)}: {100 * sum(share[g] for g in gs):.0f}%)" for (label, k), gs in lacking.items()))
         candidates = [c for c in candidates if c not in lacking]
         per_candidate = {c: per_candidate[c] for c in candidates}
     union = set().union(*(set(df.index) for df in per_candidate.values()))
@@ -173,8 +182,7 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame, weights: dict | None
     kinds = [cells[(cells["label"] == c[0])]["draft_kind"].iloc[0] for c in candidates]
     table = Table(candidates, kinds, common, first["category"].astype(str).tolist(), stack("spec_new_tokens"),
                   stack("spec_time_s"), stack("base_new_tokens"), stack("base_time_s"))
-    unpaired = set().union(*(set(df["category"].astype(str)) for df in per_candidate.values())) - set(table.categories)
-    return table, notes, unpaired
+    return table, notes, measured - set(table.categories)
 
 
 def _most_shared(per_candidate: dict) -> tuple[set, list]:

@@ -404,8 +404,8 @@ def cell_row(raw: RawCell) -> dict:
     if row["max_new_tokens"] != row["max_new_tokens"]:
         row["max_new_tokens"] = _num(cfg.get("max_new_tokens"))
     row["setup"] = describe(row, CONDITION_KEYS)
-    # The draft's bytes at its own dtype (a pair may pin it), else the target's.
-    size = draft_size(kind, draft.get("id"), _resolved_dtype(draft.get("dtype"), conditions) or conditions.get("dtype"), s)
+    # The draft's bytes at the dtype it loaded in: its own setting, auto where it has none (harness.models.ModelSpec).
+    size = draft_size(kind, draft.get("id"), _resolved_dtype(draft.get("dtype") or "auto", conditions), s)
     row.update(draft_params=size["params"], draft_bytes=size["bytes"], draft_size_source=size["source"])
     return row
 

@@ -1187,8 +1187,13 @@ def test_a_candidate_without_a_weighted_category_is_left_out_not_the_category(tm
     (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.3, "code": 0.7}, n_resamples=100)
     assert d["categories"] == {"chat": 6, "code": 6} and d["weights"] == pytest.approx({"chat": 0.3, "code": 0.7})
     assert [c["label"] for c in d["candidates"]] == ["a"] and d["mix"]["best"]["label"] == "a"
-    assert any(n == "left out, no prompts in a weighted category other candidates ran: b k=2 (no code)" for n in d["notes"])
+    assert "left out, no prompts in weighted categories other candidates ran (10% of the traffic weight or more): " \
+           "b k=2 (no code: 70%)" in d["notes"]
     assert "Decided without" not in d["mix"]["verdict"]
+    # A category of 1% of the traffic does not push b out: the comparison goes without it, and says so.
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.99, "code": 0.01}, n_resamples=100)
+    assert {c["label"] for c in d["candidates"]} == {"a", "b"} and d["categories"] == {"chat": 6}
+    assert d["mix"]["verdict"].endswith("Decided without code (1% of the traffic weight): see the notes.")
 
     write_cell(tmp_path, "c", "model", Fraction(4, 5), 2, 0.05, 0.02, categories=("chat", "math"), seed=2)
     results = load(tmp_path)
@@ -1198,18 +1203,33 @@ def test_a_candidate_without_a_weighted_category_is_left_out_not_the_category(tm
     assert any(n.startswith("not run by every candidate, so not in the paired comparison: code, math (70%") for n in d["notes"])
 
 
+def test_a_category_only_a_left_out_candidate_ran_is_not_called_unmeasured(tmp_path):
+    """b ran only math, on another dataset, and shares no prompt with a and c: it is left out, and math is
+    'not run by every candidate', not 'no measurements'."""
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, 0.02, dataset="x")
+    write_cell(tmp_path, "c", "model", Fraction(4, 5), 2, 0.05, 0.02, dataset="x", seed=2)
+    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, 0.02, categories=("math",), dataset="y", seed=1)
+    results = load(tmp_path)
+    (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.4, "code": 0.4, "math": 0.2}, n_resamples=100)
+    assert {c["label"] for c in d["candidates"]} == {"a", "c"}
+    assert any(n.startswith("not run by every candidate, so not in the paired comparison: math (20%") for n in d["notes"])
+    assert not any(n.startswith("no measurements") for n in d["notes"])
+
+
 def test_a_draft_sized_from_its_config_counts_its_own_dtype(tmp_path):
     """Without sizes recorded by the run (older results, W&B), bytes come from the parameter count at the
-    draft's dtype: a float32 draft beside a bfloat16 target takes 4 bytes a parameter, not 2."""
+    draft's dtype: a float32 draft beside a bfloat16 target takes 4 bytes a parameter, not 2; a draft
+    with no dtype of its own loaded as auto (float32 on a CPU), whatever the target's."""
     from analysis.load import RawCell, cell_row
 
     folder = tmp_path / "draft"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
                                                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}))
-    summary = {"k": 2, "costs": {"cost_ratio": 0.1, "verify_cost": [1, 1, 1]}, "conditions": GPU, "alpha": 0.5,
-               "accept_hist": [1, 1, 1], "cycles": 3, "speedup": 1.2}
-    for dtype, itemsize in (("float32", 4), (None, 2), ("auto", 2)):
+    cpu_bf16_target = {"device": "cpu", "device_name": "Synthetic CPU", "dtype": "bfloat16"}
+    for conditions, dtype, itemsize in ((GPU, "float32", 4), (GPU, None, 2), (GPU, "auto", 2), (cpu_bf16_target, None, 4)):
+        summary = {"k": 2, "costs": {"cost_ratio": 0.1, "verify_cost": [1, 1, 1]}, "conditions": conditions, "alpha": 0.5,
+                   "accept_hist": [1, 1, 1], "cycles": 3, "speedup": 1.2}
         draft = {"kind": "model", "id": str(folder), **({"dtype": dtype} if dtype else {})}
         row = cell_row(RawCell({"pair": {"name": "p", "target": {"id": "t"}, "draft": draft}, "dataset": {"name": "d"}}, summary, None, "x"))
         assert row["draft_size_source"] == "config" and row["draft_params"] > 0
