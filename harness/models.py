@@ -305,6 +305,8 @@ class CachedLM:
         """Append input_ids [T] to the cache; logits [num_logits, vocab] of the last positions."""
         if self.static and self.length + input_ids.shape[0] > self.capacity:
             raise HarnessError(f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence")
+        if self.static and not self.cache_checked:  # sliding-window layers shorter than the cache (reserve() says so too)
+            self._check_static_rollback()  # before the forward: it depends on the cache alone, and leaves it as it was
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
         out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
@@ -312,8 +314,6 @@ class CachedLM:
             if self.cache.get_seq_length() != input_ids.shape[0]:
                 raise HarnessError(f"{type(self.model).__name__}.forward did not fill the KV cache passed as `{self.cache_kwarg}`: "
                                    "its forward must take the cache as `cache` or `past_key_values` and fill it (HF causal LMs do)")
-            if self.static:  # a static cache not croppable: sliding-window layers shorter than it (reserve() says so too)
-                self._check_static_rollback()
             if not self.cache.is_croppable:
                 raise HarnessError(f"{type(self.model).__name__} keeps a recurrent state in its cache (linear attention), which "
                                    "cannot be rolled back to drop rejected drafts: speculative decoding here needs an attention model")

@@ -180,11 +180,12 @@ def test_static_cache_of_a_sliding_window_model():
 
 def test_an_unreserved_static_cache_of_a_sliding_window_model_says_why_every_time():
     """Used as a library, without reserve(): the first forward names the sliding window (not linear
-    attention), and a second try is refused the same way rather than let through."""
+    attention), and a second try, with or without a reset, is refused the same way rather than let through."""
     target, _ = sliding_window_pair(window=16)
     lm = CachedLM(target, 98, "static")
-    for _ in range(2):
-        lm.reset()
+    for reset in (True, False, True):
+        if reset:
+            lm.reset()
         with pytest.raises(HarnessError, match=r"sliding-window attention \(window 16\) .*use cache=dynamic"):
             lm.forward(torch.tensor([5, 6, 7]))
 
