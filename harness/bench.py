@@ -596,6 +596,8 @@ def setup(cfg, args, argv, prompts, encoded) -> dict:
 
 
 def _write(path: Path, result: dict) -> None:
+    """The figures so far, judged: a run cut off later (the GPU check's timeouts) keeps its goals too."""
+    result["goals"] = goals(result)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json_atomic(path, result)
 
@@ -664,7 +666,6 @@ def main(argv: list[str] | None = None) -> dict:
     # ^ loading included; the memory run's own peak is in "memory"
     if device.type == "cuda":
         result["process_max_memory_allocated_mb"] = max(cuda_before, torch.cuda.max_memory_allocated(device) / 2**20)  # since warm-up
-    result["goals"] = goals(result)
     result["wall_s"] = time.time() - started
     _write(args.out, result)
 

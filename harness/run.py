@@ -635,6 +635,8 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "seed": cfg.seed, "hostname": platform.node(), "harness_commit": harness_commit(),
         **({"linear": pair.linear} if pair.linear else {}),
+        **({"cuda": torch.version.cuda, "capability": ".".join(map(str, torch.cuda.get_device_capability(pair.device)))}
+           if pair.device.type == "cuda" else {}),
     }
 
 
@@ -728,11 +730,11 @@ def process_peak_rss_mb() -> float:
 
 
 @functools.cache
-def harness_commit() -> str | None:
-    """The git commit of the harness's checkout (with -dirty for uncommitted changes), if it is one."""
-    root = Path(__file__).resolve().parent.parent
+def harness_commit(root: Path = Path(__file__).resolve().parent.parent) -> str | None:
+    """The git commit of the harness's checkout (with -dirty for uncommitted changes), if it is one; else
+    SPECBENCH_COMMIT, which a copy of the tree without .git may set (scripts/gpu_check.sh, from its payload)."""
     if not (root / ".git").exists():
-        return None
+        return os.environ.get("SPECBENCH_COMMIT") or None
     try:
         out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
                              capture_output=True, text=True, timeout=10)

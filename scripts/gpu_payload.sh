@@ -49,6 +49,7 @@ for f in .gpu/stage/SHA256SUMS .gpu/stage/*.part-* .gpu/stage/wheels/*.whl; do  
     used=$((used + size))
 done
 rm -rf .gpu/stage
+git describe --always --dirty --abbrev=12 > ".gpu/$n/COMMIT"  # the machine gets the tree without .git: the figures name their code
 
 echo "payload: $n calls, each the tracked tree ($tree bytes) plus at most $part bytes:"
 du -sb .gpu/* | sed 's/^/  /'

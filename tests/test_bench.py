@@ -84,6 +84,7 @@ def test_a_run_cut_short_keeps_the_parts_it_finished(tiny_pair, tmp_path, monkey
         run_bench(tiny_pair, tmp_path)
     kept = json.loads((tmp_path / "bench.json").read_text())
     assert {"setup", "conditions", "ratios", "limits"} <= set(kept) and "memory" not in kept
+    assert {"ours / HF assisted", "efficiency (measured / predicted speedup)"} <= set(kept["goals"])  # judged so far
 
 
 def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monkeypatch):
@@ -335,3 +336,17 @@ def test_the_memory_part_reports_its_own_peak_not_the_loading(monkeypatch):
     assert out["peak_rss_over"] == "cell"
     assert out["peak_rss_mb"] < before - 300
     assert out["peak_rss_mb"] == pytest.approx(out["rss_max_mb"], abs=50)
+
+
+def test_a_tree_without_git_names_its_commit_from_the_payload(tmp_path, monkeypatch):
+    """The GPU machine gets the working tree without .git: gpu_check.sh exports the commit the payload was packed at."""
+    from harness.run import harness_commit
+
+    monkeypatch.delenv("SPECBENCH_COMMIT", raising=False)
+    assert harness_commit(tmp_path) is None
+    monkeypatch.setenv("SPECBENCH_COMMIT", "0123456789ab")
+    harness_commit.cache_clear()  # memoised: the environment is read once per process
+    assert harness_commit(tmp_path) == "0123456789ab"
+    script = (Path(__file__).parents[1] / "scripts" / "gpu_check.sh").read_text()
+    assert 'export SPECBENCH_COMMIT=$(cat "$STASH/COMMIT")' in script
+    assert '> ".gpu/$n/COMMIT"' in (Path(__file__).parents[1] / "scripts" / "gpu_payload.sh").read_text()
