@@ -32,8 +32,10 @@ _T = torch.Tensor
 READS_TO_HOST = frozenset({
     _T.item, _T.tolist, _T.numpy, _T.__bool__, _T.__int__, _T.__float__, _T.__index__, _T.__repr__, _T.__format__,
     _T.cpu, _T.nonzero, torch.nonzero, torch.argwhere, _T.masked_select, torch.masked_select, _T.unique, torch.unique,
-    _T.equal, torch.equal, torch.allclose, _T.allclose, torch.is_nonzero, _T.is_nonzero,
+    _T.equal, torch.equal, torch.allclose, _T.allclose, torch.is_nonzero, _T.is_nonzero, _T.__contains__,
+    torch.bincount, _T.bincount, torch.unique_consecutive, _T.unique_consecutive,  # output sizes from the values
 })  # `if t.any():` reads through __bool__; t.any() alone stays on the device
+_FROM_HOST = frozenset({torch.tensor, torch.as_tensor, _T.new_tensor})  # Python data copied to a device: the host waits
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 
 
@@ -76,6 +78,14 @@ def _is_read(func, args, kwargs) -> bool:
         return len(args) > 1 and _reads_index(args[1])
     if func is _T.to:
         return _to_host(args, kwargs)
+    if func is torch.nn.functional.one_hot:  # without num_classes, the class count is the values' max
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return classes == -1
+    if func in _FROM_HOST:
+        device = kwargs.get("device")
+        if device is None and func is _T.new_tensor and args:
+            device = args[0].device
+        return device is not None and torch.device(device).type != "cpu"
     if func is torch.where:  # torch.where(mask) alone is nonzero
         return len(args) + len(kwargs) == 1
     if func in (torch.repeat_interleave, _T.repeat_interleave):  # tensor repeats: the output size

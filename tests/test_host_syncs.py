@@ -196,3 +196,21 @@ def test_unwatched_sets_aside_only_host_reads():
         assert step() == before
         torch.ones(2).tolist()
     assert reads.total == 1 and step() == []
+
+
+def test_value_dependent_ops_count_as_reads():
+    """Ops whose result (or its size) needs the values on the host, each a sync on CUDA: a stop check written
+    `token in eos_ids_tensor`, a bincount, one_hot without num_classes, Python data copied to a device.
+    The same ops with sizes given, or on the host, read nothing."""
+    import torch.nn.functional as F
+
+    t = torch.tensor([1, 2, 3])
+    reads = {"in": lambda: 3 in t, "bincount": lambda: t.bincount(), "unique_consecutive": lambda: torch.unique_consecutive(t),
+             "one_hot": lambda: F.one_hot(t), "to a device": lambda: torch.tensor([1, 2], device="meta"),
+             "new_tensor on a device": lambda: t.to("meta").new_tensor([1])}
+    quiet = {"one_hot, sized": lambda: F.one_hot(t, num_classes=5), "tensor on the host": lambda: torch.tensor([1, 2]),
+             "new_tensor on the host": lambda: t.new_tensor([1])}
+    for name, op in {**reads, **quiet}.items():
+        with HostReads() as watched:
+            op()
+        assert watched.total == (name in reads), name
