@@ -77,6 +77,9 @@ def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
         "expected_sum": expected_sum,
         "accept_hist": hist,
         "drafted_hist": drafted_hist,  # [k + 1] cycles that drafted 0..k tokens
+        # The first cycle is also the prompt's pass: decode figures (TPOT, decode_speedup) leave it out.
+        "first_drafted": cycles[0].num_drafted if cycles else 0,
+        "first_committed": len(cycles[0].tokens) if cycles else 0,
         "position_reached": reached,
         "position_accepted": kept,
     }
@@ -184,13 +187,20 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
 
 
 def _predicted_by_cycles(records: Sequence[dict], k: int, costs: dict) -> float:
-    """Committed tokens over what the cycles run cost in target steps (nan for records without drafted_hist)."""
+    """Committed tokens over what the cycles run cost in target steps, after each prompt's first cycle (the
+    prompt's pass, which decode_speedup leaves out too; results from before first_drafted keep it).
+    nan for records without drafted_hist."""
     if not records or any("drafted_hist" not in r["spec"] for r in records):
         return float("nan")
     c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
     cycles = np.sum([r["spec"]["drafted_hist"] for r in records], axis=0)  # [k + 1]
+    committed = sum(r["spec"]["committed"] for r in records)
+    if all("first_drafted" in r["spec"] for r in records):
+        for r in records:
+            cycles[r["spec"]["first_drafted"]] -= 1
+            committed -= r["spec"]["first_committed"]
     cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
-    return _ratio(sum(r["spec"]["committed"] for r in records), cost)
+    return _ratio(committed, cost)
 
 
 def _tpot(records: Sequence[dict], side: str) -> float:

@@ -67,11 +67,14 @@ def test_summary_from_counts():
     decode = ((1.95 + 3.95) / (2 * 11)) / ((2 * 0.9) / (2 * 10))  # base TPOT / spec TPOT: prefill and first cycle left out
     assert s["decode_speedup"] == pytest.approx(decode) and s["decode_speedup"] != pytest.approx(s["speedup"])
     assert s["efficiency"] == pytest.approx(decode / s["predicted_speedup"])
-    # by the cycles run: 3 cycles of 4 drafts + v(5), one of 2 drafts + v(3), for 12 tokens, per record
-    assert s["predicted_speedup_cycles"] == pytest.approx(12 / (3 * (4 * 0.1 + 1.2) + (2 * 0.1 + 1.1)))
+    # by the cycles run after the first (the prompt's pass, 4 drafts, 5 tokens): 2 cycles of 4 drafts + v(5),
+    # one of 2 drafts + v(3), for 7 tokens, per record
+    assert s["predicted_speedup_cycles"] == pytest.approx(7 / (2 * (4 * 0.1 + 1.2) + (2 * 0.1 + 1.1)))
     assert s["efficiency_cycles"] == pytest.approx(decode / s["predicted_speedup_cycles"])
     old_records = [{**r, "spec": {key: v for key, v in r["spec"].items() if key != "drafted_hist"}} for r in records]
     assert math.isnan(summarize(old_records, 4, costs)["predicted_speedup_cycles"])  # results from before drafted_hist
+    older = [{**r, "spec": {key: v for key, v in r["spec"].items() if key not in ("first_drafted", "first_committed")}} for r in records]
+    assert summarize(older, 4, costs)["predicted_speedup_cycles"] == pytest.approx(12 / (3 * 1.6 + 1.3))  # every cycle
     assert s["spec_tpot_s"] == pytest.approx((2 * 0.9) / (2 * 10))
     assert s["base_tpot_s"] == pytest.approx((1.95 + 3.95) / (2 * 11))
 
