@@ -214,6 +214,10 @@ class CachedLM:
                  compile: bool = False):
         self.model = model
         self.vocab_size = vocab_size  # rows beyond it (padding) are dropped
+        # A draft may score and read fewer tokens than the target can produce (Gemma 3 1B beside 4B and up, whose
+        # range adds the image token): its missing rows get probability 0, and ids it cannot read are fed to it as
+        # token 0. Neither changes the committed law: the rule needs only q, the law the drafts were drawn from.
+        self.scored, self.readable = _widths(model, vocab_size)
         self.device = next(model.parameters()).device
         self.static = cache == "static"
         # A composite model (Gemma 3 4B and up, Mistral 3: *ForConditionalGeneration) keeps these on its text config.
@@ -307,6 +311,8 @@ class CachedLM:
             raise HarnessError(f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence")
         if self.static and not self.cache_checked:  # sliding-window layers shorter than the cache (reserve() says so too)
             self._check_static_rollback()  # before the forward: it depends on the cache alone, and leaves it as it was
+        if self.readable < self.vocab_size:
+            input_ids = torch.where(input_ids < self.readable, input_ids, 0)  # on the device: no host read
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
         out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
@@ -320,7 +326,9 @@ class CachedLM:
             self.cache_checked = True
         self.length += input_ids.shape[0]
         logits = out.logits[0, -num_logits:, : self.vocab_size]
-        if step is self.compiled and self.device.type == "cuda":
+        if self.scored < self.vocab_size:  # [num_logits, vocab_size]: the rows it lacks can never be drafted
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - self.scored), value=float("-inf"))
+        elif step is self.compiled and self.device.type == "cuda":
             logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
         return logits
 
@@ -352,6 +360,17 @@ class CachedLM:
             self.length = length
         elif self.trims and self.length > 0:  # an empty cache (a one-token prompt's draft) has no layer to trim
             self.cache.crop(0)  # nothing rejected: sliding-window layers drop what left the window
+
+
+def _widths(model, vocab_size: int) -> tuple[int, int]:
+    """(tokens the model scores, up to vocab_size; token ids it can read). A head with a vocab_size of its own
+    (harness.draft_model.SubsetHead) scores that many; a model without HF's embedding accessors, all."""
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return vocab_size, vocab_size
+    scored = getattr(head, "vocab_size", None) or head.weight.shape[0]
+    return min(vocab_size, scored), embedding.weight.shape[0]
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:

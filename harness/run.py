@@ -526,12 +526,7 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
         draft_model = load_model(draft_spec, device, "draft", target=target_model)
         if not getattr(draft_model, "shares_target_weights", False):
             shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
-            draft_rows = draft_model.get_output_embeddings().weight.shape[0]
-            if draft_rows < vocab_size:  # cutting the target's range to the draft's would change the target's output
-                raise HarnessError(
-                    f"the draft {draft_spec.id} scores {draft_rows} tokens but the target can produce {vocab_size}: it can neither "
-                    f"propose nor read ids {draft_rows}..{vocab_size - 1}; use a draft with the target's whole vocabulary")
-            vocab_size = min(vocab_size, shared)
+            vocab_size = min(vocab_size, shared)  # a draft scoring fewer is padded (CachedLM): the target keeps its range
         drafter = ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile))
     else:
         raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use model or ngram")

@@ -265,27 +265,37 @@ def test_a_composite_models_context_comes_from_its_text_config():
     assert CachedLM(model, 98).context == 4096
 
 
-def test_a_draft_that_scores_fewer_tokens_than_the_target_is_refused(tiny_pair, tmp_path):
-    """Same tokenizer, but a head (and embedding) two rows short: cutting the target's range to the
-    draft's would silently change the target's own output; a draft padded wider is fine."""
+def test_a_draft_that_scores_fewer_tokens_than_the_target_leaves_the_target_its_range(tiny_pair, tmp_path):
+    """Same tokenizer, a draft head and embedding two rows short (as Gemma 3 1B beside 4B and up): the target
+    keeps its whole range (its greedy output is HF's, ids 96 and 97 included), the draft gives those ids
+    probability 0, and a prompt holding them runs (the draft reads them as token 0)."""
     from hydra import compose, initialize_config_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from transformers import AutoConfig, AutoTokenizer
-
-    from harness.errors import HarnessError
+    from harness.loop import speculative_decode
     from harness.run import CONF_DIR, load_pair
+    from harness.sampling import Sampling
 
-    tokenizer_files = AutoTokenizer.from_pretrained(tiny_pair["target"])
-    vocab = AutoConfig.from_pretrained(tiny_pair["target"]).vocab_size
-    for name, rows in (("short", vocab - 2), ("padded", vocab + 30)):
-        folder = tmp_path / name
-        make_model(rows, seed=3).save_pretrained(folder)
-        tokenizer_files.save_pretrained(folder)
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}",
-                                                           f"pair.draft.id={folder}"])
-        if name == "short":
-            with pytest.raises(HarnessError, match=rf"scores {rows} tokens but the target can produce {vocab}"):
-                load_pair(cfg.pair, torch.device("cpu"), linear="torch")
-        else:
-            assert load_pair(cfg.pair, torch.device("cpu"), linear="torch").target.vocab_size == vocab
+    vocab = len(AutoTokenizer.from_pretrained(tiny_pair["target"]))
+    folder = tmp_path / "short"
+    make_model(vocab - 2, seed=3).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_pair["target"]).save_pretrained(folder)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}",
+                                                       f"pair.draft.id={folder}"])
+    pair = load_pair(cfg.pair, torch.device("cpu"), linear="torch")
+    assert pair.target.vocab_size == vocab and pair.drafter.lm.scored == vocab - 2
+    hf = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
+    hf.generation_config.eos_token_id = None
+    seen = set()
+    for prompt in ([5, 17, 40, 9], [10, vocab - 1, 30, vocab - 2], [2, 28]):
+        ids = torch.tensor(prompt)
+        expected = hf.generate(ids[None], max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, len(prompt):].tolist()
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, 3, Sampling(0.0), 24, set(), torch.Generator()))
+        assert [t for c in cycles for t in c.tokens] == expected
+        seen |= set(expected)
+    assert seen & {vocab - 1, vocab - 2}  # the target does produce the ids the draft lacks
+    pair.drafter.start(torch.tensor([10, vocab - 1, 30]))
+    tokens, q = pair.drafter.propose(torch.tensor([10, vocab - 1, 30]), 3, Sampling(1.0), torch.Generator().manual_seed(0))
+    assert q.shape == (3, vocab) and (q[:, vocab - 2:] == 0).all() and torch.allclose(q.sum(-1), torch.ones(3))
+    assert (tokens < vocab - 2).all()
