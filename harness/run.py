@@ -291,6 +291,18 @@ def unknown_setting(override: str, known: set[str]) -> str | None:
     return f"unknown setting '{name}': {hint}(--cfg job prints them all; +{name}=... adds a new key)"
 
 
+def replaces_section(override: str, known: set[str]) -> str | None:
+    """A message for `wandb=disabled`: a value given to a section of settings, which Hydra takes and
+    the run then trips over. `pair` and `dataset` are config groups, whose value is an option's name."""
+    name, equals, value = override.partition("=")
+    name = name.lstrip("+")
+    keys = sorted(k[len(name) + 1:] for k in known if k.startswith(name + ".") and "." not in k[len(name) + 1:])
+    if not equals or name in ("pair", "dataset") or not keys or value.lstrip().startswith("{"):  # {a: 1}: a whole section
+        return None
+    example = next((f"{name}.{k}={v}" for k, v in (("mode", "disabled"), ("id", "<HF id or folder>")) if k in keys), f"{name}.{keys[0]}=...")
+    return f"{override}: {name} is a section, not a setting: set one of its keys ({', '.join(keys)}), e.g. {example}"
+
+
 def added_or_removed(override: str, known: set[str]) -> str | None:
     """A message for `+key=` on a key that exists (Hydra: "Could not append") and for `~key` on one
     of the harness's own settings (a crash later), which Hydra answers in several lines."""
@@ -356,7 +368,8 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
         print(f"error: {words}", file=sys.stderr)
         sys.exit(2)
     for arg in argv:
-        message = (unparsable(arg) or misplaced(arg, multirun, sweeps) or unknown_choice(arg) or added_or_removed(arg, known)
+        message = (unparsable(arg) or misplaced(arg, multirun, sweeps) or unknown_choice(arg) or replaces_section(arg, known)
+                   or added_or_removed(arg, known)
                    or next(filter(None, (group_setting(g, arg, chosen[g], options[g]) for g in options)), None)
                    or unknown_setting(arg, known))
         if message:
@@ -373,6 +386,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # a larger temperature is inf in the sampler's float32
 PROMPT_SEED_STRIDE = 1_000_003
 MAX_SEED = (2**64 - 1) // PROMPT_SEED_STRIDE - 1_000  # torch takes seeds below 2**64; leaves room for 10^9 prompt indices
 
@@ -385,13 +399,16 @@ def validate(cfg: DictConfig) -> None:
         (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and 0 <= cfg.seed <= MAX_SEED,
          f"seed={cfg.seed} must be an integer from 0 to {MAX_SEED} (a prompt's seed is seed x {PROMPT_SEED_STRIDE:_} + its index)"),
         (_positive_int(cfg.k), f"k={cfg.k} must be a positive integer (e.g. k=4)"),
-        (_number(cfg.temperature) and 0 <= cfg.temperature < float("inf"),
-         f"temperature={cfg.temperature} must be a finite number >= 0 (0 is greedy)"),
+        (_number(cfg.temperature) and 0 <= cfg.temperature <= FLOAT32_MAX,
+         f"temperature={cfg.temperature} must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's largest)"),
         (not _number(cfg.temperature) or cfg.temperature == 0 or cfg.temperature >= 1e-6,
          f"temperature={cfg.temperature} is greedy in all but name and under float32's range: use temperature=0"),
         (_number(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
         (isinstance(cfg.top_k, int) and not isinstance(cfg.top_k, bool) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
         (_positive_int(cfg.max_new_tokens), f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
+        (not (_positive_int(cfg.k) and _positive_int(cfg.max_new_tokens)) or cfg.k < max(cfg.max_new_tokens, 2),
+         f"k={cfg.k} drafts more than max_new_tokens={cfg.max_new_tokens} lets a cycle keep (at most "
+         f"{max(cfg.max_new_tokens - 1, 1)} drafts and one more token): lower k or raise max_new_tokens"),
         (data.num_prompts is None or _positive_int(data.num_prompts), f"dataset.num_prompts={data.num_prompts} must be a positive integer or null (all)"),
         (data.get("max_rows") is None or _positive_int(data.max_rows), f"dataset.max_rows={data.get('max_rows')} must be a positive integer or null (every row)"),
         (isinstance(data.get("streaming", False), bool), f"dataset.streaming={data.get('streaming')} must be true or false"),
@@ -411,6 +428,8 @@ def validate(cfg: DictConfig) -> None:
 def check_pair(pair: DictConfig) -> None:
     """A pair names a target and a draft the loop can run, before anything loads."""
     name, draft = pair.get("name"), pair.get("draft")
+    if not isinstance(name, str) or not re.fullmatch(r"\w[\w.-]*", name):  # it starts the cell's folder name
+        raise HarnessError(f"pair.name={name} must be a plain name (letters, digits, _ . -): it names the cell's folder")
     if not pair.get("target") or not pair.target.get("id"):
         raise HarnessError(f"pair {name} has no target: set pair.target.id (an HF id or a local directory)")
     if not isinstance(draft, DictConfig) or draft.get("kind") is None:

@@ -89,8 +89,14 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     "override, message",
     [
         ("k=0", "k=0 must be a positive integer"),
-        ("temperature=-1", "must be a finite number >= 0"),
-        ("temperature=inf", "temperature=inf must be a finite number >= 0"),
+        ("temperature=-1", "must be a number from 0 (greedy) to 3.4e+38"),
+        ("temperature=inf", "temperature=inf must be a number from 0"),
+        ("temperature=1e39", "temperature=1e+39 must be a number from 0 (greedy) to 3.4e+38 (float32's largest)"),
+        ("k=20", "k=20 drafts more than max_new_tokens=20 lets a cycle keep (at most 19 drafts"),
+        ("pair.name=../x", "pair.name=../x must be a plain name"),
+        ("wandb=disabled", "wandb is a section, not a setting: set one of its keys (dir, entity, group, job_type, mode, "
+                           "name, project, tags), e.g. wandb.mode=disabled"),
+        ("pair.target=foo", "pair.target is a section, not a setting"),
         ("temperature=1e-46", "is greedy in all but name"),
         ("top_p=1.5", "must be in (0, 1]"),
         ("top_k=-2", "must be an integer >= 0"),

@@ -326,7 +326,7 @@ def test_twelve_cells_of_one_pair_load_each_model_once(tiny_pair, tmp_path, monk
     cells = set()
     for k in (1, 2, 4, 8):
         for temperature in (0.0, 0.7, 1.0):
-            cfg = composed(tiny(tiny_pair, f"k={k}", f"temperature={temperature}", "dataset.num_prompts=1", "max_new_tokens=4", "wandb.mode=disabled"))
+            cfg = composed(tiny(tiny_pair, f"k={k}", f"temperature={temperature}", "dataset.num_prompts=1", "max_new_tokens=9", "wandb.mode=disabled"))
             cells.add(run.run_cell(cfg, out_dir=tmp_path, quiet=True)["cell"])
     assert len(cells) == 12
     assert loads == ["target", "draft"]
