@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -602,11 +603,39 @@ def _write(path: Path, result: dict) -> None:
     _write_json_atomic(path, result)
 
 
+BENCH_FLAGS = {"k": "--ks", "max_new_tokens": "--max-new-tokens (the memory part: --memory-new-tokens)",
+               "dataset.num_prompts": "--prompts (the memory part: --memory-prompts)"}
+
+
+def _k(value: str) -> int:
+    """A --ks value; an override swallowed by --ks (nargs) gets its own message."""
+    if "=" in value:
+        raise argparse.ArgumentTypeError(f"{value!r} is an override, not a k: put overrides before --ks")
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the JSON could not be written at `path` (checked before the minutes of measuring), or None."""
+    if path.is_dir():
+        return "is a folder: give a file name, e.g. results/bench/bench.json"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"{parent} is not writable"
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--ks", type=_k, nargs="+", default=[1, 2, 4])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--memory-prompts", type=int, default=100, help="0: skip the memory part")
     parser.add_argument("--memory-new-tokens", type=int, default=16)
@@ -621,6 +650,11 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"{flag} {' '.join(map(str, values))}: each must be at least {low}")
     if 0 < args.memory_prompts < 4:
         parser.error(f"--memory-prompts {args.memory_prompts}: give 0 (skip the memory part) or at least 4 (growth is fitted over the second half)")
+    for arg in args.overrides:  # Hydra would take them and the bench ignore them: its flags set these
+        if arg.partition("=")[0].lstrip("+") in BENCH_FLAGS:
+            parser.error(f"{arg}: the bench sets this with {BENCH_FLAGS[arg.partition('=')[0].lstrip('+')]}")
+    if message := unwritable(args.out):
+        parser.error(f"--out {args.out}: {message}")
     check_choices(args.overrides, sweeps=False)  # as `python -m harness` checks them: one line for an unknown name
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -630,8 +664,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = with_default_pair(compose(config_name="config", overrides=args.overrides))
     validate(cfg)  # e.g. compile=true without cache=static would recompile ours at every step while HF ran compiled
     device = resolve_device(cfg.device)
+    all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)  # a dataset problem before a model loads
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)
-    all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)
     prompts = all_prompts[: args.prompts]
     # Prompts cut to leave room for the new tokens, the same budget at every k, as `python -m harness` does,
     # and for the k positions HF's prompt lookup may verify past them (lookup_room).
@@ -713,4 +747,5 @@ if __name__ == "__main__":
     try:
         main()
     except HarnessError as err:
-        sys.exit(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)

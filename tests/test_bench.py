@@ -136,6 +136,11 @@ def test_the_bench_checks_its_config_as_the_harness_does(tiny_pair, tmp_path, ar
     (["--reps", "0"], "--reps 0: each must be at least 1"),
     (["--prompts", "-1"], "--prompts -1: each must be at least 1"),
     (["--max-new-tokens", "1"], "--max-new-tokens 1: each must be at least 2"),
+    (["k=2"], "k=2: the bench sets this with --ks"),
+    (["dataset.num_prompts=3"], "dataset.num_prompts=3: the bench sets this with --prompts"),
+    (["--ks", "1", "+pair=smollm2_ngram"], "'+pair=smollm2_ngram' is an override, not a k: put overrides before --ks"),
+    (["--out", "/etc/passwd/x.json"], "--out /etc/passwd/x.json: /etc/passwd is a file, not a folder"),
+    (["--out", "/tmp"], "--out /tmp: is a folder"),
 ])
 def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, monkeypatch):
     monkeypatch.setattr(bench, "load_pair", lambda *a, **k: pytest.fail("loaded a pair"))
