@@ -94,6 +94,9 @@ class Results:
 def load(source: str | Path, api: Any = None) -> Results:
     """Load a local results directory or a W&B path (entity/project[/sweep_id])."""
     path = Path(source).expanduser()
+    if path.is_file():
+        raise HarnessError(f"{source} is a file: give the folder that holds the cells (a cell's own folder, a results "
+                           f"folder or a sweep folder)")
     if path.exists():
         return load_local(path)
     if _looks_local(str(source)):
@@ -180,6 +183,10 @@ def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
             notes.append(f"cell {status_path.parent.name} not finished ({status.get('status')}, "
                          f"{status.get('done')}/{status.get('total')} prompts): left out")
     unique = list(dict.fromkeys(p.resolve() for p in found))
+    for p in unique:
+        if not _is_cell(p):  # a summary.json cut short (a full disk, a copy interrupted) or not the harness's
+            notes.append(f"cell {p.name}: its summary.json is not a finished cell's (unreadable, or without k and costs): left out")
+            print(f"warning: {notes[-1]}", file=sys.stderr)
     return [p for p in unique if _is_cell(p)], notes
 
 

@@ -114,6 +114,8 @@ def settings(args: argparse.Namespace) -> dict:
         raise HarnessError(f"confidence={out['confidence']} must be in (0, 1), e.g. 0.95")
     if not (isinstance(out["n_resamples"], int) and out["n_resamples"] >= 2):
         raise HarnessError(f"resamples={out['n_resamples']} must be a whole number of at least 2, e.g. --resamples 2000")
+    if not (isinstance(out["seed"], int) and not isinstance(out["seed"], bool) and out["seed"] >= 0):
+        raise HarnessError(f"seed={out['seed']} must be a whole number of at least 0, e.g. --seed 0")
     if not (isinstance(out["max_k"], int) and out["max_k"] >= 1):
         raise HarnessError(f"max_k={out['max_k']} must be a whole number of at least 1, e.g. --max-k 16")
     try:
@@ -178,7 +180,7 @@ def _check_whatif_labels(w: dict, labels: list[str]) -> None:
                                f"the drafts are: {', '.join(labels) or 'none'}")
 
 
-def parse_assignments(items: list[str], flag: str) -> dict[str, float]:
+def parse_assignments(items: list[str], flag: str, example: str = "conversation=0.5,code=0.3") -> dict[str, float]:
     """["a=0.5,b=0.3", "c=0.2"] -> {a: 0.5, b: 0.3, c: 0.2}."""
     out = {}
     for item in ",".join(items).split(","):
@@ -190,7 +192,7 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, float]:
         except ValueError:
             sep = ""
         if not sep:
-            raise HarnessError(f"{flag} {item!r}: expected NAME=NUMBER, e.g. {flag} conversation=0.5,code=0.3")
+            raise HarnessError(f"{flag} {item!r}: expected NAME=NUMBER, e.g. {flag} {example}")
     return out
 
 
@@ -201,7 +203,7 @@ def parse_scalar_or_map(items: list[str], flag: str) -> float | dict[str, float]
             return float(items[0])
         except ValueError:
             raise HarnessError(f"{flag} {items[0]!r}: expected a number or DRAFT=NUMBER") from None
-    return parse_assignments(items, flag)
+    return parse_assignments(items, flag, example="DRAFT=0.05 (a draft's label in the report)")
 
 
 # The report
@@ -213,7 +215,10 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
     results = load(source, api)
     _check_whatif_labels(cfg["whatif"], sorted(set(results.cells["label"])) if not results.cells.empty else [])
     out = Path(out).expanduser() if out else (Path(source).expanduser() / "report" if results.kind == "local" else Path("report") / _slug(source))
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise HarnessError(f"cannot write the report to {out}: {err.strerror}; give --out a folder that can be made") from None
     fits, curves = fit_mod.fit(results.cells, results.prompts, cfg["confidence"], cfg["n_resamples"], cfg["seed"], cfg["max_k"])
     decisions = decide_mod.decide(results.cells, results.prompts, fits, cfg["weights"], cfg["confidence"],
                                   cfg["n_resamples"], cfg["seed"])

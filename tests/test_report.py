@@ -1245,3 +1245,24 @@ def test_no_unmeasured_k_is_suggested_where_the_fit_predicts_a_loss(tmp_path):
         fits, _ = fit_mod.fit(results.cells, results.prompts, 0.95, 200, 0)
         (d,) = decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=200)
         assert any(line.startswith("Unmeasured k") for line in d["mix"]["what_would_change"]) is expected, name
+
+
+def test_report_mistakes_are_one_line(tmp_path, capsys):
+    cell = write_cell(tmp_path / "results", "a", "model", Fraction(3, 5), 2, 0.05, 0.02)
+    write_cell(tmp_path / "results", "b", "model", Fraction(4, 5), 2, 0.05, 0.02, seed=1)
+    (tmp_path / "afile").write_text("")
+    for args, message in (
+        (["--seed", "-1"], "seed=-1 must be a whole number of at least 0"),
+        (["--out", str(tmp_path / "afile")], f"cannot write the report to {tmp_path / 'afile'}:"),
+        (["--cost-ratio", "a=abc"], "--cost-ratio 'a=abc': expected NAME=NUMBER, e.g. --cost-ratio DRAFT=0.05"),
+    ):
+        assert report.main([str(tmp_path / "results"), "--resamples", "50", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert report.main([str(cell / "summary.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {cell / 'summary.json'} is a file: give the folder")
+    # A summary.json cut short is left out, and said so, not silently dropped.
+    (cell / "summary.json").write_text('{"num_prompts": 1, "acc')
+    assert report.main([str(tmp_path / "results"), "--resamples", "50"]) == 0
+    assert f"warning: cell {cell.name}: its summary.json is not a finished cell's" in capsys.readouterr().err
+    assert f"cell {cell.name}: its summary.json is not a finished cell's" in (tmp_path / "results" / "report" / "report.md").read_text()
