@@ -263,7 +263,9 @@ def unparsable(override: str) -> str | None:
         OverridesParser.create().parse_overrides([override])
     except OverrideParseException as err:
         name, _, value = override.partition("=")
-        unquoted = any(c in value for c in "{}[]()") and not value.startswith(("'", '"'))
+        # Brackets (a template) or a non-ASCII letter (a path, a name), which Hydra's grammar reads only quoted.
+        unquoted = any(c in value for c in "{}[]()") or not value.isascii()
+        unquoted = unquoted and not value.startswith(("'", '"'))
         fix = (f"quote the value inside the shell's quotes, e.g. '{name}=\"{value}\"'" if unquoted
                else "see Hydra's override grammar, https://hydra.cc/docs/advanced/override_grammar/basic/")
         return f"cannot read {override!r} ({str(err).splitlines()[0]}): {fix}"
@@ -359,7 +361,10 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
                         or re.match(r"\s*(choice|range|glob)\(", arg.partition("=")[2]))), None)
     setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.") and not arg.startswith("++")), None)
     if multirun and swept_pairs and setting:  # Hydra applies it before any pair is chosen: "not in struct"
-        fix = "sweep one pair per command" if setting.startswith("~") else \
+        key = setting.lstrip("+~").partition("=")[0]
+        # A prompt-lookup key set in every pair would be refused in a model-draft pair (check_pair).
+        lookup_only = key in ("pair.draft.length", "pair.draft.max_ngram", "pair.draft.min_ngram")
+        fix = "sweep one pair per command" if setting.startswith("~") or lookup_only else \
             f"write it ++{setting.lstrip('+')} to set it in every swept pair, or sweep one pair per command"
         print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): {fix}", file=sys.stderr)
         sys.exit(2)

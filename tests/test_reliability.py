@@ -36,6 +36,9 @@ from test_cli import ROOT, harness, tiny_args
          "~pair.draft.revision cannot go with a sweep over pairs (+pair=smollm2,llama_7b_68m): sweep one pair per command"),
         (["-m", "+pair=smollm2,llama_7b_68m", "pair.target.id=/m"],
          "pair.target.id=/m cannot go with a sweep over pairs (+pair=smollm2,llama_7b_68m): write it ++pair.target.id=/m"),
+        (["-m", "+pair=smollm2,smollm2_ngram", "pair.draft.max_ngram=2"],  # ++ would reach smollm2's model draft too
+         "pair.draft.max_ngram=2 cannot go with a sweep over pairs (+pair=smollm2,smollm2_ngram): sweep one pair per command"),
+        (["dataset=local", "dataset.path=/tmp/spü.jsonl"], """quote the value inside the shell's quotes, e.g. 'dataset.path="/tmp/spü.jsonl"'"""),
         (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),
         (["k=1,2"], "k=1,2 lists several values: add -m to run one cell each"),
         (["dataset=local", "dataset.path=x.jsonl", "dataset.template=Summarize: {text}"],  # Hydra's grammar: 3 lines
