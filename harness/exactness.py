@@ -526,8 +526,10 @@ def check(
         result["p_holm"] = p_holm
         result["detectable_tv"] = detectable_tv(result["observations"], result["df"], level)
     joint_detectable = [r["tests"]["joint"]["detectable_tv"] for r in per_prompt.values()]
+    testable = any(per_prompt[name]["tests"][test]["df"] > 0 for name, test in family)  # else nothing could reject
     return {
-        "passed": min(adjusted) >= alpha,
+        "passed": testable and min(adjusted) >= alpha,
+        "testable": testable,
         "family_p": min(adjusted),
         "alpha": alpha,
         "tests_in_family": len(family),
@@ -615,7 +617,8 @@ def format_report(report: dict) -> str:
                 lines.append(f"  {name[:21]:<22}{c['kind']:<6} {label!r:<32} observed {c['observed']}, expected {c['expected']:.1f}")
     if r.get("dtype_note"):
         lines += ["", f"note: {r['dtype_note']}."]
-    verdict = "PASS: no test rejects" if r["passed"] else "FAIL: exactness rejected"
+    verdict = ("PASS: no test rejects" if r["passed"] else "FAIL: exactness rejected" if r.get("testable", True)
+               else "NO VERDICT: every test has a single cell (df 0), so none could reject")
     lines += ["", f"{verdict} (smallest Holm p = {r['family_p']:.3g}, alpha = {r['alpha']:g})"]
     if "run_dir" in r:
         lines.append(f"results: {r['run_dir']}")
@@ -810,6 +813,10 @@ def main(cfg: DictConfig) -> None:
         return _end(3)
     print(format_report(report))
     print(json.dumps({k: v for k, v in report.items() if k not in ("prompts", "conditions")}))
+    if not report.get("testable", True):  # a report stored before the key existed had a verdict
+        print(f"error: exactness.samples={report['samples']} gives every test a single cell, so the check tested nothing: "
+              f"raise exactness.samples, or set it to null (sized for exactness.detect_tv)", file=sys.stderr)
+        return _end(2)
     _end(0 if report["passed"] else 1)
 
 

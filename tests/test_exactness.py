@@ -996,3 +996,14 @@ def test_a_truncated_law_is_checked_in_full_precision_unless_asked(tiny_pair, tm
     assert cfg.dtype == checked_in and (note is not None) == (checked_in == "float32")
     if note:
         assert cfg.pair.target.dtype == cfg.pair.draft.dtype == "float32" and "checking in float32" in note
+
+
+def test_a_check_whose_every_test_has_one_cell_gives_no_verdict(tiny_pair, tmp_path):
+    """20 samples: every cell's expected count would fall short, so each test is one cell (df 0) and could
+    not reject anything. That is no pass: the report says NO VERDICT and the command exits 2."""
+    out = exactness_cli(*tiny_args(tiny_pair, tmp_path, "k=1", "temperature=1.0", "exactness.samples=20", "exactness.num_prompts=1"))
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["testable"] is False and last["passed"] is False
+    assert "NO VERDICT: every test has a single cell" in out.stdout and "PASS" not in out.stdout
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+        "error: exactness.samples=20 gives every test a single cell, so the check tested nothing")
