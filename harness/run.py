@@ -368,6 +368,9 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
             f"write it ++{setting.lstrip('+')} to set it in every swept pair, or sweep one pair per command"
         print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): {fix}", file=sys.stderr)
         sys.exit(2)
+    if sweeps and (problem := unwritable_output(argv, multirun)):  # an entry point run by Hydra, which makes the folder
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     words = bare_words(argv)
     if words:
         print(f"error: {words}", file=sys.stderr)
@@ -380,6 +383,21 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
         if message:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
+
+
+def unwritable_output(argv: list[str], multirun: bool) -> str | None:
+    """Why Hydra could not make its output folder (a traceback from Hydra), or None: the folder
+    `hydra.run.dir=` / `hydra.sweep.dir=` gives, else conf/config.yaml's under the current folder."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = next((arg.partition("=")[2] for arg in argv if arg.lstrip("+").partition("=")[0] == key), None)
+    folder = Path(given.strip("'\"")).expanduser() if given else Path("multirun" if multirun else "outputs")
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
+    where = f"{key}={given}" if given else f"the current folder, {Path.cwd()}"
+    if not existing.is_dir():
+        return f"{where}: {existing} is a file, not a folder: give {key} a folder that can be made"
+    if not os.access(existing, os.W_OK):
+        return f"{where}: {existing.resolve()} is not writable: give {key}=<a writable folder>"
+    return None
 
 
 def _positive_int(value: Any) -> bool:

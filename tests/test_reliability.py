@@ -40,6 +40,8 @@ from test_cli import ROOT, harness, tiny_args
          "pair.draft.max_ngram=2 cannot go with a sweep over pairs (+pair=smollm2,smollm2_ngram): sweep one pair per command"),
         (["dataset=local", "dataset.path=/tmp/spü.jsonl"], """quote the value inside the shell's quotes, e.g. 'dataset.path="/tmp/spü.jsonl"'"""),
         (["pair=smollm2_ngram"], "pair=smollm2_ngram: the pair is chosen with a '+': +pair=smollm2_ngram"),
+        (["hydra.run.dir=/etc/passwd/x"], "hydra.run.dir=/etc/passwd/x: /etc/passwd is a file, not a folder"),  # Hydra: a traceback
+        (["-m", "k=1,2", "hydra.sweep.dir=/etc/passwd/x"], "hydra.sweep.dir=/etc/passwd/x: /etc/passwd is a file, not a folder"),
         (["k=1,2"], "k=1,2 lists several values: add -m to run one cell each"),
         (["dataset=local", "dataset.path=x.jsonl", "dataset.template=Summarize: {text}"],  # Hydra's grammar: 3 lines
          """quote the value inside the shell's quotes, e.g. 'dataset.template="Summarize: {text}"'"""),
