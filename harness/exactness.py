@@ -526,7 +526,9 @@ def check(
         result["p_holm"] = p_holm
         result["detectable_tv"] = detectable_tv(result["observations"], result["df"], level)
     joint_detectable = [r["tests"]["joint"]["detectable_tv"] for r in per_prompt.values()]
-    testable = any(per_prompt[name]["tests"][test]["df"] > 0 for name, test in family)  # else nothing could reject
+    # Whether anything could reject: a test with a degree of freedom, or a sample the target's law rules out.
+    testable = (any(per_prompt[name]["tests"][test]["df"] > 0 for name, test in family)
+                or any(p["zero_probability_samples"] for p in per_prompt.values()))
     return {
         "passed": testable and min(adjusted) >= alpha,
         "testable": testable,
@@ -814,8 +816,10 @@ def main(cfg: DictConfig) -> None:
     print(format_report(report))
     print(json.dumps({k: v for k, v in report.items() if k not in ("prompts", "conditions")}))
     if not report.get("testable", True):  # a report stored before the key existed had a verdict
-        print(f"error: exactness.samples={report['samples']} gives every test a single cell, so the check tested nothing: "
-              f"raise exactness.samples, or set it to null (sized for exactness.detect_tv)", file=sys.stderr)
+        print(f"error: every test has a single cell, so the check tested nothing: either exactness.samples="
+              f"{report['samples']} is too few to split the continuations (raise it, or null to size it for "
+              f"exactness.detect_tv), or these settings leave the target one continuation (top_k=1: nothing to test)",
+              file=sys.stderr)
         return _end(2)
     _end(0 if report["passed"] else 1)
 

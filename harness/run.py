@@ -388,9 +388,14 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
 def unwritable_output(argv: list[str], multirun: bool) -> str | None:
     """Why Hydra could not make its output folder (a traceback from Hydra), or None: the folder
     `hydra.run.dir=` / `hydra.sweep.dir=` gives, else conf/config.yaml's under the current folder."""
+    if any(arg.startswith(("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help")) for arg in argv):
+        return None  # Hydra only prints
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = next((arg.partition("=")[2] for arg in argv if arg.lstrip("+").partition("=")[0] == key), None)
-    folder = Path(given.strip("'\"")).expanduser() if given else Path("multirun" if multirun else "outputs")
+    fixed = (given or "").strip("'\"").partition("${")[0]  # the part before an interpolation (${oc.env:HOME}/runs: none)
+    if given and not fixed:
+        return None
+    folder = Path(fixed).expanduser() if given else Path("multirun" if multirun else "outputs")
     existing = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
     where = f"{key}={given}" if given else f"the current folder, {Path.cwd()}"
     if not existing.is_dir():
@@ -429,9 +434,11 @@ def validate(cfg: DictConfig) -> None:
         (_number(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
         (isinstance(cfg.top_k, int) and not isinstance(cfg.top_k, bool) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
         (_positive_int(cfg.max_new_tokens), f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
-        (not (_positive_int(cfg.k) and _positive_int(cfg.max_new_tokens)) or cfg.k < max(cfg.max_new_tokens, 2),
-         f"k={cfg.k} drafts more than max_new_tokens={cfg.max_new_tokens} lets a cycle keep (at most "
-         f"{max(cfg.max_new_tokens - 1, 1)} drafts and one more token): lower k or raise max_new_tokens"),
+        # k = max_new_tokens stays allowed (a sweep's k=8 on a quick 8-token run); far beyond, measuring the
+        # verify costs of k + 1 positions takes minutes for drafts no cycle can make.
+        (not (_positive_int(cfg.k) and _positive_int(cfg.max_new_tokens)) or cfg.k <= cfg.max_new_tokens,
+         f"k={cfg.k} is more than max_new_tokens={cfg.max_new_tokens}, and a cycle drafts at most "
+         f"{max(cfg.max_new_tokens - 1, 0)}: lower k or raise max_new_tokens"),
         (data.num_prompts is None or _positive_int(data.num_prompts), f"dataset.num_prompts={data.num_prompts} must be a positive integer or null (all)"),
         (data.get("max_rows") is None or _positive_int(data.max_rows), f"dataset.max_rows={data.get('max_rows')} must be a positive integer or null (every row)"),
         (isinstance(data.get("streaming", False), bool), f"dataset.streaming={data.get('streaming')} must be true or false"),

@@ -92,7 +92,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("temperature=-1", "must be a number from 0 (greedy) to 3.4e+38"),
         ("temperature=inf", "temperature=inf must be a number from 0"),
         ("temperature=1e39", "temperature=1e+39 must be a number from 0 (greedy) to 3.4e+38 (float32's largest)"),
-        ("k=20", "k=20 drafts more than max_new_tokens=20 lets a cycle keep (at most 19 drafts"),
+        ("k=21", "k=21 is more than max_new_tokens=20, and a cycle drafts at most 19: lower k or raise max_new_tokens"),
         ("pair.name=../x", "pair.name=../x must be a plain name"),
         ("wandb=disabled", "wandb is a section, not a setting: set one of its keys (dir, entity, group, job_type, mode, "
                            "name, project, tags), e.g. wandb.mode=disabled"),

@@ -532,6 +532,11 @@ def test_impossible_samples_fail_outright(markov):
     assert "rerun with dtype=float32" not in format_report(report)  # float32: no rounding excuse
     report["conditions"] = {"dtype": "bfloat16"}  # where chunked passes can round a truncation edge apart
     assert "rerun with dtype=float32 to tell rounding from a sampler bug" in format_report(report)
+    # Too few draws for any cell to split (df 0 everywhere), yet an impossible draw is a verdict: FAIL.
+    with plugged(variant, target, ModelDrafter(draft)) as (t, d, _):
+        few = check(t, d, [("p", PROMPT)], k=2, sampling=Sampling(1.0, top_k=2), length=4, samples=20, law_target=target)
+    assert few["prompts"]["p"]["zero_probability_samples"] > 0 and all(r["df"] == 0 for r in few["prompts"]["p"]["tests"].values())
+    assert few["testable"] and not few["passed"] and "FAIL: exactness rejected" in format_report(few)
 
 
 def test_long_continuations_are_not_impossible_by_underflow():
@@ -541,7 +546,8 @@ def test_long_continuations_are_not_impossible_by_underflow():
     prompt = torch.tensor([1, 2, 3])
     report = check(target, ModelDrafter(draft), [("p", prompt)], k=2, sampling=Sampling(1.0), length=450, samples=40)
     result = report["prompts"]["p"]
-    assert result["zero_probability_samples"] == 0 and report["passed"], format_report(report)
+    # 40 draws of 450 tokens: one cell (no verdict), but nothing impossible, so nothing rejects
+    assert result["zero_probability_samples"] == 0 and report["family_p"] == 1.0, format_report(report)
     law = TargetLaw(target, prompt, Sampling(1.0), set(), 450)
     (draw,) = draw_continuations(target, ModelDrafter(draft), prompt, 2, Sampling(1.0), 450, set(), 1, 0)
     factors = [float(law.row(draw.tokens[:i])[t]) for i, t in enumerate(draw.tokens)]
@@ -1006,4 +1012,4 @@ def test_a_check_whose_every_test_has_one_cell_gives_no_verdict(tiny_pair, tmp_p
     assert last["testable"] is False and last["passed"] is False
     assert "NO VERDICT: every test has a single cell" in out.stdout and "PASS" not in out.stdout
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
-        "error: exactness.samples=20 gives every test a single cell, so the check tested nothing")
+        "error: every test has a single cell, so the check tested nothing: either exactness.samples=20 is too few")

@@ -209,7 +209,8 @@ def test_value_dependent_ops_count_as_reads():
              "one_hot": lambda: F.one_hot(t), "to a device": lambda: torch.tensor([1, 2], device="meta"),
              "new_tensor on a device": lambda: t.to("meta").new_tensor([1])}
     quiet = {"one_hot, sized": lambda: F.one_hot(t, num_classes=5), "tensor on the host": lambda: torch.tensor([1, 2]),
-             "new_tensor on the host": lambda: t.new_tensor([1])}
+             "new_tensor on the host": lambda: t.new_tensor([1]),
+             "as_tensor of a tensor": lambda: torch.as_tensor(t.to("meta"), device="meta")}
     for name, op in {**reads, **quiet}.items():
         with HostReads() as watched:
             op()

@@ -566,3 +566,14 @@ def test_a_cell_out_of_memory_is_recorded_and_the_sweep_goes_on(tiny_pair, tmp_p
     assert failed["status"] == "failed" and "OutOfMemoryError" in failed["error"] and failed["done"] == 1
     assert len((failed_dir / "prompts.jsonl").read_text().splitlines()) == 1  # the prompt before the failure is kept
     assert not (failed_dir / "summary.json").exists()
+
+
+def test_the_output_folder_check_leaves_printing_and_interpolated_folders_alone(monkeypatch):
+    from harness.run import unwritable_output
+
+    assert unwritable_output(["hydra.run.dir=/etc/passwd/x"], False).startswith("hydra.run.dir=/etc/passwd/x: /etc/passwd is a file")
+    assert unwritable_output(["hydra.run.dir=/etc/passwd/x", "--cfg", "job"], False) is None  # Hydra only prints
+    assert unwritable_output(["hydra.run.dir=/etc/passwd/${oc.env:USER}"], False) is not None  # the fixed part is checked
+    monkeypatch.setattr("os.access", lambda *a: False)  # as in a read-only current folder
+    assert unwritable_output(["hydra.run.dir=${oc.env:HOME}/runs"], False) is None  # resolved by Hydra: not ours to guess
+    assert "is not writable" in unwritable_output([], False)
