@@ -127,7 +127,12 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
         raise HarnessError(f"{shown} is empty: it needs one prompt per row")
     try:
         # Escaped: data_files is a glob pattern, and a name like p[1].jsonl would match p1.jsonl instead.
-        ds = hf_datasets.load_dataset(fmt, data_files=glob.escape(str(path)), split="train", streaming=bool(cfg.get("streaming")))
+        streaming = bool(cfg.get("streaming"))
+        ds = hf_datasets.load_dataset(
+            fmt, data_files=glob.escape(str(path)), split="train", streaming=streaming, **_csv_as_written(path, fmt),
+            # The cache is keyed by path and modification time: a file rewritten with the time kept (cp -p, touch -r)
+            # would be read as it was, under the cell key of its new content. Rebuilt each time (seconds at most).
+            **({} if streaming else {"download_mode": "force_redownload"}))
         rows = _first_rows(ds, _rows_to_read(cfg))
     except (DatasetGenerationError, ValueError, StopIteration, OSError) as err:
         if isinstance(err, StopIteration) or "corresponds to no data" in str(err):
@@ -135,6 +140,25 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
         cause = err.__cause__ or err
         raise HarnessError(f"{shown} cannot be read as {fmt}: {_one_line(cause)}") from None
     return rows, _columns(ds)
+
+
+def _csv_as_written(path: Path, fmt: str) -> dict:
+    """load_dataset arguments that keep a CSV's cells as the file has them: pandas would otherwise read
+    id 001 as 1 and NA, None or N/A as missing (a category lost, a prompt dropped as empty)."""
+    if fmt != "csv":
+        return {}
+    import csv
+
+    from datasets import Features, Value
+
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            header = next(csv.reader(f))
+    except (OSError, UnicodeDecodeError, StopIteration, csv.Error):
+        return {"keep_default_na": False}  # load_dataset says what is wrong with the file
+    if len(set(header)) != len(header) or not all(header):
+        return {"keep_default_na": False}
+    return {"keep_default_na": False, "features": Features({name: Value("string") for name in header})}
 
 
 def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None]:
@@ -301,12 +325,12 @@ def _first_item(value: Any) -> Any:
 
 
 def _label(value: Any) -> str | None:
-    """An id or category as text (None stays None). An integral float is
-    written as an integer: a csv integer column with gaps reads as floats."""
+    """An id or category as text (None, and an empty csv cell, stay None). An integral float is
+    written as an integer: a json number column may hold 1.0."""
     value = _first_item(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return None if value is None else str(value)
+    return None if value is None or value == "" else str(value)
 
 
 class _RowFormatter(string.Formatter):
@@ -378,6 +402,9 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
                 text = "\n\n".join(str(t) for t in texts)
         except (KeyError, IndexError, TypeError, ValueError) as err:
             raise HarnessError(f"dataset.template does not fit row {index} of {cfg.name} ({type(err).__name__}: {err}): check the fields it names") from None
+        if not text.strip():  # a template over an empty or null field
+            empty += 1
+            continue
         pid = _label(row.get(id_field)) if id_field else None
         pid = f"{cfg.name}-{index}" if pid is None else pid
         if pid in seen:

@@ -376,3 +376,31 @@ def test_categories_flow_into_results(tiny_pair, tmp_path):
     records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
     assert {r["id"]: r["category"] for r in records} == {"81": "writing", "82": "writing", "111": "math", "112": "math"}
     assert "writing" in out.stdout and "math" in out.stdout  # the per-category table
+
+
+def test_csv_cells_are_read_as_the_file_has_them(tmp_path):
+    """pandas would read id 001 as 1, and NA, None or N/A as missing: a category lost, a prompt dropped."""
+    table = tmp_path / "c.csv"
+    table.write_text("uid,task,text\n001,NA,hello there\n002,EU,N/A\n003,None,plain\n,x,no id\n")
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=text",
+                                    "dataset.category_field=task", "dataset.id_field=uid").dataset)
+    assert [(p["id"], p["category"], p["prompt"]) for p in prompts] == [
+        ("001", "NA", "hello there"), ("002", "EU", "N/A"), ("003", "None", "plain"), ("local-3", "x", "no id")]
+
+
+def test_a_file_rewritten_with_its_time_kept_is_read_anew(tmp_path):
+    """datasets caches a local file by path and modification time: cp -p or touch -r keep the time, and the
+    old prompts would run under the cell key of the new content."""
+    rows = tmp_path / "q.jsonl"
+    for text in ("old text", "new and longer text"):
+        write_jsonl(rows, [{"question_id": 1, "category": "a", "turns": [text]}])
+        os.utime(rows, (1_700_000_000, 1_700_000_000))
+        [p] = load_prompts(composed("dataset=local", f"dataset.path={rows}").dataset)
+        assert p["prompt"] == text
+
+
+def test_a_template_that_renders_empty_skips_the_row(tmp_path):
+    rows = write_jsonl(tmp_path / "e.jsonl", [{"a": "x", "b": None}, {"a": "y", "b": "kept"}])
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.text_field=a",
+                                    "dataset.template='{b}'", "dataset.id_field=null", "dataset.category_field=null").dataset)
+    assert [p["prompt"] for p in prompts] == ["kept"]
