@@ -31,7 +31,9 @@ def main(cfg: DictConfig) -> float:
     try:
         summary = run_cell(cfg)
     except KeyboardInterrupt:
-        print("interrupted: finished prompts are saved; run the same command again to resume", file=sys.stderr)
+        again = ("run it again with force=false to resume (force=true starts the cell over)" if cfg.get("force") is True
+                 else "run the same command again to resume")
+        print(f"interrupted: finished prompts are saved; {again}", file=sys.stderr)
         record_job(_cell_of(cfg), error="interrupted", status="interrupted")
         if in_multirun():  # Hydra's on_job_end does not run after an interrupt: list the sweep's jobs so far now
             write_aggregate(HydraConfig.get().sweep.dir)

@@ -80,16 +80,31 @@ def record_job(summary: dict | None = None, error: str | None = None, status: st
         # as given, for an experiment folder moved or copied since (analysis.load tries both).
         "cell_dir": str(Path(summary["cell_dir"]).resolve()) if (summary or {}).get("cell_dir") else None,
         "cell_dir_given": (summary or {}).get("cell_dir"),
+        "sweep_dir": (str(Path(str(hydra_cfg.sweep.dir)).resolve())
+                      if OmegaConf.select(hydra_cfg, "mode", default=None) == RunMode.MULTIRUN else None),
     }
     _write_atomic(Path(hydra_cfg.runtime.output_dir) / POINTER, json.dumps(pointer, indent=2) + "\n")
 
 
+def _pointers(sweep_dir: str | Path) -> list[tuple[Path, dict]]:
+    """This sweep folder's job pointers: not those of another sweep stored beneath it (hydra.sweep.dir=exp
+    after hydra.sweep.dir=exp/first). A pointer names its sweep folder; an older one without it counts
+    when it sits in a job folder right under this one."""
+    sweep_dir, own = Path(sweep_dir), []
+    for path in sweep_dir.rglob(POINTER):
+        try:
+            pointer = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        named = pointer.get("sweep_dir")
+        if (Path(named) == sweep_dir.resolve()) if named else path.parent.parent == sweep_dir:
+            own.append((path, pointer))
+    return own
+
+
 def collect(sweep_dir: str | Path) -> list[dict]:
     """One row per job of the sweep that recorded a pointer, in job order."""
-    rows = []
-    for path in Path(sweep_dir).rglob(POINTER):
-        pointer = json.loads(path.read_text())
-        rows.append(_row(pointer))
+    rows = [_row(pointer) for _, pointer in _pointers(sweep_dir)]
     return sorted(rows, key=lambda r: (r["job"] is None, r["job"] if r["job"] is not None else 0, r["cell"] or ""))
 
 
@@ -172,7 +187,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def clear_pointers(sweep_dir: str | Path) -> None:
     """Remove the job pointers an earlier multirun left in a reused sweep directory
     (hydra.sweep.dir=multirun/exp), so that only this multirun's jobs are collected."""
-    for path in Path(sweep_dir).rglob(POINTER):
+    for path, _ in _pointers(sweep_dir):
         path.unlink(missing_ok=True)
 
 
@@ -189,7 +204,8 @@ class AggregateCallback(Callback):
         if job_return.status == JobStatus.FAILED and not (output_dir / POINTER).exists():
             error = getattr(job_return, "_return_value", None)  # an exception other than HarnessError
             pointer = {"job": config.hydra.job.num, "overrides": list(config.hydra.overrides.task), "status": "failed",
-                       "error": f"{type(error).__name__}: {error}", "cell": None, "cell_dir": None}
+                       "error": f"{type(error).__name__}: {error}", "cell": None, "cell_dir": None,
+                       "sweep_dir": str(Path(str(config.hydra.sweep.dir)).resolve())}
             _write_atomic(output_dir / POINTER, json.dumps(pointer, indent=2) + "\n")
         write_aggregate(config.hydra.sweep.dir)
 

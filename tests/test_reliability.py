@@ -577,3 +577,16 @@ def test_the_output_folder_check_leaves_printing_and_interpolated_folders_alone(
     monkeypatch.setattr("os.access", lambda *a: False)  # as in a read-only current folder
     assert unwritable_output(["hydra.run.dir=${oc.env:HOME}/runs"], False) is None  # resolved by Hydra: not ours to guess
     assert "is not writable" in unwritable_output([], False)
+
+
+@pytest.mark.parametrize("force, advice", [("false", "run the same command again to resume"),
+                                           ("true", "run it again with force=false to resume (force=true starts the cell over)")])
+def test_the_interrupt_message_says_how_to_resume(force, advice, tmp_path):
+    """force=true redoes a cell from the start, so "the same command" would not resume it."""
+    script = ("import harness.run as run\n"
+              "def interrupted(*a, **k):\n    raise KeyboardInterrupt\n"
+              "run.run_cell = interrupted\n"
+              "import runpy\nrunpy.run_module('harness', run_name='__main__', alter_sys=True)\n")
+    out = subprocess.run([sys.executable, "-c", script, f"force={force}", f"out_dir={tmp_path}", f"hydra.run.dir={tmp_path}/h"],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=120)
+    assert out.returncode == 130 and f"interrupted: finished prompts are saved; {advice}" in out.stderr, out.stderr

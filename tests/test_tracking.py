@@ -407,6 +407,27 @@ def test_a_reused_sweep_dir_aggregates_only_this_multiruns_jobs(tmp_path):
     assert [r["overrides"] for r in collect(sweep)] == ["k=1 temperature=0.7", "k=2 temperature=0.7"]
 
 
+def test_a_sweep_folder_above_another_sweep_leaves_its_pointers_alone(tmp_path):
+    """hydra.sweep.dir=exp/first, then hydra.sweep.dir=exp: the second multirun neither clears nor collects the
+    first one's jobs (analysis.report exp reads both); pointers name their sweep folder."""
+    from harness.callbacks import POINTER, AggregateCallback, collect
+
+    def job(sweep: Path, n: int, k: int, named: bool = True) -> Path:
+        (sweep / str(n)).mkdir(parents=True, exist_ok=True)
+        pointer = {"job": n, "overrides": [f"k={k}"], "status": "finished", "error": None, "cell": None, "cell_dir": None,
+                   **({"sweep_dir": str(sweep.resolve())} if named else {})}
+        (sweep / str(n) / POINTER).write_text(json.dumps(pointer))
+        return sweep / str(n) / POINTER
+
+    exp = tmp_path / "exp"
+    first = [job(exp / "first", 0, 1), job(exp / "first", 1, 2, named=False), job(exp / "older", 0, 8, named=False)]
+    AggregateCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(exp)}}}))
+    assert all(p.exists() for p in first)
+    job(exp, 0, 4)
+    assert [r["overrides"] for r in collect(exp)] == ["k=4"]
+    assert [r["overrides"] for r in collect(exp / "first")] == ["k=1", "k=2"]
+
+
 # Claims on cells.
 
 
