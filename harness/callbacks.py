@@ -87,19 +87,26 @@ def record_job(summary: dict | None = None, error: str | None = None, status: st
 
 
 def _pointers(sweep_dir: str | Path) -> list[tuple[Path, dict]]:
-    """This sweep folder's job pointers: not those of another sweep stored beneath it (hydra.sweep.dir=exp
-    after hydra.sweep.dir=exp/first). A pointer names its sweep folder; an older one without it counts
-    when it sits in a job folder right under this one."""
+    """This sweep folder's job pointers, not those of another sweep stored beneath it (hydra.sweep.dir=exp
+    after hydra.sweep.dir=exp/first): those in a job folder right under it (hydra.sweep.subdir, the job
+    number), which holds for a sweep folder copied, moved or reached by another path; and, deeper (a
+    subdir with slashes), those that name this folder as their sweep's."""
     sweep_dir, own = Path(sweep_dir), []
     for path in sweep_dir.rglob(POINTER):
         try:
             pointer = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        named = pointer.get("sweep_dir")
-        if (Path(named) == sweep_dir.resolve()) if named else path.parent.parent == sweep_dir:
+        if path.parent.parent == sweep_dir or _same_folder(pointer.get("sweep_dir"), sweep_dir):
             own.append((path, pointer))
     return own
+
+
+def _same_folder(named: str | None, folder: Path) -> bool:
+    try:
+        return named is not None and os.path.samefile(named, folder)
+    except OSError:
+        return False
 
 
 def collect(sweep_dir: str | Path) -> list[dict]:

@@ -130,9 +130,9 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
         streaming = bool(cfg.get("streaming"))
         ds = hf_datasets.load_dataset(
             fmt, data_files=glob.escape(str(path)), split="train", streaming=streaming, **_csv_as_written(path, fmt),
-            # The cache is keyed by path and modification time: a file rewritten with the time kept (cp -p, touch -r)
-            # would be read as it was, under the cell key of its new content. Rebuilt each time (seconds at most).
-            **({} if streaming else {"download_mode": "force_redownload"}))
+            # datasets keys its cache by path and modification time: a file rewritten with the time kept (cp -p,
+            # touch -r) would be read as it was, under the cell key of its new content. Here the content keys it.
+            **({} if streaming else {"cache_dir": _content_cache(path)}))
         rows = _first_rows(ds, _rows_to_read(cfg))
     except (DatasetGenerationError, ValueError, StopIteration, OSError) as err:
         if isinstance(err, StopIteration) or "corresponds to no data" in str(err):
@@ -140,6 +140,19 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
         cause = err.__cause__ or err
         raise HarnessError(f"{shown} cannot be read as {fmt}: {_one_line(cause)}") from None
     return rows, _columns(ds)
+
+
+def _content_cache(path: Path) -> str:
+    """A datasets cache folder for this file's content (its SHA-256), so an edit is never read from an old copy."""
+    import hashlib
+
+    from datasets import config
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return str(Path(config.HF_DATASETS_CACHE) / "specbench-local" / digest.hexdigest()[:16])
 
 
 def _csv_as_written(path: Path, fmt: str) -> dict:
@@ -153,7 +166,7 @@ def _csv_as_written(path: Path, fmt: str) -> dict:
 
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:
-            header = next(csv.reader(f))
+            header = next(row for row in csv.reader(f) if any(cell.strip() for cell in row))  # pandas skips blank lines
     except (OSError, UnicodeDecodeError, StopIteration, csv.Error):
         return {"keep_default_na": False}  # load_dataset says what is wrong with the file
     if len(set(header)) != len(header) or not all(header):
@@ -336,11 +349,23 @@ def _label(value: Any) -> str | None:
 class _RowFormatter(string.Formatter):
     """Formats a template over a row: a list field written bare ({turns}) is
     its first item, indexed ({turns[1]}) the item; a null field (a jsonl row
-    without it reads as null) is empty."""
+    without it reads as null) is empty; a number a csv holds as text takes a
+    number's format spec ({score:.2f}, {n:03d})."""
 
     def format_field(self, value: Any, spec: str) -> str:
         value = _first_item(value)
-        return format("" if value is None else value, spec)
+        value = "" if value is None else value
+        try:
+            return format(value, spec)
+        except ValueError:
+            if not isinstance(value, str):
+                raise
+            for number in (int, float):
+                try:
+                    return format(number(value), spec)
+                except ValueError:
+                    continue
+            raise
 
 
 def _check_fields(cfg, needed: list[str], columns: list[str]) -> None:
@@ -415,8 +440,10 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
 
     if read == 0:
         raise HarnessError(f"{cfg.name} holds no rows: it needs one prompt per row")
+    what_empty = ("/".join(text_fields) + (" (or dataset.template renders empty)" if template else "") if text_fields
+                  else "dataset.template (as rendered)")
     if empty:
-        print(f"[harness] warning: {cfg.name}: {empty} of {read} rows have an empty {'/'.join(text_fields)} and were left out", file=sys.stderr)
+        print(f"[harness] warning: {cfg.name}: {empty} of {read} rows have an empty {what_empty} and were left out", file=sys.stderr)
     if not prompts:
-        raise HarnessError(f"{cfg.name} gave no prompts: all {read} rows read have an empty {'/'.join(text_fields)}")
+        raise HarnessError(f"{cfg.name} gave no prompts: all {read} rows read have an empty {what_empty}")
     return prompts

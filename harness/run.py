@@ -388,7 +388,8 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
 def unwritable_output(argv: list[str], multirun: bool) -> str | None:
     """Why Hydra could not make its output folder (a traceback from Hydra), or None: the folder
     `hydra.run.dir=` / `hydra.sweep.dir=` gives, else conf/config.yaml's under the current folder."""
-    if any(arg.startswith(("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help")) for arg in argv):
+    if any(arg in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") or arg.startswith(("--cfg=", "--info="))
+           for arg in argv):
         return None  # Hydra only prints
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = next((arg.partition("=")[2] for arg in argv if arg.lstrip("+").partition("=")[0] == key), None)

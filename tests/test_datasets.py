@@ -404,3 +404,20 @@ def test_a_template_that_renders_empty_skips_the_row(tmp_path):
     prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.text_field=a",
                                     "dataset.template='{b}'", "dataset.id_field=null", "dataset.category_field=null").dataset)
     assert [p["prompt"] for p in prompts] == ["kept"]
+
+
+def test_csv_numbers_take_number_formats_and_blank_first_lines_are_skipped(tmp_path):
+    table = tmp_path / "n.csv"
+    table.write_text("\n  \nid,text,score,n\n1,hi,3.14159,7\n")
+    [p] = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=text",
+                                "dataset.template='{text} {score:.2f} {n:03d} {text:>4}'", "dataset.id_field=id",
+                                "dataset.category_field=null").dataset)
+    assert (p["id"], p["prompt"]) == ("1", "hi 3.14 007   hi")
+
+
+def test_rows_a_template_renders_empty_are_named_by_the_template(tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "t.jsonl", [{"text": ""}, {"text": "kept"}])
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.text_field=null",
+                                    "dataset.template='{text}'", "dataset.id_field=null", "dataset.category_field=null").dataset)
+    assert [p["prompt"] for p in prompts] == ["kept"]
+    assert "1 of 2 rows have an empty dataset.template (as rendered) and were left out" in capsys.readouterr().err

@@ -573,6 +573,7 @@ def test_the_output_folder_check_leaves_printing_and_interpolated_folders_alone(
 
     assert unwritable_output(["hydra.run.dir=/etc/passwd/x"], False).startswith("hydra.run.dir=/etc/passwd/x: /etc/passwd is a file")
     assert unwritable_output(["hydra.run.dir=/etc/passwd/x", "--cfg", "job"], False) is None  # Hydra only prints
+    assert unwritable_output(["-cn", "config", "hydra.run.dir=/etc/passwd/x"], False) is not None  # -cn: a config name
     assert unwritable_output(["hydra.run.dir=/etc/passwd/${oc.env:USER}"], False) is not None  # the fixed part is checked
     monkeypatch.setattr("os.access", lambda *a: False)  # as in a read-only current folder
     assert unwritable_output(["hydra.run.dir=${oc.env:HOME}/runs"], False) is None  # resolved by Hydra: not ours to guess

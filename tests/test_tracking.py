@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -426,6 +427,13 @@ def test_a_sweep_folder_above_another_sweep_leaves_its_pointers_alone(tmp_path):
     job(exp, 0, 4)
     assert [r["overrides"] for r in collect(exp)] == ["k=4"]
     assert [r["overrides"] for r in collect(exp / "first")] == ["k=1", "k=2"]
+    shutil.copytree(exp / "first", tmp_path / "copy")  # a sweep folder copied (or reached by another path): its jobs stay its own
+    assert [r["overrides"] for r in collect(tmp_path / "copy")] == ["k=1", "k=2"]
+    deep = exp / "deep" / "a" / "0"  # a hydra.sweep.subdir with a slash: the pointer names its sweep folder
+    deep.mkdir(parents=True)
+    (deep / POINTER).write_text(json.dumps({"job": 0, "overrides": ["k=16"], "status": "finished", "error": None, "cell": None,
+                                            "cell_dir": None, "sweep_dir": str((exp / "deep").resolve())}))
+    assert [r["overrides"] for r in collect(exp / "deep")] == ["k=16"]
 
 
 # Claims on cells.
