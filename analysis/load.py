@@ -472,6 +472,8 @@ def _text_settings(dataset: dict) -> dict:
         settings["source"] = Path(str(dataset["path"])).name
     elif any(f in dataset for f in ("hf_id", "hf_config", "split")):
         settings["source"] = ":".join(str(dataset.get(f)) for f in ("hf_id", "hf_config", "split") if dataset.get(f) is not None)
+        if dataset.get("revision"):  # a pinned revision is other rows, perhaps
+            settings["source"] += f"@{dataset['revision']}"
     return settings
 
 

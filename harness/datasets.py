@@ -182,7 +182,8 @@ def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None]:
     offline_reason = _offline_reason()
     try:
         with _offline(offline_reason is not None):
-            ds = hf_datasets.load_dataset(hf_id, cfg.get("hf_config"), split=cfg.split, streaming=streaming)
+            ds = hf_datasets.load_dataset(hf_id, cfg.get("hf_config"), split=cfg.split, streaming=streaming,
+                                          revision=cfg.get("revision"))
             if isinstance(ds, (hf_datasets.DatasetDict, hf_datasets.IterableDatasetDict)):  # split=null: every split
                 raise HarnessError(f"dataset.split=null reads every split of {hf_id} ({cfg.name}): set dataset.split to one of "
                                    f"{', '.join(ds)}")

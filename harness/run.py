@@ -516,6 +516,8 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
         if isinstance(keyed.get(name), (int, float)):
             keyed[name] = float(keyed[name])
+    if keyed["dataset"].get("revision", "") is None:  # unpinned, as before the setting existed: the same cells
+        del keyed["dataset"]["revision"]
     if (sha256 := dataset_sha256(cfg)) is not None:  # an edited file is another prompt set
         keyed["dataset"]["file_sha256"] = sha256
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]

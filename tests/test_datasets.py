@@ -421,3 +421,25 @@ def test_rows_a_template_renders_empty_are_named_by_the_template(tmp_path, capsy
                                     "dataset.template='{text}'", "dataset.id_field=null", "dataset.category_field=null").dataset)
     assert [p["prompt"] for p in prompts] == ["kept"]
     assert "1 of 2 rows have an empty dataset.template (as rendered) and were left out" in capsys.readouterr().err
+
+
+def test_a_hub_sets_revision_reaches_load_dataset_and_the_cell_key(monkeypatch):
+    """Pinning a revision reads those rows and is another cell; unpinned keeps the keys cells had before."""
+    from omegaconf import open_dict
+
+    from harness.run import cell_key
+
+    seen = {}
+
+    def fake_load(hf_id, config=None, split=None, streaming=False, revision=None):
+        seen["revision"] = revision
+        return datasets.Dataset.from_list([{"question": "What is 2 + 2?"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    [p] = load_prompts(composed("dataset=gsm8k", "dataset.revision=abc123", "dataset.num_prompts=1").dataset)
+    assert seen["revision"] == "abc123" and p["prompt"] == "What is 2 + 2?"
+    unpinned = with_default_pair(composed("dataset=gsm8k"))
+    before = unpinned.copy()
+    with open_dict(before):
+        del before.dataset["revision"]  # a config from before the setting existed
+    assert cell_key(unpinned) == cell_key(before) != cell_key(with_default_pair(composed("dataset=gsm8k", "dataset.revision=abc123")))

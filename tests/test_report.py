@@ -1266,3 +1266,11 @@ def test_report_mistakes_are_one_line(tmp_path, capsys):
     assert report.main([str(tmp_path / "results"), "--resamples", "50"]) == 0
     assert f"warning: cell {cell.name}: its summary.json is not a finished cell's" in capsys.readouterr().err
     assert f"cell {cell.name}: its summary.json is not a finished cell's" in (tmp_path / "results" / "report" / "report.md").read_text()
+
+
+def test_a_pinned_hub_revision_is_part_of_a_datasets_source():
+    from analysis.load import _text_settings
+
+    hub = {"hf_id": "openai/gsm8k", "hf_config": "main", "split": "test", "revision": None}
+    assert _text_settings(hub)["source"] == "openai/gsm8k:main:test"
+    assert _text_settings({**hub, "revision": "abc123"})["source"] == "openai/gsm8k:main:test@abc123"
