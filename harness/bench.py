@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -71,7 +70,7 @@ from harness.models import CachedLM, resolve_device
 from harness.prompts import as_tensor, encode_within, select
 from harness.run import (
     CONF_DIR, _current_rss_mb, _peak_rss_mb, _reset_peak_rss, _sync, _write_json_atomic, check_choices, conditions, load_pair,
-    measure_costs, process_peak_rss_mb, run_prompt, validate, with_default_pair,
+    measure_costs, process_peak_rss_mb, run_prompt, unmakeable, validate, with_default_pair,
 )
 from harness.sampling import Sampling
 
@@ -619,16 +618,7 @@ def _k(value: str) -> int:
 
 def unwritable(path: Path) -> str | None:
     """Why the JSON could not be written at `path` (checked before the minutes of measuring), or None."""
-    if path.is_dir():
-        return "is a folder: give a file name, e.g. results/bench/bench.json"
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is a file, not a folder"
-    if not os.access(parent, os.W_OK):
-        return f"{parent} is not writable"
-    return None
+    return "is a folder: give a file name, e.g. results/bench/bench.json" if path.is_dir() else unmakeable(path.parent)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import re
 import string
 import sys
@@ -142,17 +143,20 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
     return rows, _columns(ds)
 
 
-def _content_cache(path: Path) -> str:
-    """A datasets cache folder for this file's content (its SHA-256), so an edit is never read from an old copy."""
-    import hashlib
-
-    from datasets import config
-
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a prompt file: its cell key's part (harness.run.dataset_sha256) and its cache's name."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return str(Path(config.HF_DATASETS_CACHE) / "specbench-local" / digest.hexdigest()[:16])
+    return digest.hexdigest()
+
+
+def _content_cache(path: Path) -> str:
+    """A datasets cache folder for this file's content, so an edit is never read from an old copy."""
+    from datasets import config
+
+    return str(Path(config.HF_DATASETS_CACHE) / "specbench-local" / file_sha256(path)[:16])
 
 
 def _csv_as_written(path: Path, fmt: str) -> dict:

@@ -82,8 +82,8 @@ def _is_read(func, args, kwargs) -> bool:
         classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
         return classes == -1
     if func in _FROM_HOST:
-        data = args[1] if func is _T.new_tensor and len(args) > 1 else args[0] if args and func is not _T.new_tensor else None
-        if isinstance(data, torch.Tensor):  # a tensor already somewhere: no Python data to copy from the host
+        data = args[1:2] if func is _T.new_tensor else args[:1]  # (self, data) or (data)
+        if data and isinstance(data[0], torch.Tensor):  # a tensor already somewhere: no Python data to copy from the host
             return False
         device = kwargs.get("device")
         if device is None and func is _T.new_tensor and args:

@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from harness import cpu_linear, metrics, tracking
-from harness.datasets import load_prompts
+from harness.datasets import file_sha256, load_prompts
 from harness.drafters import Drafter, ModelDrafter, NgramDrafter, check_lookup_length
 from harness.errors import HarnessError
 from harness.loop import autoregressive_decode, speculative_decode
@@ -385,6 +385,17 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
             sys.exit(2)
 
 
+def unmakeable(folder: Path) -> str | None:
+    """Why `folder` could not be made or written to (its nearest existing ancestor is a file, or not
+    writable), or None."""
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK):
+        return f"{existing.resolve()} is not writable"
+    return None
+
+
 def unwritable_output(argv: list[str], multirun: bool) -> str | None:
     """Why Hydra could not make its output folder (a traceback from Hydra), or None: the folder
     `hydra.run.dir=` / `hydra.sweep.dir=` gives, else conf/config.yaml's under the current folder."""
@@ -396,14 +407,9 @@ def unwritable_output(argv: list[str], multirun: bool) -> str | None:
     fixed = (given or "").strip("'\"").partition("${")[0]  # the part before an interpolation (${oc.env:HOME}/runs: none)
     if given and not fixed:
         return None
-    folder = Path(fixed).expanduser() if given else Path("multirun" if multirun else "outputs")
-    existing = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
+    problem = unmakeable(Path(fixed).expanduser() if given else Path("multirun" if multirun else "outputs"))
     where = f"{key}={given}" if given else f"the current folder, {Path.cwd()}"
-    if not existing.is_dir():
-        return f"{where}: {existing} is a file, not a folder: give {key} a folder that can be made"
-    if not os.access(existing, os.W_OK):
-        return f"{where}: {existing.resolve()} is not writable: give {key}=<a writable folder>"
-    return None
+    return f"{where}: {problem}: give {key}=<a folder that can be made>" if problem else None
 
 
 def _positive_int(value: Any) -> bool:
@@ -533,15 +539,7 @@ def dataset_sha256(cfg: DictConfig) -> str | None:
     """The SHA-256 of the file a prompt set is read from: `dataset.path` of dataset=local or of a
     hub set read from a local copy (None when prompts come from the hub or the builtin set)."""
     data_file = Path(str(cfg.dataset.get("path") or "")).expanduser()
-    return _file_sha256(data_file) if data_file.is_file() else None
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(data_file) if data_file.is_file() else None
 
 
 def _linear_plan(record: dict) -> tuple[int, ...] | None:
