@@ -69,7 +69,7 @@ from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
 from harness.prompts import as_tensor, encode_within, select
 from harness.run import (
-    CONF_DIR, _current_rss_mb, _peak_rss_mb, _reset_peak_rss, _sync, _write_json_atomic, check_choices, conditions, load_pair,
+    CONF_DIR, _current_rss_mb, _peak_rss_mb, _reset_peak_rss, _sync, _write_json_atomic, check_choices, compiled_k_message, conditions, load_pair,
     measure_costs, process_peak_rss_mb, run_prompt, unmakeable, validate, with_default_pair,
 )
 from harness.sampling import Sampling
@@ -645,6 +645,9 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"{arg}: the bench sets this with {BENCH_FLAGS[arg.partition('=')[0].lstrip('+')]}")
     if message := unwritable(args.out):
         parser.error(f"--out {args.out}: {message}")
+    if max(args.ks) > args.max_new_tokens:  # as validate() refuses k above max_new_tokens
+        parser.error(f"--ks {' '.join(map(str, args.ks))}: each must be at most --max-new-tokens {args.max_new_tokens} "
+                     f"(a cycle drafts at most {args.max_new_tokens - 1})")
     check_choices(args.overrides, sweeps=False)  # as `python -m harness` checks them: one line for an unknown name
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -653,6 +656,8 @@ def main(argv: list[str] | None = None) -> dict:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=args.overrides))
     validate(cfg)  # e.g. compile=true without cache=static would recompile ours at every step while HF ran compiled
+    if cfg.compile and max(args.ks) + 1 > CachedLM.COMPILED_MAX_TOKENS:  # validate() saw only cfg.k, not --ks
+        parser.error(f"--ks {' '.join(map(str, args.ks))}: {compiled_k_message(max(args.ks))}")
     device = resolve_device(cfg.device)
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)  # a dataset problem before a model loads
     pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)

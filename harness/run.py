@@ -426,6 +426,11 @@ PROMPT_SEED_STRIDE = 1_000_003
 MAX_SEED = (2**64 - 1) // PROMPT_SEED_STRIDE - 1_000  # torch takes seeds below 2**64; leaves room for 10^9 prompt indices
 
 
+def compiled_k_message(k: int) -> str:
+    return (f"k={k} with compile=true: compiled steps take at most {CachedLM.COMPILED_MAX_TOKENS} positions and a verify "
+            f"takes k + 1 = {k + 1}, which would run eagerly: use k <= {CachedLM.COMPILED_MAX_TOKENS - 1}, or compile=false")
+
+
 def validate(cfg: DictConfig) -> None:
     data = cfg.dataset
     checks = [
@@ -451,6 +456,9 @@ def validate(cfg: DictConfig) -> None:
         (isinstance(data.get("streaming", False), bool), f"dataset.streaming={data.get('streaming')} must be true or false"),
         (cfg.cache in ("dynamic", "static"), f"cache={cfg.cache} must be dynamic or static"),
         (not cfg.compile or cfg.cache == "static", "compile=true needs fixed shapes: add cache=static"),
+        # Longer steps run eagerly (CachedLM.forward): a run labelled compiled would time its full verifies eager.
+        (not cfg.compile or not _positive_int(cfg.k) or cfg.k + 1 <= CachedLM.COMPILED_MAX_TOKENS,
+         compiled_k_message(cfg.k)),
         (cfg.cpu_linear in cpu_linear.MODES, f"cpu_linear={cfg.cpu_linear} must be one of {', '.join(cpu_linear.MODES)}"),
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),

@@ -193,3 +193,17 @@ def test_the_largest_seed_seeds_every_prompt():
 
     validate(with_default_pair(composed([f"seed={MAX_SEED}"])))
     torch.Generator().manual_seed(MAX_SEED * PROMPT_SEED_STRIDE + 10**9)
+
+
+def test_compile_refuses_a_k_whose_verify_would_run_eagerly():
+    """CachedLM compiles steps of up to COMPILED_MAX_TOKENS positions and runs longer ones eagerly: a
+    compiled run at k=16 timed its full verifies eager while its cell said compile=true."""
+    from harness.errors import HarnessError
+    from harness.models import CachedLM
+
+    top = CachedLM.COMPILED_MAX_TOKENS - 1
+    validate(with_default_pair(composed(["cache=static", "compile=true", f"k={top}"])))
+    validate(with_default_pair(composed(["cache=static", f"k={top + 1}"])))  # eager: any k
+    with pytest.raises(HarnessError, match=re.escape(f"k={top + 1} with compile=true: compiled steps take at most {top + 1} "
+                                                     f"positions and a verify takes k + 1 = {top + 2}, which would run eagerly")):
+        validate(with_default_pair(composed(["cache=static", "compile=true", f"k={top + 1}"])))
