@@ -5,7 +5,10 @@ On a small draft the LM head dominates the cost of a step (SmolLM2's
 draft is a few transformer layers on top of the target's embedding table,
 with a head restricted to the S most frequent tokens: its q is zero
 outside those S tokens, which the accept / reject rule handles exactly
-(the residual max(0, p - q) then carries that mass).
+(the residual max(0, p - q) then carries that mass). A model that caps its
+logits after the head (Gemma 2's final_logit_softcapping) turns the -inf
+outside them into -cap, so q keeps a little mass there and the draft can
+propose such a token: still exact, since q is the law the drafts came from.
 
 On disk only what is not shared is stored, in one directory:
   harness_draft.json   format, head size, how the weights were made;
