@@ -62,6 +62,7 @@ from transformers import __version__ as transformers_version
 from transformers.utils import logging as hf_logging
 
 from harness import loop, metrics
+from harness.metrics import _ratio
 from harness.datasets import load_prompts
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
@@ -413,7 +414,7 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     finally:
         loop.verify_greedy, loop._apply_stops = saved
     spec_tokens, spec_s, base_tokens, base_s = (sum(column) for column in zip(*per_rep))
-    speedups = [(st / ss) / (bt / bs) for st, ss, bt, bs in per_rep]
+    speedups = [_ratio(_ratio(st, ss), _ratio(bt, bs)) for st, ss, bt, bs in per_rep]
     instrumented = {}
     if device.type == "cuda":
         # The breakdown above synchronises after every forward, which on a GPU serialises the
@@ -427,20 +428,20 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     # Cycle accounting: each cycle costs k' draft steps and one verify of k'+1 positions,
     # in units of one target step; the baseline costs one step per token.
     cycle_cost = sum(cy.num_drafted * c + v[cy.num_drafted] for cy in decode_cycles)
-    by_cycles = spec_tokens / cycle_cost
+    by_cycles = _ratio(spec_tokens, cycle_cost)
     # The same prediction from what the forwards cost inside the loop: on a CPU the two
     # models evict each other's weights from the caches, so a step costs more in the
     # loop than in measure_costs' isolated repetitions.
-    step_in_loop = spent["base_forward"] / spent["base_forwards"]
+    step_in_loop = _ratio(spent["base_forward"], spent["base_forwards"])
     drafted = sum(cy.num_drafted for cy in decode_cycles)
-    c_loop = spent["forward_1"] / spent["forwards_1"] / step_in_loop
+    c_loop = _ratio(_ratio(spent["forward_1"], spent["forwards_1"]), step_in_loop)  # nan: nothing drafted (every run ended early)
     # v(n) in the loop, from its verify passes over n positions (every decode-phase target forward
     # is one; cycles near the token budget verify fewer than k + 1, and are kept apart).
     v_loop_n = {n: spent[f"forward_0@{n}"] / spent[f"forwards_0@{n}"] / step_in_loop
                 for n in range(1, k + 2) if spent.get(f"forwards_0@{n}")}
-    v_loop = v_loop_n.get(k + 1, spent["forward_0"] / spent["forwards_0"] / step_in_loop)
+    v_loop = v_loop_n.get(k + 1, _ratio(_ratio(spent["forward_0"], spent["forwards_0"]), step_in_loop))
     by_formula_loop = metrics.predicted_speedup(alpha, k, c_loop, v_loop)
-    by_cycles_loop = spec_tokens / sum(cy.num_drafted * c_loop + v_loop_n[cy.num_drafted + 1] for cy in decode_cycles)
+    by_cycles_loop = _ratio(spec_tokens, sum(cy.num_drafted * c_loop + v_loop_n[cy.num_drafted + 1] for cy in decode_cycles))
     outside = {"rule": spent["rule"], "rollback": spent["rollback"], "stops": spent["stops"]}
     outside["rest (tensor glue, python)"] = spec_s - spent["forward"] - sum(outside.values())
     return {
@@ -456,9 +457,9 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
                     "predicted_speedup": by_formula_loop, "efficiency": measured / by_formula_loop,
                     "predicted_speedup_cycles": by_cycles_loop, "efficiency_cycles": measured / by_cycles_loop},
         "spec_decode_s": spec_s, "base_decode_s": base_s, "spec_decode_tokens": spec_tokens, "base_decode_tokens": base_tokens,
-        "overhead_fraction": 1 - spent["forward"] / spec_s,
+        "overhead_fraction": 1 - _ratio(spent["forward"], spec_s),
         "overhead_s": outside,
-        "overhead_per_cycle_ms": 1000 * (spec_s - spent["forward"]) / len(decode_cycles),
+        "overhead_per_cycle_ms": 1000 * _ratio(spec_s - spent["forward"], len(decode_cycles)),
         "decode_cycles": len(decode_cycles),
         **instrumented,
     }
@@ -479,7 +480,7 @@ def _plain_decode_speedup(pair, encoded, k: int, n: int, device, rep: int) -> fl
                 run = _decode_phase(autoregressive_decode(pair.target, ids, GREEDY, n, pair.eos_ids, None), device, [], Stopwatch(device))
                 totals[2] += len(run["items"]) - 1
                 totals[3] += run["decode_s"]
-    return (totals[0] / totals[1]) / (totals[2] / totals[3])
+    return _ratio(_ratio(totals[0], totals[1]), _ratio(totals[2], totals[3]))
 
 
 def memory(pair, cfg, prompts, encoded, args, device) -> dict:
@@ -621,7 +622,8 @@ def unwritable(path: Path) -> str | None:
     return "is a folder: give a file name, e.g. results/bench/bench.json" if path.is_dir() else unmakeable(path.parent)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The bench's flags, checked before anything loads (a bad one exits 2 with one line)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=6)
@@ -645,10 +647,18 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"{arg}: the bench sets this with {BENCH_FLAGS[arg.partition('=')[0].lstrip('+')]}")
     if message := unwritable(args.out):
         parser.error(f"--out {args.out}: {message}")
-    if max(args.ks) > args.max_new_tokens:  # as validate() refuses k above max_new_tokens
-        parser.error(f"--ks {' '.join(map(str, args.ks))}: each must be at most --max-new-tokens {args.max_new_tokens} "
-                     f"(a cycle drafts at most {args.max_new_tokens - 1})")
+    if max(args.ks) + 3 > args.max_new_tokens:
+        # The limit part times the decode phase, after each prompt's first cycle (up to k + 1 tokens): it needs
+        # cycles after it that draft, and a cycle drafts at most the tokens left but one.
+        parser.error(f"--max-new-tokens {args.max_new_tokens}: give at least the largest of --ks plus 3 ({max(args.ks) + 3}), "
+                     f"so that cycles after each prompt's first still draft (the limit part times those)")
+    args.ks = list(dict.fromkeys(args.ks))  # --ks 2 2 would run k=2's parts twice and count its lookup floor twice
     check_choices(args.overrides, sweeps=False)  # as `python -m harness` checks them: one line for an unknown name
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser, args = parse_args(argv)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     started = time.time()

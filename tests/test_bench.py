@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -141,7 +142,8 @@ def test_the_bench_checks_its_config_as_the_harness_does(tiny_pair, tmp_path, ar
     (["--ks", "1", "+pair=smollm2_ngram"], "'+pair=smollm2_ngram' is an override, not a k: put overrides before --ks"),
     (["--out", "/etc/passwd/x.json"], "--out /etc/passwd/x.json: /etc/passwd is a file, not a folder"),
     (["--out", "/tmp"], "--out /tmp: is a folder"),
-    (["--ks", "1", "9", "--max-new-tokens", "8"], "--ks 1 9: each must be at most --max-new-tokens 8 (a cycle drafts at most 7)"),
+    (["--ks", "1", "9", "--max-new-tokens", "8"], "--max-new-tokens 8: give at least the largest of --ks plus 3 (12)"),
+    (["--ks", "1", "--max-new-tokens", "3"], "--max-new-tokens 3: give at least the largest of --ks plus 3 (4)"),  # crashed in limit()
     (["cache=static", "compile=true", "--ks", "1", "16"], "--ks 1 16: k=16 with compile=true: compiled steps take at most 16 positions"),
 ])
 def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, monkeypatch):
@@ -149,6 +151,32 @@ def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, m
     with pytest.raises(SystemExit) as stop:
         bench.main(flags)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_k_given_twice_runs_once():
+    """--ks 2 2 ran k=2's parts twice and summed its lookup floor twice (HF's lookup then looked 2x off the floor)."""
+    _, args = bench.parse_args(["--ks", "2", "1", "2", "--max-new-tokens", "8"])
+    assert args.ks == [2, 1]
+
+
+def test_the_limit_part_survives_a_decode_phase_without_drafts(tiny_pair, tmp_path, monkeypatch):
+    """Every prompt ending in its first cycle (EOS) leaves the decode phase no draft forward: the
+    in-loop costs are unknown (nan), not a ZeroDivisionError after minutes of measuring."""
+    real = bench.limit
+
+    def ends_early(pair, *args, **kwargs):
+        eos, pair.eos_ids = pair.eos_ids, set(range(pair.target.vocab_size))  # the first committed token ends a prompt
+        try:
+            return real(pair, *args, **kwargs)
+        finally:
+            pair.eos_ids = eos  # the pair is cached for later tests
+
+    monkeypatch.setattr(bench, "limit", ends_early)
+    result = bench.main(["--reps", "1", "--prompts", "2", "--ks", "1", "--max-new-tokens", "6", "--memory-prompts", "0",
+                         "--skip-throughput", "--out", str(tmp_path / "b.json"), "+pair=llama_7b_68m",
+                         f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}"])
+    (lim,) = result["limits"].values()
+    assert lim["decode_cycles"] == 0 and math.isnan(lim["in_loop"]["cost_ratio"]) and math.isnan(lim["measured_speedup"])
 
 
 def test_hf_refusing_the_static_cache_is_one_clear_error():
