@@ -229,7 +229,8 @@ class CachedLM:
             if compile and any(self.cache.is_sliding):
                 raise HarnessError(f"{type(model).__name__} has sliding-window layers, whose static cache (transformers' "
                                    f"StaticSlidingWindowLayer) compiles a new graph at every length: use compile=false")
-        self.compiled = _compile(model) if compile else None
+        self.graphs = compile and self.device.type == "cuda"  # CUDA graphs (mode="reduce-overhead"): see warm_up
+        self.compiled = _compile(model, "reduce-overhead" if self.graphs else None) if compile else None
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
         self.growing: dict[int, GrowingLayer] = {}  # the dynamic cache's in-place layers, kept across sequences
@@ -278,14 +279,17 @@ class CachedLM:
     def warm_up(self, shapes: list[tuple[int, int]]) -> None:
         """Compile the steps a run will take now, outside any timing: each
         (input tokens, logits kept) pair after a one-token prompt. No-op when
-        not compiled."""
+        not compiled. With CUDA graphs each step is called twice: torch's graph
+        trees run a function's first call as a warm-up and record its graph at
+        the second, which would otherwise happen inside the first timed prompt."""
         if self.compiled is None:
             return
         ids = torch.zeros(1 + max(t for t, _ in shapes), dtype=torch.long, device=self.device)
-        for tokens, num_logits in shapes:
-            self.reset()
-            self.forward(ids[:1])  # the prompt: eager, and it initialises the static cache
-            self.forward(ids[1 : 1 + tokens], num_logits=num_logits)
+        for _ in range(2 if self.graphs else 1):
+            for tokens, num_logits in shapes:
+                self.reset()
+                self.forward(ids[:1])  # the prompt: eager, and it initialises the static cache
+                self.forward(ids[1 : 1 + tokens], num_logits=num_logits)
         self.reset()
 
     @torch.inference_mode()
@@ -380,7 +384,7 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _compile(model: PreTrainedModel):
+def _compile(model: PreTrainedModel, mode: str | None):
     """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
     Hooks registered on the model still run. Calls run `unwatched`: a host-read count
     (harness.host_syncs) active around them would make dynamo compile them anew."""
@@ -394,5 +398,4 @@ def _compile(model: PreTrainedModel):
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * getattr(config, limit))
     if hasattr(config, "fail_on_recompile_limit_hit") and not config.suppress_errors:  # torch refuses both at once
         config.fail_on_recompile_limit_hit = True
-    mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
     return functools.partial(unwatched, torch.compile(model, mode=mode, dynamic=False))

@@ -300,6 +300,23 @@ def test_warm_up_compiles_every_step_a_run_takes(tiny_pair):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def test_with_cuda_graphs_warm_up_calls_every_step_twice(tiny_pair):
+    """torch's CUDA graph trees run a function's first call as a warm-up and record its graph at the
+    second: one call per step left the recording inside the first timed prompt."""
+    cpu = torch.device("cpu")
+    lm = CachedLM(load_model(ModelSpec(str(tiny_pair["target"])), cpu), 98, "static", 256, compile=True)
+    assert not lm.graphs  # on a CPU: no CUDA graphs, one call each
+    calls = []
+    compiled = lm.compiled
+    lm.compiled = lambda input_ids, **kwargs: calls.append(input_ids.shape[-1]) or compiled(input_ids=input_ids, **kwargs)
+    lm.warm_up([(1, 1), (2, 2)])
+    assert sorted(calls) == [1, 2]
+    calls.clear()
+    lm.graphs = True  # as on CUDA, where steps compile with mode="reduce-overhead"
+    lm.warm_up([(1, 1), (2, 2)])
+    assert sorted(calls) == [1, 1, 2, 2]
+
+
 # v(n), n = 1..5 positions scored over one, as measured on a 2-core CPU (docs/performance.md):
 # the cost jumps between 3 and 4 positions.
 CPU_VERIFY_COST = [1.0, 1.12, 1.19, 1.58, 1.65]

@@ -240,11 +240,11 @@ def test_compiling_makes_running_out_of_graphs_an_error():
     saved = {k: getattr(config, k) for k in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")}
     suppress = config.suppress_errors
     try:
-        _compile(make_model(98, seed=1))
+        _compile(make_model(98, seed=1), None)
         assert config.recompile_limit >= 64 * CachedLM.COMPILED_MAX_TOKENS and config.fail_on_recompile_limit_hit
         assert config.accumulated_recompile_limit >= config.recompile_limit
         config.fail_on_recompile_limit_hit, config.suppress_errors = False, True  # torch refuses the two together
-        _compile(make_model(98, seed=1))
+        _compile(make_model(98, seed=1), None)
         assert not config.fail_on_recompile_limit_hit
     finally:
         config.suppress_errors = suppress
