@@ -22,7 +22,9 @@ Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
      path (static cache, compile_config) so that both sides are compiled.
      Compared outputs must be token-identical, or the benchmark stops; the one
      exception is a numerical tie (outputs part where the target's two best logits
-     are within its dtype's rounding, TIE_LOGIT_GAP), recorded in greedy_ties. The target's
+     are within its dtype's rounding, TIE_LOGIT_GAP, and every later token is still the
+     target's greedy choice on the contender's own output, up to such a tie), recorded in
+     greedy_ties. The target's
      forward passes per contender are counted: equal counts show that HF verified
      the same number of drafted tokens per cycle as we did.
      Each ratio splits into a part from fewer target passes per token and a part
@@ -191,22 +193,29 @@ TIE_LOGIT_GAP = {torch.float32: 1e-3, torch.float16: 0.125, torch.bfloat16: 0.5}
 def same_greedy_output(target: CachedLM, ids: torch.Tensor, reference: list[int], tokens: list[int],
                        name: str, prompt: int) -> dict | None:
     """None when `tokens` equal `reference`; where they first differ by a numerical tie,
-    a record of it; otherwise a HarnessError: the outputs are not comparable."""
+    a record of it; otherwise a HarnessError: the outputs are not comparable. After a tie the
+    contender decodes another context, so each of its later tokens must still be the target's
+    greedy choice there, up to a tie: scored along its own output in one pass."""
     if tokens == reference:
         return None
     j = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
     if j is None:
         raise HarnessError(f"{name} stopped after {len(tokens)} tokens and the target's greedy output after {len(reference)} on prompt {prompt}: not comparable")
     target.reset()
-    logits = target.prefill(torch.cat([ids, ids.new_tensor(reference[:j])]))  # [V] at the first difference
+    rows = target.forward(torch.cat([ids, ids.new_tensor(tokens[:-1])]), num_logits=len(tokens) - j)  # [n - j, V]: tokens j..
     target.reset()
     dtype = next(target.model.parameters()).dtype
-    gap, tolerance = float(logits[reference[j]] - logits[tokens[j]]), TIE_LOGIT_GAP.get(dtype, 1e-3)
-    if abs(gap) > tolerance:
-        raise HarnessError(f"{name} output differs from the target's greedy output on prompt {prompt} at token {j}: the target "
-                           f"prefers {reference[j]} to {tokens[j]} by {gap:.3g} logits, more than a {str(dtype).removeprefix('torch.')} "
-                           f"tie ({tolerance}): not comparable")
-    return {"contender": name, "prompt": prompt, "position": j, "logit_gap": gap}
+    tolerance = TIE_LOGIT_GAP.get(dtype, 1e-3)
+    chosen = rows.gather(1, ids.new_tensor(tokens[j:])[:, None])[:, 0]  # [n - j] the contender's tokens' logits
+    gaps = rows.max(-1).values - chosen  # [n - j] >= 0: how far each is from the target's greedy choice
+    for i in range(len(gaps)):
+        if float(gaps[i]) > tolerance:
+            best = int(rows[i].argmax())
+            raise HarnessError(f"{name} output differs from the target's greedy output on prompt {prompt} at token {j + i}: the target "
+                               f"prefers {best} to {tokens[j + i]} by {float(gaps[i]):.3g} logits, more than a "
+                               f"{str(dtype).removeprefix('torch.')} tie ({tolerance}): not comparable")
+    return {"contender": name, "prompt": prompt, "position": j, "logit_gap": float(rows[0][reference[j]] - chosen[0]),
+            "later_ties": int((gaps[1:] > 0).sum())}  # later tokens that were not the target's strict argmax either
 
 
 def fewest_lookup_passes(prompt: list[int], output: list[int], k: int) -> int:

@@ -250,8 +250,18 @@ def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     with pytest.raises(HarnessError, match="stopped after 8 tokens"):
         bench.same_greedy_output(target, ids, reference, reference[:8], "short", 0)
     monkeypatch.setitem(bench.TIE_LOGIT_GAP, torch.float32, gap * 1.01)  # the same gap, now within the tie gap
-    tie = bench.same_greedy_output(target, ids, reference, parted, "parted", 3)
-    assert tie == {"contender": "parted", "prompt": 3, "position": 6, "logit_gap": pytest.approx(gap, rel=1e-4)}
+    with pytest.raises(HarnessError, match="at token 7: the target prefers"):  # a tie at 6, but token 7 on is the old context's
+        bench.same_greedy_output(target, ids, reference, parted, "parted", 0)
+    continued = reference[:6] + [runner_up] + list(autoregressive_decode(
+        target, torch.cat([ids, torch.tensor(reference[:6] + [runner_up])]), Sampling(0.0), 5, set(), None))
+    tie = bench.same_greedy_output(target, ids, reference, continued, "parted", 3)
+    assert tie == {"contender": "parted", "prompt": 3, "position": 6, "logit_gap": pytest.approx(gap, rel=1e-4), "later_ties": 0}
+    # After the tie, a later token that is not the target's greedy choice on its own context is no tie.
+    target.reset()
+    later = target.prefill(torch.cat([ids, torch.tensor(continued[:9])]))
+    wrong = continued[:9] + [int(later.topk(2).indices[1])] + continued[10:]
+    with pytest.raises(HarnessError, match="at token 9: the target prefers"):
+        bench.same_greedy_output(target, ids, reference, wrong, "parted", 3)
 
 
 class DriftingClock:
