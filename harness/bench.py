@@ -261,7 +261,7 @@ class ForwardCounter:
         self.count += 1
 
 
-def throughput(pair, encoded, args, device) -> dict:
+def throughput(pair, encoded, args, device, on_rep=None) -> dict:
     target, eos, n = pair.target, sorted(pair.eos_ids), args.max_new_tokens
     draft_model = pair.drafter.lm.model if isinstance(pair.drafter, ModelDrafter) else None
     ngram = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)
@@ -304,6 +304,35 @@ def throughput(pair, encoded, args, device) -> dict:
     forwards: dict[str, int] = {}
     tokens_per_rep: dict[str, int] = {}
     fewest = {k: 0 for k in args.ks}  # the target passes of a lookup that knew the output (fewest_lookup_passes)
+
+    def figures(reps_done: int) -> dict:
+        """The throughput figures over the repetitions so far."""
+        median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
+        ratios = {name: median[ours] / median[theirs] for name, (ours, theirs) in pairs.items()}
+        # ours/HF tokens per second = (HF's target passes per token / ours) x (HF's time per pass / ours):
+        # how much of a lead comes from verifying more tokens per pass, how much from a cheaper pass.
+        fewer_passes = {name: (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
+                        for name, (ours, theirs) in pairs.items()}
+        return {
+            "reps_done": reps_done,
+            "tokens_per_s": median,
+            "tokens_per_s_all_reps": tokens_per_s,
+            "target_forwards_per_rep": forwards,
+            "tokens_per_rep": tokens_per_rep,
+            "ratios": ratios,
+            "ratio_parts": {name: {"fewer_target_passes": part, "cheaper_time_per_pass": ratios[name] / part}
+                            for name, part in fewer_passes.items()},
+            # Contenders alternate within a repetition, so each repetition gives a paired ratio.
+            "ratio_per_rep": {name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
+                              for name, (ours, theirs) in pairs.items()},
+            "greedy_ties": ties,
+            # How far any prompt lookup could go here: HF's target passes over the fewest possible.
+            "lookup_floor": {k: {"hf_passes": forwards[f"hf_lookup_k{k}"], "ours_passes": forwards[f"ours_ngram_k{k}"],
+                                 "fewest_passes": fewest[k],
+                                 "most_fewer_passes_than_hf": forwards[f"hf_lookup_k{k}"] / fewest[k]} for k in args.ks},
+            "same_output_as_hf": {name: count / (reps_done * len(encoded)) for name, count in same_as_hf.items()},
+        }
+
     for rep in range(args.reps):
         totals = {name: [0, 0.0, 0] for name in contenders}
         for i, ids in enumerate(encoded):
@@ -329,30 +358,9 @@ def throughput(pair, encoded, args, device) -> dict:
             tokens_per_s[name].append(tokens / seconds)
             forwards[name], tokens_per_rep[name] = passes, tokens
         print(f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tokens_per_s.items()), file=sys.stderr)
-    median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
-    ratios = {name: median[ours] / median[theirs] for name, (ours, theirs) in pairs.items()}
-    # ours/HF tokens per second = (HF's target passes per token / ours) x (HF's time per pass / ours):
-    # how much of a lead comes from verifying more tokens per pass, how much from a cheaper pass.
-    fewer_passes = {name: (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
-                    for name, (ours, theirs) in pairs.items()}
-    return {
-        "tokens_per_s": median,
-        "tokens_per_s_all_reps": tokens_per_s,
-        "target_forwards_per_rep": forwards,
-        "tokens_per_rep": tokens_per_rep,
-        "ratios": ratios,
-        "ratio_parts": {name: {"fewer_target_passes": part, "cheaper_time_per_pass": ratios[name] / part}
-                        for name, part in fewer_passes.items()},
-        # Contenders alternate within a repetition, so each repetition gives a paired ratio.
-        "ratio_per_rep": {name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
-                          for name, (ours, theirs) in pairs.items()},
-        "greedy_ties": ties,
-        # How far any prompt lookup could go here: HF's target passes over the fewest possible.
-        "lookup_floor": {k: {"hf_passes": forwards[f"hf_lookup_k{k}"], "ours_passes": forwards[f"ours_ngram_k{k}"],
-                             "fewest_passes": fewest[k],
-                             "most_fewer_passes_than_hf": forwards[f"hf_lookup_k{k}"] / fewest[k]} for k in args.ks},
-        "same_output_as_hf": {name: count / (args.reps * len(encoded)) for name, count in same_as_hf.items()},
-    }
+        if on_rep is not None and rep + 1 < args.reps:  # a run cut off later (the GPU check's timeouts) keeps these
+            on_rep(figures(rep + 1))
+    return figures(args.reps)
 
 
 def _decode_phase(generator, device, lms: list[TimedLM], watch: Stopwatch) -> dict:
@@ -698,7 +706,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "conditions": conditions(cfg, pair)}
     # Each part is written as soon as it is done: a run cut short (the GPU check's timeouts) keeps what it measured.
     if not args.skip_throughput:
-        result.update(throughput(pair, encoded, args, device))
+        result.update(throughput(pair, encoded, args, device, on_rep=lambda partial: _write(args.out, {
+            **result, **partial, "partial": f"throughput over {partial['reps_done']} of {args.reps} repetitions; the rest not run yet"})))
         _write(args.out, result)
     if isinstance(pair.drafter, ModelDrafter):
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device, args.reps) for k in args.ks}

@@ -153,6 +153,18 @@ def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, m
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_each_repetition_is_written_as_it_ends(tiny_pair, tmp_path, monkeypatch):
+    """The GPU check's compiled part may be cut off by its time limit: what it measured must be on disk."""
+    written = []
+    real = bench._write
+    monkeypatch.setattr(bench, "_write", lambda path, result: real(path, result) or written.append(json.loads(path.read_text())))
+    result = run_bench(tiny_pair, tmp_path)
+    first = written[0]
+    assert first["reps_done"] == 1 and first["partial"].startswith("throughput over 1 of 2 repetitions")
+    assert len(first["tokens_per_s_all_reps"]["ours_base"]) == 1 and "ours / HF assisted" in first["goals"]
+    assert result["reps_done"] == 2 and "partial" not in result
+
+
 def test_a_k_given_twice_runs_once():
     """--ks 2 2 ran k=2's parts twice and summed its lookup floor twice (HF's lookup then looked 2x off the floor)."""
     _, args = bench.parse_args(["--ks", "2", "1", "2", "--max-new-tokens", "8"])
