@@ -274,12 +274,15 @@ def unparsable(override: str) -> str | None:
 
 def unknown_setting(override: str, known: set[str]) -> str | None:
     """A message if a command-line override sets a key no config has (Hydra's own
-    message spans several lines). Additions (+key=), deletions (~key), Hydra's
-    own settings and flags are left to Hydra, except a key added to the dataset, which no
-    code would read (a prompt set reads only the keys conf/dataset/ configs have)."""
+    message spans several lines). Deletions (~key), Hydra's own settings and flags, and keys
+    added under pair are left to Hydra; a key added anywhere else is judged like a setting,
+    since no code would read it (a prompt set reads only the keys conf/dataset/ configs have)."""
     name, equals, _ = override.partition("=")
-    added_to_dataset = name.startswith("+") and name.lstrip("+").startswith("dataset.")
-    name = name.lstrip("+") if added_to_dataset else name
+    bare = name.lstrip("+")
+    # A key added (+key=, ++key=) is read only under pair (a model's loading settings, a chat template) and by
+    # Hydra: elsewhere nothing reads it, and it would only give the run another cell key (+temprature=0.7).
+    if name.startswith("+") and not bare.startswith(("pair", "hydra")) and bare != "dataset":
+        name = bare
     if not equals or name.startswith(("+", "~", "-", "hydra")) or "/" in name or name in known:
         return None
     close = difflib.get_close_matches(name, sorted(k for k in known if not name.startswith(k + ".")), n=1, cutoff=0.7)
@@ -290,7 +293,8 @@ def unknown_setting(override: str, known: set[str]) -> str | None:
     siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == section) if section else []
     if siblings and not section.startswith("pair"):  # a section's key mistyped, e.g. exactness.sample
         return f"unknown setting '{name}': {hint}{section} has {', '.join(siblings)}"
-    return f"unknown setting '{name}': {hint}(--cfg job prints them all; +{name}=... adds a new key)"
+    added = f"; +{name}=... adds a new key" if name.startswith("pair.") else ""  # only a pair's keys are read when added
+    return f"unknown setting '{name}': {hint}(--cfg job prints them all{added})"
 
 
 def replaces_section(override: str, known: set[str]) -> str | None:
@@ -310,6 +314,10 @@ def added_or_removed(override: str, known: set[str]) -> str | None:
     of the harness's own settings (a crash later), which Hydra answers in several lines."""
     name, equals, value = override.partition("=")
     bare = name.lstrip("+~")
+    if name.startswith("~") and bare.startswith("dataset"):  # a key every prompt set has is read (validate crashed)
+        everywhere = set.intersection(*(set(option) for option in group_options("dataset").values()))
+        if bare == "dataset" or bare.removeprefix("dataset.") in everywhere:
+            return f"{override}: every run needs {bare}; choose a prompt set (dataset=NAME) or set the key instead (null where it may be empty)"
     if name.startswith("++") or bare.startswith(("pair", "dataset", "hydra")) or bare not in known:  # ++: Hydra's add-or-set
         return None  # a pair's or dataset's keys are theirs to add and remove; unknown ones: unknown_setting
     if name.startswith("+") and equals:
@@ -439,6 +447,7 @@ def validate(cfg: DictConfig) -> None:
         (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and 0 <= cfg.seed <= MAX_SEED,
          f"seed={cfg.seed} must be an integer from 0 to {MAX_SEED} (a prompt's seed is seed x {PROMPT_SEED_STRIDE:_} + its index)"),
         (_positive_int(cfg.k), f"k={cfg.k} must be a positive integer (e.g. k=4)"),
+        (isinstance(cfg.device, str), f"device={cfg.device} must be auto, cpu, cuda or cuda:N (a GPU by index: device=cuda:0)"),
         (_number(cfg.temperature) and 0 <= cfg.temperature <= FLOAT32_MAX,
          f"temperature={cfg.temperature} must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's largest)"),
         (not _number(cfg.temperature) or cfg.temperature == 0 or cfg.temperature >= 1e-6,
@@ -450,7 +459,7 @@ def validate(cfg: DictConfig) -> None:
         # verify costs of k + 1 positions takes minutes for drafts no cycle can make.
         (not (_positive_int(cfg.k) and _positive_int(cfg.max_new_tokens)) or cfg.k <= cfg.max_new_tokens,
          f"k={cfg.k} is more than max_new_tokens={cfg.max_new_tokens}, and a cycle drafts at most "
-         f"{max(cfg.max_new_tokens - 1, 0)}: lower k or raise max_new_tokens"),
+         f"{cfg.max_new_tokens - 1 if _positive_int(cfg.max_new_tokens) else 0}: lower k or raise max_new_tokens"),
         (data.num_prompts is None or _positive_int(data.num_prompts), f"dataset.num_prompts={data.num_prompts} must be a positive integer or null (all)"),
         (data.get("max_rows") is None or _positive_int(data.max_rows), f"dataset.max_rows={data.get('max_rows')} must be a positive integer or null (every row)"),
         (isinstance(data.get("streaming", False), bool), f"dataset.streaming={data.get('streaming')} must be true or false"),
@@ -458,7 +467,7 @@ def validate(cfg: DictConfig) -> None:
         (not cfg.compile or cfg.cache == "static", "compile=true needs fixed shapes: add cache=static"),
         # Longer steps run eagerly (CachedLM.forward): a run labelled compiled would time its full verifies eager.
         (not cfg.compile or not _positive_int(cfg.k) or cfg.k + 1 <= CachedLM.COMPILED_MAX_TOKENS,
-         compiled_k_message(cfg.k)),
+         compiled_k_message(cfg.k) if _positive_int(cfg.k) else ""),  # messages are made before any check: k=abc
         (cfg.cpu_linear in cpu_linear.MODES, f"cpu_linear={cfg.cpu_linear} must be one of {', '.join(cpu_linear.MODES)}"),
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),

@@ -178,6 +178,11 @@ def test_prompt_selection_is_balanced_and_seeded():
     ("temperature=true", "temperature=True must be a number from 0"),
     ("top_p=true", "top_p=True must be in (0, 1]"),
     ("seed=20000000000000", "seed=20000000000000 must be an integer from 0 to 18446688732643"),  # crashed after loading
+    ("k=abc", "k=abc must be a positive integer"),  # messages are made before the checks: they crashed on it
+    ("k=null", "k=None must be a positive integer"),
+    ("max_new_tokens=abc", "max_new_tokens=abc must be a positive integer"),
+    ("device=0", "device=0 must be auto, cpu, cuda or cuda:N"),  # resolve_device crashed on a number
+    ("device=null", "device=None must be auto, cpu, cuda or cuda:N"),
 ])
 def test_bools_and_overflowing_seeds_are_refused_before_loading(override, message):
     from harness.errors import HarnessError

@@ -26,7 +26,10 @@ from test_cli import ROOT, harness, tiny_args
         (["-m", "k=1,2", "dataset.num_promts=3"], "unknown setting 'dataset.num_promts': did you mean dataset.num_prompts?"),
         (["+pair=smollm2_ngram", "pair.draft.lenght=cost_aware"], "did you mean pair.draft.length?"),
         (["wandb.mdoe=disabled"], "did you mean wandb.mode?"),
-        (["banana=1"], "unknown setting 'banana': (--cfg job prints them all; +banana=... adds a new key)"),
+        (["banana=1"], "unknown setting 'banana': (--cfg job prints them all)"),
+        (["+temprature=0.7"], "unknown setting 'temprature': did you mean temperature?"),  # added, read by nothing: a new cell key
+        (["~dataset"], "~dataset: every run needs dataset; choose a prompt set"),  # validate crashed on it
+        (["~dataset.num_prompts"], "~dataset.num_prompts: every run needs dataset.num_prompts"),
         (["dataset.path=x.jsonl"], "unknown setting 'dataset.path' for dataset=builtin, whose keys are category,"),
         (["+pair=smollm2", "pair.draft.length=cost_aware"],
          "unknown setting 'pair.draft.length' for +pair=smollm2: use one that takes it, e.g. +pair=smollm2_ngram"),
