@@ -1,14 +1,18 @@
 """The decision: which draft and k to ship, per category and for a traffic mix.
 
-A *candidate* is a draft at one k (one or more cells: one per dataset). A
-*context* is what a deployment fixes: the target, the sampling setting and
-the run setup (device, dtype, max_new_tokens, cache, compile: a speedup on
-one GPU says little about another). Within a context every candidate is
-measured on the same prompts, so all comparisons are paired by prompt
-(dataset, id); prompts that some candidate lacks are dropped and counted. A
-candidate that ran fewer than half the prompts of the typical (median) one on
-each dataset it ran (a quick exploratory cell) is left out and listed, so that
-it does not shrink every comparison to its few prompts; one that ran all of
+A *candidate* is a draft at one k (one or more cells: per dataset, and on one
+dataset a rerun or another slice, combined prompt by prompt). A *context* is
+what a deployment fixes: the target, the sampling setting (at temperature 0,
+greedy, top_k and top_p are ignored: every greedy cell is T=0) and the run
+setup (device, dtype, max_new_tokens, cache, compile: a speedup on one GPU
+says little about another). Within a context every candidate is measured on
+the same prompts, so all comparisons are paired by prompt (dataset, id);
+prompts that some candidate lacks are dropped and counted. A candidate that
+ran fewer than half the prompts of the typical (lower median) one on each
+dataset it ran, i.e. more than half the candidates ran more than twice its
+prompts (a quick exploratory cell), is left out and listed, so that it does
+not shrink every comparison to its few prompts; a single longer cell is never
+the yardstick (of two candidates, neither is left out); one that ran all of
 one dataset but not another is kept, and the comparison pairs on what all ran.
 
 Speedup of a candidate on a set of prompts is a throughput ratio, its spec
@@ -64,7 +68,7 @@ from harness.errors import HarnessError
 
 CONTEXT_KEYS = ["target", "sampling", "setup"]
 NO_SPECULATION = "no speculation"
-MIN_COVERAGE = 0.5  # a candidate with fewer prompts than this share of the median candidate's is left out
+MIN_COVERAGE = 0.5  # a candidate with fewer prompts than this share of the (lower) median candidate's is left out
 # A weighted category some candidates did not run, while others did: where those categories carry at least
 # this share of the traffic weight, such a candidate is left out (it cannot be judged on the mix); below it,
 # the candidates are compared without those categories, and the verdict says so.
@@ -125,30 +129,36 @@ def resolve_weights(weights: dict | None, present: list[str], unpaired: set[str]
 
 
 def build_table(cells: pd.DataFrame, prompts: pd.DataFrame, weights: dict | None = None) -> tuple[Table, list[str], set[str]]:
-    """Align one context's candidates on the prompts they all ran (leaving out those that ran
-    fewer than MIN_COVERAGE of the median candidate's prompts on every dataset they ran: one cell
-    that ran more prompts than the rest must not push the others out; and those that ran no prompt
-    of weighted categories other candidates ran, carrying KEEP_CATEGORY_SHARE of the weight or more:
-    pairing would drop them for all). Returns the table, notes, and the categories some candidate ran
-    that the comparison leaves out."""
+    """Align one context's candidates on the prompts they all ran. A candidate's cells (several on one
+    dataset: a rerun, a longer or another slice of it) are combined prompt by prompt, one record per
+    prompt (each record holds its own speculative and baseline timings, back to back, so records of
+    several cells pool as prompts of one do); a prompt run in several cells is taken from the cell with
+    the most prompts. Left out: candidates that ran fewer than MIN_COVERAGE of the lower median
+    candidate's prompts on every dataset they ran (_typical: more than half the candidates ran more than
+    twice theirs; one cell that ran more prompts than the rest, e.g. one of two, never pushes the others
+    out); and those that ran no prompt of weighted categories other candidates ran, carrying
+    KEEP_CATEGORY_SHARE of the weight or more: pairing would drop them for all. Returns the table,
+    notes, and the categories some candidate ran that the comparison leaves out."""
     notes = []
-    chosen = []
+    order = cells.sort_values(["num_prompts", "cell"], ascending=[False, True], na_position="last", kind="stable")
+    rank = {cell: i for i, cell in enumerate(order["cell"])}
+    rows = (prompts.assign(_rank=prompts["cell"].map(rank)).sort_values("_rank", kind="stable")
+            .drop_duplicates(["label", "k", "prompt_key"]).drop(columns="_rank"))
     for (label, k, dataset), group in cells.groupby(["label", "k", "dataset"], sort=True):
-        best = group.sort_values("num_prompts", ascending=False).iloc[0]
         if len(group) > 1:
-            notes.append(f"{label} k={k} on {dataset}: {len(group)} cells, using {best['cell']} (most prompts)")
-        chosen.append(best["cell"])
-    rows = prompts[prompts["cell"].isin(chosen)]
-    candidates = sorted({(r.label, int(r.k)) for r in cells[cells["cell"].isin(chosen)].itertuples()})
+            n = int(((rows["label"] == label) & (rows["k"] == k) & (rows["dataset"] == dataset)).sum())
+            notes.append(f"{label} k={k} on {dataset}: {len(group)} cells, combined prompt by prompt ({n} prompts; "
+                         f"one run in several is taken from the cell with the most prompts)")
+    candidates = sorted({(r.label, int(r.k)) for r in cells.itertuples()})
     per_candidate = {c: rows[(rows["label"] == c[0]) & (rows["k"] == c[1])].set_index("prompt_key") for c in candidates}
     measured = set().union(*(set(df["category"].astype(str)) for df in per_candidate.values()))  # by any candidate
     # Coverage is judged per dataset: a draft that ran all of one dataset and none of another is a
     # full run to pair on, not a quick exploratory cell.
     coverage = {c: df.groupby("dataset").size().to_dict() for c, df in per_candidate.items()}  # {dataset: prompts}
-    typical = {d: float(np.median([n[d] for n in coverage.values() if d in n])) for d in set().union(*coverage.values())}
+    typical = {d: _typical([n[d] for n in coverage.values() if d in n]) for d in set().union(*coverage.values())}
     short = [c for c in candidates if typical and all(n < MIN_COVERAGE * typical[d] for d, n in coverage[c].items())]
     if short:
-        notes.append("left out, fewer than half the prompts of the median candidate on each dataset they ran: "
+        notes.append("left out, fewer than half the prompts of the (lower) median candidate on each dataset they ran: "
                      + ", ".join(f"{label} k={k} ({sum(coverage[(label, k)].values())} prompts)" for label, k in short))
         candidates = [c for c in candidates if c not in short]
         per_candidate = {c: per_candidate[c] for c in candidates}
@@ -183,6 +193,13 @@ def build_table(cells: pd.DataFrame, prompts: pd.DataFrame, weights: dict | None
     table = Table(candidates, kinds, common, first["category"].astype(str).tolist(), stack("spec_new_tokens"),
                   stack("spec_time_s"), stack("base_new_tokens"), stack("base_time_s"))
     return table, notes, measured - set(table.categories)
+
+
+def _typical(counts: list[int]) -> float:
+    """The yardstick of coverage: the lower median of the candidates' prompt counts, a count more than
+    half of them reached. A count below MIN_COVERAGE of it is one that more than half the candidates ran
+    more than twice of; with two candidates it is the smaller one's, so neither pushes the other out."""
+    return float(sorted(counts)[(len(counts) - 1) // 2])
 
 
 def _most_shared(per_candidate: dict) -> tuple[set, list]:
@@ -267,7 +284,10 @@ def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float)
     prompts (the dataset's own mix, no traffic weights), no paired comparison, same ship rule.
     The intervals are the cells' own, at the harness's CELL_CONFIDENCE whatever `confidence` asks.
     Speedups on different prompt sets do not compare: the candidates are the cells of the dataset
-    the most drafts ran (one cell per draft and k, the one with the most prompts)."""
+    the most drafts ran, on the prompt set (`prompt_ids`) the most candidates have a cell on (ties: the
+    larger), one cell per draft and k: its cell on that set (where no summary records its prompts, its
+    largest). A candidate whose largest cell ran fewer than half the prompts of the median candidate's
+    is left out first (the median, not the lower one: unpaired, a cell on fewer prompts is no comparison)."""
     notes = ["no per-prompt rows: each candidate's speedup and interval are its cell's own, over all its prompts"]
     per_dataset = cells.groupby("dataset")["label"].nunique()
     dataset = max(sorted(per_dataset.index), key=lambda d: (per_dataset[d], cells.loc[cells["dataset"] == d, "num_prompts"].sum()))
@@ -276,23 +296,36 @@ def decide_from_summaries(context: dict, cells: pd.DataFrame, confidence: float)
         named = [f"{r.label} k={r.k} ({r.dataset})" for r in others.itertuples()]
         notes.append(f"decided on {dataset}; left out, run on other prompt sets: " + ", ".join(named[:8])
                      + (f" and {len(named) - 8} more" if len(named) > 8 else ""))
-    cells = cells[cells["dataset"] == dataset].sort_values("num_prompts", ascending=False, kind="stable")
-    cells = cells.drop_duplicates(["label", "k"])
+    cells = cells[cells["dataset"] == dataset]
     # Unpaired speedups compare only over the same prompts: a quick cell on an easy few would win.
-    typical = float(np.nanmedian(cells["num_prompts"])) if cells["num_prompts"].notna().any() else math.nan
-    is_short = cells["num_prompts"] < MIN_COVERAGE * typical  # False where either is unknown
-    if is_short.any():
+    largest = cells.groupby(["label", "k"], sort=True)["num_prompts"].max()  # a candidate's prompts: its largest cell's
+    typical = float(np.nanmedian(largest)) if largest.notna().any() else math.nan
+    short = largest[largest < MIN_COVERAGE * typical]  # none where either is unknown
+    if len(short):
         notes.append("left out, fewer than half the prompts of the median candidate: "
-                     + ", ".join(f"{r.label} k={r.k} ({int(r.num_prompts)} prompts)" for r in cells[is_short].itertuples()))
-        cells = cells[~is_short]
-    known = cells["prompt_set"].dropna() if "prompt_set" in cells else pd.Series(dtype=object)
-    if known.nunique() > 1:  # keep the prompt set most candidates ran (ties: the larger one)
-        sizes = cells.groupby("prompt_set")["num_prompts"].max()
-        counts = known.value_counts()
+                     + ", ".join(f"{label} k={k} ({int(n)} prompts)" for (label, k), n in short.items()))
+        cells = cells[~pd.MultiIndex.from_frame(cells[["label", "k"]]).isin(short.index)]
+    if "prompt_set" not in cells:
+        cells = cells.assign(prompt_set=None)
+    sets = cells["prompt_set"]
+    known = cells[sets.notna()]
+    kept = None
+    if known["prompt_set"].nunique() > 1:  # the prompt set the most candidates have a cell on (ties: the larger one)
+        counts = known.drop_duplicates(["prompt_set", "label", "k"])["prompt_set"].value_counts()
+        sizes = known.groupby("prompt_set")["num_prompts"].max()
         kept = max(counts.index, key=lambda p: (counts[p], sizes[p], p))
-        other = cells[cells["prompt_set"].notna() & (cells["prompt_set"] != kept)]
+    elif not known.empty:
+        kept = known["prompt_set"].iloc[0]
+    on_kept = sets == kept if kept is not None else pd.Series(False, index=cells.index)
+    usable = sets.isna() | on_kept
+    other = cells[~usable].drop_duplicates(["label", "k"])
+    other = other[~pd.MultiIndex.from_frame(other[["label", "k"]]).isin(pd.MultiIndex.from_frame(cells.loc[usable, ["label", "k"]]))]
+    if not other.empty:
         notes.append(f"left out, run on other prompts of {dataset}: " + ", ".join(f"{r.label} k={r.k}" for r in other.itertuples()))
-        cells = cells[cells["prompt_set"].isna() | (cells["prompt_set"] == kept)]
+    # One cell per candidate: its cell on the compared prompt set, else (prompts not recorded) its largest.
+    cells = (cells[usable].assign(_on=on_kept[usable])
+             .sort_values(["_on", "num_prompts"], ascending=False, na_position="last", kind="stable")
+             .drop_duplicates(["label", "k"]).drop(columns="_on"))
     candidates = [{"label": r.label, "k": int(r.k), "draft_kind": r.draft_kind, "speedup": float(r.speedup),
                    "low": float(r.speedup_ci_low), "high": float(r.speedup_ci_high), "categories": {}}
                   for r in cells.sort_values("speedup", ascending=False).itertuples()]

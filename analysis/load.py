@@ -494,6 +494,11 @@ def prompt_row(cell: str, r: dict, dataset: str) -> dict:
 
 
 def sampling_name(temperature: float, top_k: int = 0, top_p: float = 1.0) -> str:
+    """'T=1 top_k=50 top_p=0.9': what names (and so groups) a sampling setting. At temperature 0 the
+    harness decodes greedily and ignores top_k and top_p (harness.sampling.Sampling.greedy), so every
+    greedy cell is 'T=0', one context, whatever top_k and top_p it was configured with."""
+    if temperature == 0:
+        top_k, top_p = 0, 1.0
     name = f"T={temperature:g}"
     if top_k:
         name += f" top_k={top_k}"

@@ -451,9 +451,10 @@ def _methods_section(pct: str) -> list[str]:
         "of each category with replacement and applies the same resample to every candidate; percentile intervals. "
         "A category with one prompt has no interval. Each cell's own interval (Cells table, figures) is the "
         f"harness's {100 * CELL_CONFIDENCE:g}%.",
-        "- **Context**: one decision per target, sampling setting and run conditions (device, dtype, max_new_tokens, "
-        "cache, compile); candidates are paired on the prompts they all ran, and a candidate with fewer than half the "
-        "prompts of the median candidate is left out (listed in the notes).",
+        "- **Context**: one decision per target, sampling setting (at temperature 0, greedy, top-k and top-p are "
+        "ignored) and run conditions (device, dtype, max_new_tokens, cache, compile); a candidate's cells are combined "
+        "prompt by prompt, candidates are paired on the prompts they all ran, and a candidate with fewer than half the "
+        "prompts of the (lower) median candidate is left out (listed in the notes): of two candidates, neither.",
         "- **Ship rule**: candidates are ranked by point estimate; the best one whose interval's lower bound is above 1 "
         "ships (when a higher one is uncertain, the verdict names it); if none, *ship no speculation*. Choosing the "
         "best of many candidates favours a lucky one, so its interval is slightly optimistic.",
