@@ -16,7 +16,8 @@ A row becomes a prompt like this:
   - `template` is a str.format string over the row's fields ("{article}",
     "{translation[de]}"); with no template the text field(s) are the prompt;
   - the id is the row's `id_field` when it has one, else "<name>-<row index>";
-  - the category is the row's `category_field`, else the fixed `category`.
+  - the category is the row's `category_field`, else the fixed `category`,
+    always as text; an id or category the set declares a ClassLabel is its name.
 Templates are only ever formatted with the row (format_map), never evaluated.
 
 Choosing which prompts run (seeded, balanced over categories) is
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import hashlib
 import re
 import string
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -57,18 +60,18 @@ def load_prompts(dataset_cfg) -> list[dict]:
     """Read the configured set and turn each usable row into a prompt dict."""
     cfg = dataset_cfg
     with _quiet_datasets():
-        if cfg.source == "builtin":
-            rows, columns = _load_local(cfg, BUILTIN)
-        elif cfg.get("path"):
-            rows, columns = _load_local(cfg, Path(str(cfg.path)).expanduser())
-        elif cfg.source == "local":
-            raise HarnessError(f"dataset={cfg.name} reads a file: give it with dataset.path=/path/to/prompts.jsonl (jsonl, json, csv or parquet)")
-        elif cfg.source == "hub":
-            rows, columns = _load_hub(cfg)
-        else:
-            raise HarnessError(f"dataset.source={cfg.source} is not a source: use builtin, hub or local")
         try:
-            prompts = _to_prompts(cfg, rows, columns)
+            if cfg.source == "builtin":
+                rows, columns, features = _load_local(cfg, BUILTIN)
+            elif cfg.get("path"):
+                rows, columns, features = _load_local(cfg, Path(str(cfg.path)).expanduser())
+            elif cfg.source == "local":
+                raise HarnessError(f"dataset={cfg.name} reads a file: give it with dataset.path=/path/to/prompts.jsonl (jsonl, json, csv or parquet)")
+            elif cfg.source == "hub":
+                rows, columns, features = _load_hub(cfg)
+            else:
+                raise HarnessError(f"dataset.source={cfg.source} is not a source: use builtin, hub or local")
+            prompts = _to_prompts(cfg, rows, columns, features)
         except UnicodeDecodeError as err:  # pyarrow reads a jsonl's bytes unchecked; its strings decode per row, there
             raise HarnessError(f"{cfg.name}: a row holds text that is not UTF-8 ({err.reason} at byte {err.start}): "
                                f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
@@ -108,9 +111,39 @@ def _columns(ds) -> list[str] | None:
     return list(ds.column_names) if getattr(ds, "column_names", None) is not None else None
 
 
-def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
+def _column_length(value: Any) -> int | None:
+    """How many rows a value of a column-oriented json object holds: a list's items, or the entries
+    of a dict keyed by row number (pandas' default df.to_json()); None for any other value."""
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    if isinstance(value, dict) and value and all(isinstance(k, str) and k.isdigit() for k in value):
+        return len(value)
+    return None
+
+
+def _refuse_column_oriented(shown: str, ds, rows: Iterable[dict]) -> None:
+    """Stop on a json file that is one object of columns ({"id": [...], "prompt": [...]}, as
+    json.dump(df.to_dict("list")) or df.to_json() write): datasets reads it as one row, and its
+    first items would silently be the only prompt."""
+    import datasets as hf_datasets
+
+    first = list(itertools.islice(iter(rows), 2))
+    if len(first) != 1:
+        return
+    lengths = {_column_length(value) for value in first[0].values()}
+    if len(lengths) != 1 or None in lengths or (n := lengths.pop()) < 2:
+        return
+    total = len(list(ds.take(2))) if isinstance(ds, hf_datasets.IterableDataset) else len(ds)
+    if total == 1:
+        raise HarnessError(f"{shown} looks column-oriented: one object whose fields hold {n} values each (as "
+                           f"json.dump(df.to_dict('list')) or df.to_json() write), which reads as one row: write one object "
+                           f"per row, as a jsonl (df.to_json(path, orient='records', lines=True)) or a list of objects (orient='records')")
+
+
+def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None, Any]:
     import datasets as hf_datasets
     from datasets.exceptions import DatasetGenerationError
+    from datasets.table import CastError
 
     shown = f"dataset.path={path}" if cfg.source != "builtin" else f"the builtin set ({path})"
     if not path.exists():
@@ -135,12 +168,20 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None]:
             # touch -r) would be read as it was, under the cell key of its new content. Here the content keys it.
             **({} if streaming else {"cache_dir": _content_cache(path)}))
         rows = _first_rows(ds, _rows_to_read(cfg))
+        if fmt == "json":
+            _refuse_column_oriented(shown, ds, rows)
+    except UnicodeDecodeError:  # a row's text, decoded as it is read: load_prompts says so
+        raise
     except (DatasetGenerationError, ValueError, StopIteration, OSError) as err:
         if isinstance(err, StopIteration) or "corresponds to no data" in str(err):
             raise HarnessError(f"{shown} holds no rows: it needs one prompt per row") from None
         cause = err.__cause__ or err
+        if isinstance(cause, CastError):  # its first line, "Couldn't cast", leaves out why
+            raise HarnessError(f"{shown} cannot be read as {fmt}: its rows do not all have the same fields (datasets takes them "
+                               f"from the first 10 MB of rows, and after those {cause.details().rstrip('.')}): give every row "
+                               f"the same fields, null where a row has no value") from None
         raise HarnessError(f"{shown} cannot be read as {fmt}: {_one_line(cause)}") from None
-    return rows, _columns(ds)
+    return rows, _columns(ds), getattr(ds, "features", None)
 
 
 def file_sha256(path: Path) -> str:
@@ -178,15 +219,21 @@ def _csv_as_written(path: Path, fmt: str) -> dict:
     return {"keep_default_na": False, "features": Features({name: Value("string") for name in header})}
 
 
-def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None]:
+def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None, Any]:
     import datasets as hf_datasets
     from datasets.exceptions import DatasetNotFoundError, DatasetsError
 
-    hf_id, streaming = cfg.hf_id, bool(cfg.get("streaming"))
+    if not cfg.get("hf_id"):  # dataset=local dataset.source=hub: a config without the hub keys
+        fix = ("set dataset.hf_id=owner/name (e.g. openai/gsm8k)" if "hf_id" in cfg else
+               f"dataset={cfg.name} has no hub keys, so start from a hub set's config (e.g. dataset=gsm8k dataset.hf_id=owner/name "
+               f"dataset.hf_config=... dataset.split=...)")
+        raise HarnessError(f"dataset.source=hub needs dataset.hf_id, the hub set's id: {fix}, or read a file with "
+                           f"dataset.source=local dataset.path=...")
+    hf_id, split, streaming = str(cfg.hf_id), cfg.get("split"), bool(cfg.get("streaming"))
     offline_reason = _offline_reason()
     try:
         with _offline(offline_reason is not None):
-            ds = hf_datasets.load_dataset(hf_id, cfg.get("hf_config"), split=cfg.split, streaming=streaming,
+            ds = hf_datasets.load_dataset(hf_id, cfg.get("hf_config"), split=split, streaming=streaming,
                                           revision=cfg.get("revision"))
             if isinstance(ds, (hf_datasets.DatasetDict, hf_datasets.IterableDatasetDict)):  # split=null: every split
                 raise HarnessError(f"dataset.split=null reads every split of {hf_id} ({cfg.name}): set dataset.split to one of "
@@ -204,10 +251,10 @@ def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None]:
             raise HarnessError(unknown) from None
         if offline_reason is not None:
             raise HarnessError(_unavailable(cfg, offline_reason)) from None
-        raise HarnessError(f"dataset {hf_id} ({cfg.name}), dataset.hf_config={cfg.get('hf_config')} dataset.split={cfg.split}: {_one_line(err)}") from None
+        raise HarnessError(f"dataset {hf_id} ({cfg.name}), dataset.hf_config={cfg.get('hf_config')} dataset.split={split}: {_one_line(err)}") from None
     except DatasetsError as err:  # e.g. a file of the set that cannot be parsed
         raise HarnessError(f"dataset {hf_id} ({cfg.name}) could not be read: {_one_line(err.__cause__ or err)}") from None
-    return rows, _columns(ds)
+    return rows, _columns(ds), getattr(ds, "features", None)
 
 
 def _unknown_name(cfg, err: ValueError, cached: bool) -> str | None:
@@ -223,7 +270,7 @@ def _unknown_name(cfg, err: ValueError, cached: bool) -> str | None:
     bad = cfg.get(key)
     there = ", ".join(re.findall(r"'([^']*)'", match["there"]))
     where = " in the cache" if cached else ""
-    return (f"dataset.{key}={'null' if bad is None else bad} is not a {noun} of {cfg.hf_id} ({cfg.name}){where}: "
+    return (f"dataset.{key}={'null' if bad is None else bad} is not a {noun} of {cfg.get('hf_id')} ({cfg.name}){where}: "
             f"its {noun}s{where} are {there}; set dataset.{key} to one of them")
 
 
@@ -275,9 +322,10 @@ def _unavailable(cfg, reason: str) -> str:
 
     cache = hf_datasets.config.HF_DATASETS_CACHE
     config = f", '{cfg.hf_config}'" if cfg.get("hf_config") else ""
+    split = f", split='{cfg.split}'" if cfg.get("split") is not None else ""  # null: load_dataset's own default, every split
     return (
         f"dataset {cfg.hf_id} ({cfg.name}) is not in the datasets cache ({cache}) and the hub is {reason}: "
-        f"cache it where the hub is reachable (python -c \"import datasets; datasets.load_dataset('{cfg.hf_id}'{config}, split='{cfg.split}')\") "
+        f"cache it where the hub is reachable (python -c \"import datasets; datasets.load_dataset('{cfg.hf_id}'{config}{split})\") "
         f"and copy the cache here, point HF_DATASETS_CACHE or HF_HOME at a cache that holds it, "
         f"or export it to a file and run with dataset.path=/path/to/file.jsonl (see docs/datasets.md)"
     )
@@ -310,14 +358,30 @@ def _one_line(err: BaseException) -> str:
 
 
 def _as_list(value) -> list[str]:
+    """text_field as a list of field names: one name or several, each as text (a csv column may be named 5)."""
     if value is None:
         return []
-    return [str(value)] if isinstance(value, str) else [str(v) for v in value]
+    return [str(v) for v in value] if isinstance(value, Sequence) and not isinstance(value, str) else [str(value)]
 
 
-def _template_fields(cfg) -> list[str]:
-    """The row fields a template names; refuses anything but {field} and {field[key]}."""
+def _field_name(value) -> str | None:
+    """id_field or category_field as a field name (text: a csv column may be named 5)."""
+    return None if value is None else str(value)
+
+
+def _template(cfg) -> str | None:
+    """dataset.template, refused in one line when it is not text (Hydra reads true, 5 or [a] as a bool, number or list)."""
     template = cfg.get("template")
+    if template is None or isinstance(template, str):
+        return template
+    shown = str(template).lower() if isinstance(template, bool) else str(template)
+    raise HarnessError(f"dataset.template={shown} is not a format string: give text naming the row's fields in braces, quoted, "
+                       f"e.g. 'dataset.template=\"Summarize: {{text}}\"' (null: the text field as is)")
+
+
+def _template_fields(template: str | None) -> list[tuple[str, str]]:
+    """The row fields a template names, each as (field, as written: translation[de]); refuses
+    anything but {field} and {field[key]}."""
     if not template:
         return []
     try:
@@ -331,8 +395,33 @@ def _template_fields(cfg) -> list[str]:
         match = FIELD.match(name)
         if match is None:
             raise HarnessError(f"dataset.template field {{{name}}} is not a row field: use {{field}} or {{field[key]}}")
-        fields.append(match.group(1))
+        fields.append((match.group(1), name))
     return fields
+
+
+def _blank(value: Any) -> bool:
+    value = _first_item(value)
+    return value is None or str(value).strip() == ""
+
+
+def _blank_reference(name: str, row: dict) -> bool:
+    """Whether a template field ({translation[de]}) reads an empty value from the row; one it cannot
+    read is left to the formatting, which says so."""
+    try:
+        value, _ = string.Formatter().get_field(name, (), row)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return False
+    return _blank(value)
+
+
+def _class_label(features: Any, field: str | None):
+    """The ClassLabel feature of a field (a parquet saved from a datasets.Dataset, a hub set), else None."""
+    if not field or not features or field not in features:
+        return None
+    from datasets import ClassLabel
+
+    feature = features[field]
+    return feature if isinstance(feature, ClassLabel) else None
 
 
 def _first_item(value: Any) -> Any:
@@ -342,10 +431,16 @@ def _first_item(value: Any) -> Any:
     return value
 
 
-def _label(value: Any) -> str | None:
+def _label(value: Any, class_label: Any = None) -> str | None:
     """An id or category as text (None, and an empty csv cell, stay None). An integral float is
-    written as an integer: a json number column may hold 1.0."""
+    written as an integer: a json number column may hold 1.0. A ClassLabel's integer is its name
+    (-1, datasets' "no label", is None)."""
     value = _first_item(value)
+    if class_label is not None and isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            return None
+        if value < class_label.num_classes:
+            return class_label.int2str(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return None if value is None or value == "" else str(value)
@@ -373,15 +468,15 @@ class _RowFormatter(string.Formatter):
             raise
 
 
-def _check_fields(cfg, needed: list[str], columns: list[str]) -> None:
+def _check_fields(cfg, needed: list[str], columns: list[str], id_field: str | None, category_field: str | None) -> None:
     """One line naming a configured field the set lacks, and the fields it has."""
     missing = [f for f in needed if f not in columns]
     if not missing:
         return
     where = f"dataset.path={cfg.path}" if cfg.get("path") else (cfg.get("hf_id") or cfg.name)
     own_fix = {
-        cfg.get("category_field"): "set dataset.category_field to one of them, or dataset.category_field=null dataset.category=<name>",
-        cfg.get("id_field"): "set dataset.id_field to one of them, or dataset.id_field=null to number the rows",
+        category_field: "set dataset.category_field to one of them, or dataset.category_field=null dataset.category=<name>",
+        id_field: "set dataset.id_field to one of them, or dataset.id_field=null to number the rows",
     }
     text_fix = "set dataset.text_field (and the fields dataset.template names) to fields it has"
     fix = "; ".join(dict.fromkeys(own_fix.get(f, text_fix) for f in missing))
@@ -396,31 +491,40 @@ def _check_text(cfg, text_fields: list[str], texts: list, row: dict) -> None:
             item = f"{field}[0]" if isinstance(row[field], (list, tuple)) else field
             keys = f" (keys: {', '.join(map(str, text))})" if isinstance(text, dict) else ""
             hint = "pick a field that holds the prompt"
-            if text:  # an index or key that reads text out of it, quoted as a shell then Hydra read it
-                key = next((k for k in ("content", "text", "value") if k in text), next(iter(text))) if isinstance(text, dict) else 0
+            # An index or key that reads text out of it, quoted as a shell then Hydra read it. str.format reads
+            # a key of digits as a number, and one with brackets, braces or quotes would not survive the quoting.
+            keys_usable = [k for k in text if isinstance(k, str) and k and not k.isdigit() and not set(k) & set("[]{}'\"")] \
+                if isinstance(text, dict) else [0] if text else []
+            if keys_usable:
+                key = next((k for k in ("content", "text", "value") if k in keys_usable), keys_usable[0])
                 hint += f", or build it with 'dataset.template=\"{{{item}[{key}]}}\"'"
             raise HarnessError(f"dataset.text_field={field} of {cfg.name} holds {type(text).__name__} values{keys}, not text: {hint}")
 
 
-def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[dict]:
+def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None, features: Any = None) -> list[dict]:
     text_fields = _as_list(cfg.get("text_field"))
-    template = cfg.get("template")
+    template = _template(cfg)
     if not text_fields and not template:
         raise HarnessError(f"dataset={cfg.name} names no text: set dataset.text_field=<field> or dataset.template='...{{field}}...'")
-    id_field, category_field = cfg.get("id_field"), cfg.get("category_field")
-    fixed_category = cfg.get("category") or cfg.name
-    needed = list(dict.fromkeys(text_fields + _template_fields(cfg) + [f for f in (category_field, id_field) if f]))
+    id_field, category_field = _field_name(cfg.get("id_field")), _field_name(cfg.get("category_field"))
+    category = cfg.get("category")
+    fixed_category = str(cfg.name) if category is None or category == "" else str(category)  # text: metrics sorts categories
+    id_labels, category_labels = _class_label(features, id_field), _class_label(features, category_field)
+    template_fields = _template_fields(template)
+    # The template's own reads of a text field ({translation[de]}): a row is empty when one of them is.
+    text_reads = [name for field, name in template_fields if field in text_fields and name != field]
+    needed = list(dict.fromkeys(text_fields + [f for f, _ in template_fields] + [f for f in (category_field, id_field) if f]))
     if columns is not None:
-        _check_fields(cfg, needed, columns)
+        _check_fields(cfg, needed, columns, id_field, category_field)
 
     prompts, seen, read, empty = [], set(), 0, 0
     for index, row in enumerate(rows):
         read += 1
         if columns is None:  # a streamed set that declares no features: check its first row
             columns = list(row)
-            _check_fields(cfg, needed, columns)
+            _check_fields(cfg, needed, columns, id_field, category_field)
         texts = [_first_item(row[f]) for f in text_fields]
-        if any(t is None or str(t).strip() == "" for t in texts):
+        if any(_blank(t) for t in texts) or any(_blank_reference(name, row) for name in text_reads):
             empty += 1
             continue
         if not template:
@@ -435,17 +539,18 @@ def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None) -> list[di
         if not text.strip():  # a template over an empty or null field
             empty += 1
             continue
-        pid = _label(row.get(id_field)) if id_field else None
+        pid = _label(row.get(id_field), id_labels) if id_field else None
         pid = f"{cfg.name}-{index}" if pid is None else pid
         if pid in seen:
             raise HarnessError(f"{cfg.name}: id {pid!r} appears twice in field '{id_field}': ids must be unique (dataset.id_field=null numbers the rows)")
         seen.add(pid)
-        category = _label(row.get(category_field)) if category_field else None
-        prompts.append({"id": pid, "category": fixed_category if category is None else category, "prompt": text})
+        row_category = _label(row.get(category_field), category_labels) if category_field else None
+        prompts.append({"id": pid, "category": fixed_category if row_category is None else row_category, "prompt": text})
 
     if read == 0:
         raise HarnessError(f"{cfg.name} holds no rows: it needs one prompt per row")
-    what_empty = ("/".join(text_fields) + (" (or dataset.template renders empty)" if template else "") if text_fields
+    shown_fields = [name for f in text_fields for name in ([n for n in text_reads if FIELD.match(n).group(1) == f] or [f])]
+    what_empty = ("/".join(dict.fromkeys(shown_fields)) + (" (or dataset.template renders empty)" if template else "") if text_fields
                   else "dataset.template (as rendered)")
     if empty:
         print(f"[harness] warning: {cfg.name}: {empty} of {read} rows have an empty {what_empty} and were left out", file=sys.stderr)

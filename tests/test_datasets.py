@@ -443,3 +443,117 @@ def test_a_hub_sets_revision_reaches_load_dataset_and_the_cell_key(monkeypatch):
     with open_dict(before):
         del before.dataset["revision"]  # a config from before the setting existed
     assert cell_key(unpinned) == cell_key(before) != cell_key(with_default_pair(composed("dataset=gsm8k", "dataset.revision=abc123")))
+
+
+# ------------------------------------------------- file layouts and config types
+
+
+@pytest.mark.parametrize("layout", ["lists", "pandas-default"])
+def test_a_column_oriented_json_file_is_one_line(tmp_path, layout):
+    """json.dump(df.to_dict("list")) or df.to_json() is one object of columns: datasets reads it as one
+    row, whose first list items (or an index-keyed dict) would silently be the only prompt."""
+    frame = pd.DataFrame({"id": ["q1", "q2", "q3"], "prompt": ["What is 2+2?", "Name a color.", "Say hi."], "task": ["math", "chat", "chat"]})
+    path = tmp_path / "cols.json"
+    if layout == "lists":
+        path.write_text(json.dumps(frame.to_dict("list")))
+    else:
+        frame.to_json(path)
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=local", f"dataset.path={path}", "dataset.text_field=prompt", "dataset.category_field=task", "dataset.id_field=id").dataset)
+    message = str(err.value)
+    assert "column-oriented" in message and "orient" in message and "jsonl" in message and "\n" not in message
+    assert "dataset.template" not in message
+    # One row of its own, whose turns hold two items, is a row.
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(SPEC_BENCH[:1]))
+    [p] = load_prompts(composed("dataset=local", f"dataset.path={one}").dataset)
+    assert p["prompt"] == SPEC_BENCH[0]["turns"][0]
+
+
+def test_a_dict_text_field_keyed_by_numbers_gets_no_template_that_cannot_read_it(tmp_path):
+    """str.format reads {text[0]} as the int key 0: a hint naming it would fail when followed."""
+    rows = write_jsonl(tmp_path / "d.jsonl", [{"text": {"0": "a", "1": "b"}}, {"text": {"0": "c", "1": "d"}}])
+    base = ("dataset=local", f"dataset.path={rows}", "dataset.id_field=null", "dataset.category_field=null")
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed(*base, "dataset.text_field=text").dataset)
+    assert "holds dict values (keys: 0, 1), not text" in str(err.value) and "dataset.template" not in str(err.value)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_class_label_categories_and_ids_are_their_names(tmp_path, streaming):
+    """A parquet saved from a datasets.Dataset (or a hub set) stores a ClassLabel as its integer."""
+    features = datasets.Features({"text": datasets.Value("string"), "task": datasets.ClassLabel(names=["pets", "finance", "sport"]),
+                                  "uid": datasets.ClassLabel(names=["b", "a", "c", "d"])})
+    path = tmp_path / "cl.parquet"
+    datasets.Dataset.from_dict({"text": ["a cat", "a stock", "a goal", "unlabelled"], "task": [0, 1, 2, -1], "uid": [1, 0, 2, 3]},
+                               features=features).to_parquet(str(path))
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={path}", "dataset.text_field=text", "dataset.category_field=task",
+                                    "dataset.id_field=uid", f"dataset.streaming={streaming}").dataset)
+    assert [(p["id"], p["category"]) for p in prompts] == [("a", "pets"), ("b", "finance"), ("c", "sport"), ("d", "local")]
+
+
+def test_a_numeric_fixed_category_is_text(tmp_path):
+    """metrics sorts the categories: an int among them would crash the cell after every prompt had run."""
+    rows = write_jsonl(tmp_path / "p.jsonl", [{"text": "hi", "task": 7}, {"text": "yo", "task": None}])
+    base = ("dataset=local", f"dataset.path={rows}", "dataset.text_field=text", "dataset.id_field=null")
+    prompts = load_prompts(composed(*base, "dataset.category_field=null", "dataset.category=5").dataset)
+    assert [p["category"] for p in prompts] == ["5", "5"]
+    prompts = load_prompts(composed(*base, "dataset.category_field=task", "dataset.category=0").dataset)
+    assert [p["category"] for p in prompts] == ["7", "0"]
+
+
+def test_numeric_field_names_read_columns_so_named(tmp_path):
+    table = tmp_path / "n.csv"
+    table.write_text("1,2,3\nhello,a,x1\nworld,b,x2\n")
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=1", "dataset.category_field=2",
+                                    "dataset.id_field=3").dataset)
+    assert prompts == [{"id": "x1", "category": "a", "prompt": "hello"}, {"id": "x2", "category": "b", "prompt": "world"}]
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=[1,2]", "dataset.category_field=null",
+                                    "dataset.id_field=null").dataset)
+    assert prompts[0]["prompt"] == "hello\n\na"
+    with pytest.raises(HarnessError, match="has no field '5'"):
+        load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=5").dataset)
+
+
+@pytest.mark.parametrize("override", ["dataset.template=true", "dataset.template=5", "dataset.template=[a]"])
+def test_a_template_that_is_not_text_is_one_line(tmp_path, override):
+    rows = write_jsonl(tmp_path / "q.jsonl", SPEC_BENCH)
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=local", f"dataset.path={rows}", override).dataset)
+    assert str(err.value).startswith(override.replace("[a]", "['a']") + " is not a format string") and "\n" not in str(err.value)
+
+
+def test_a_hub_source_without_an_hf_id_is_one_line():
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=local", "dataset.source=hub").dataset)
+    assert "dataset.source=hub needs dataset.hf_id" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_translation_pair_with_an_empty_side_is_left_out(tmp_path, capsys):
+    """The text field `translation` is a dict, never empty: the template's own field, translation[de], is the text."""
+    pairs = write_jsonl(tmp_path / "wmt.jsonl", [{"translation": {"de": "Hallo.", "en": "Hello."}}, {"translation": {"de": "", "en": "x"}},
+                                                 {"translation": {"de": None, "en": "y"}}, {"translation": {"de": "  ", "en": "z"}}])
+    prompts = load_prompts(composed("dataset=wmt14_de_en", f"dataset.path={pairs}", "dataset.num_prompts=1").dataset)
+    assert [p["prompt"] for p in prompts] == ["Translate the following German text into English.\n\nHallo."]
+    assert "wmt14_de_en: 3 of 4 rows have an empty translation[de]" in capsys.readouterr().err
+    with pytest.raises(HarnessError, match="all 3 rows read have an empty translation"):
+        load_prompts(composed("dataset=wmt14_de_en", f"dataset.path={write_jsonl(tmp_path / 'e.jsonl', [{'translation': {'de': '', 'en': 'x'}}] * 3)}").dataset)
+
+
+def test_the_offline_line_for_a_null_split_leaves_split_out():
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=gsm8k", "dataset.split=null").dataset)
+    assert "load_dataset('openai/gsm8k', 'main')" in str(err.value) and "split=" not in str(err.value)
+
+
+def test_a_jsonl_whose_fields_change_late_names_the_cause(tmp_path, monkeypatch):
+    """datasets fixes a jsonl's fields from its first chunk (10 MB; here 64 bytes): a later field
+    failed as "cannot be read as json: Couldn't cast", without the cause."""
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: real(*a, chunksize=64, **kw))
+    rows = write_jsonl(tmp_path / "late.jsonl", [{"question_id": i, "turns": [f"prompt {i}"]} for i in range(20)]
+                       + [{"question_id": 99, "category": "late", "turns": ["late one"]}])
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=local", f"dataset.path={rows}").dataset)
+    message = str(err.value)
+    assert "cannot be read as json" in message and "'category'" in message and "same fields" in message and "\n" not in message
