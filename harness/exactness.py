@@ -79,7 +79,7 @@ import hydra
 import numpy as np
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from scipy import stats
 from scipy.optimize import brentq
 
@@ -543,6 +543,17 @@ def check(
     }
 
 
+def one_continuation(law: TargetLaw) -> bool:
+    """Does the target's law put all its mass on one continuation (top_k=1, say)? Then no N splits it into cells."""
+    prefix: tuple[int, ...] = ()
+    while not law.terminal(prefix):
+        support = np.flatnonzero(law.row(prefix) > 0.0)
+        if len(support) != 1:
+            return False
+        prefix += (int(support[0]),)
+    return True
+
+
 def size_samples(
     target, prompts: Sequence[tuple[str, torch.Tensor]], *, sampling: Sampling, length: int, eos_ids: set[int],
     detect_tv: float, alpha: float, max_cells: int = 200, limit: int = 10_000_000,
@@ -552,25 +563,68 @@ def size_samples(
 
     The cells, hence df, depend on n: iterate n <- samples_for_tv(df(n))
     from below until n suffices (df grows with n, so this stops at the
-    smallest such n; max_cells bounds df, so it does stop).
+    smallest such n; max_cells bounds df, so it does stop). A single cell
+    (df 0) is never enough, whatever `samples_for_tv` says for one degree of
+    freedom (a TV of 0.4 or more asks for fewer samples than two cells of
+    MIN_EXPECTED need): n then grows to the smallest n with two cells. A
+    prompt whose law no n splits is left to the others (its tests keep df 0);
+    when that is every prompt, sizing stops with an error.
     """
     level = alpha / (len(TESTS) * len(prompts))
-    needed = 0
+    too_many = lambda: HarnessError(f"exactness.detect_tv={detect_tv} needs over {limit} samples per prompt: ask for a larger TV")
+    df_at = lambda law, n: len(Partition.build(law, n, length, min_expected=min_expected_for(n, max_cells)).probs) - 1
+    # Past this n the cells no longer change: a child is split when its mass reaches max(MIN_EXPECTED / n, 1 / max_cells).
+    settled = math.ceil(MIN_EXPECTED * max_cells)
+    needed, unsplit = 0, []  # unsplit: per prompt no n splits, whether its law has one continuation
     for _, ids in prompts:
         law = TargetLaw(target, ids, sampling, eos_ids, length)
         n = samples_for_tv(detect_tv, 1, level)
         if n > limit:
-            raise HarnessError(f"exactness.detect_tv={detect_tv} needs over {limit} samples per prompt: ask for a larger TV")
-        for _ in range(50):
-            df = len(Partition.build(law, n, length, min_expected=min_expected_for(n, max_cells)).probs) - 1
+            raise too_many()
+        for _ in range(100):
+            df = df_at(law, n)
+            if df == 0:  # one cell: nothing to test at this n
+                single = one_continuation(law)
+                low, high = n, max(2 * n, math.ceil(2 * MIN_EXPECTED))  # two cells need at least twice MIN_EXPECTED
+                while not single and low < settled and df_at(law, high) == 0:
+                    low, high = high, max(high, min(2 * high, settled))
+                if single or low >= settled:
+                    unsplit.append(single)
+                    n = None
+                    break
+                while high - low > 1:  # the smallest n with two cells, between low (one) and high (two)
+                    mid = (low + high) // 2
+                    low, high = (low, mid) if df_at(law, mid) > 0 else (mid, high)
+                n = high
+                if n > limit:
+                    raise too_many()
+                continue
             want = samples_for_tv(detect_tv, df, level)
             if want <= n:
                 break
             n = want
             if n > limit:
-                raise HarnessError(f"exactness.detect_tv={detect_tv} needs over {limit} samples per prompt: ask for a larger TV")
-        needed = max(needed, n)
+                raise too_many()
+        if n is not None:
+            needed = max(needed, n)
+    if len(unsplit) == len(prompts):
+        if all(unsplit):
+            raise HarnessError(f"these settings (top_k={sampling.top_k}, temperature={sampling.temperature:g}) leave the target "
+                               f"one continuation of every prompt: nothing to test; raise top_k or the temperature")
+        raise HarnessError(f"the target's continuations of every prompt are too concentrated for two cells of 1/{max_cells} "
+                           f"of the mass each: nothing to test; raise exactness.max_cells (or the temperature)")
     return needed
+
+
+def no_verdict_error(report: dict) -> str:
+    """The `error:` line of a check whose every test has a single cell (df 0), saying whether N was given or sized."""
+    head = "every test has a single cell, so the check tested nothing: "
+    one = "these settings leave the target one continuation (top_k=1: nothing to test)"
+    if report.get("detect_tv_asked") is None:
+        return (head + f"either exactness.samples={report['samples']} is too few to split the continuations (raise it, "
+                f"or null to size it for exactness.detect_tv), or {one}")
+    return (head + f"N={report['samples']}, sized from exactness.detect_tv={report['detect_tv_asked']:g}, gives one cell: "
+            f"either {one}, or set exactness.samples to more than {report['samples']}")
 
 
 # ---------------------------------------------------------------- reporting
@@ -664,22 +718,54 @@ def validate_exactness(cfg: DictConfig) -> None:
             raise HarnessError(message)
 
 
+HALF = ("float16", "bfloat16")
+
+
 def full_precision_for_truncation(cfg: DictConfig, device: torch.device) -> str | None:
-    """With top-k or top-p, run a dtype=auto check in float32 where auto would mean half precision
-    (CUDA: bfloat16), and say so. A truncated law is defined there only up to rounding: the law's
-    rows come from one pass over a continuation, the loop's from verify passes of other lengths,
-    and a token at the truncation edge can fall on either side (SmolLM2 in bfloat16: a fifth of
-    the rows, 1e-4 to 1e-3 of their mass), which the zero-probability rule fails outright.
-    dtype=bfloat16, given explicitly, checks in bfloat16."""
+    """With top-k or top-p, run a model whose dtype is auto in float32 where auto would mean half
+    precision (CUDA: bfloat16), and say so. A truncated law is defined there only up to rounding: the
+    law's rows come from one pass over a continuation, the loop's from verify passes of other lengths,
+    and a token at the truncation edge can fall on either side (SmolLM2 in bfloat16: a fifth of the
+    rows, 1e-4 to 1e-3 of their mass), which the zero-probability rule fails outright.
+
+    A dtype given explicitly is kept: dtype=bfloat16 checks in bfloat16. A model's dtype pinned on
+    the pair (pair.target.dtype, pair.draft.dtype) is kept too, and the note says so: a target
+    pinned to half precision may fail the check on rounding at the truncation edge; a draft's
+    rounding is harmless (verify uses the very rows it sampled from), but it is named, so that the
+    note never claims float32 for a model that is not in it."""
     from harness.models import resolve_dtype
 
-    auto = resolve_dtype("auto", device)
-    truncated = cfg.top_k > 0 or cfg.top_p < 1
-    if not truncated or cfg.dtype != "auto" or auto in (torch.float32, torch.float64):
+    if not (cfg.top_k > 0 or cfg.top_p < 1):
         return None
-    cfg.dtype = "float32"
-    return (f"top-k / top-p in {str(auto).removeprefix('torch.')} would put tokens at the truncation edge "
-            f"on either side from one pass shape to another: checking in float32 (dtype=bfloat16 checks in bfloat16)")
+    auto = str(resolve_dtype("auto", device)).removeprefix("torch.")
+    asked = cfg.dtype
+    models = {"target": cfg.pair.target}
+    if cfg.pair.draft.get("kind", "model") == "model":
+        models["draft"] = cfg.pair.draft
+    switched, kept = [], {}
+    for name, node in models.items():
+        dtype = node.get("dtype") or "auto"  # as the loader resolves it (${dtype} unless the pair pins its own)
+        if dtype == "auto" and auto in HALF:
+            with open_dict(node):
+                node.dtype = "float32"
+            switched.append(name)
+        elif dtype in HALF and dtype != asked:  # pinned on the pair, not the dtype= asked for
+            kept[name] = dtype
+    if switched and asked == "auto":
+        cfg.dtype = "float32"
+    edge = lambda half: (f"top-k / top-p in {half} would put tokens at the truncation edge on either side "
+                         f"from one pass shape to another")
+    if "target" in kept:
+        t = kept["target"]
+        return (f"{edge(t)}: pair.target.dtype={t} is pinned, so the target stays in {t} and the check may fail on "
+                f"rounding at the truncation edge (pair.target.dtype=float32 rules that out)"
+                + ("; the draft is checked in float32" if "draft" in switched else ""))
+    if not switched:
+        return None
+    if "draft" in kept:
+        return (f"{edge(auto)}: checking the target in float32; the draft stays in {kept['draft']}, pinned by "
+                f"pair.draft.dtype (harmless: verify uses the rows the draft sampled from)")
+    return f"{edge(auto)}: checking in float32 (dtype=bfloat16 checks in bfloat16)"
 
 
 def chosen_prompts(cfg: DictConfig) -> list[dict]:
@@ -816,10 +902,7 @@ def main(cfg: DictConfig) -> None:
     print(format_report(report))
     print(json.dumps({k: v for k, v in report.items() if k not in ("prompts", "conditions")}))
     if not report.get("testable", True):  # a report stored before the key existed had a verdict
-        print(f"error: every test has a single cell, so the check tested nothing: either exactness.samples="
-              f"{report['samples']} is too few to split the continuations (raise it, or null to size it for "
-              f"exactness.detect_tv), or these settings leave the target one continuation (top_k=1: nothing to test)",
-              file=sys.stderr)
+        print(f"error: {no_verdict_error(report)}", file=sys.stderr)
         return _end(2)
     _end(0 if report["passed"] else 1)
 

@@ -528,7 +528,7 @@ def test_impossible_samples_fail_outright(markov):
         report = check(t, d, [("p", PROMPT)], k=2, sampling=Sampling(1.0, top_k=2), length=4, samples=300, law_target=target)
     result = report["prompts"]["p"]
     assert result["zero_probability_samples"] > 0 and result["tests"]["joint"]["p_value"] == 0.0
-    assert not report["passed"]
+    assert report["testable"] and report["family_p"] < report["alpha"] and not report["passed"]
     assert "rerun with dtype=float32" not in format_report(report)  # float32: no rounding excuse
     report["conditions"] = {"dtype": "bfloat16"}  # where chunked passes can round a truncation edge apart
     assert "rerun with dtype=float32 to tell rounding from a sampler bug" in format_report(report)
@@ -536,7 +536,8 @@ def test_impossible_samples_fail_outright(markov):
     with plugged(variant, target, ModelDrafter(draft)) as (t, d, _):
         few = check(t, d, [("p", PROMPT)], k=2, sampling=Sampling(1.0, top_k=2), length=4, samples=20, law_target=target)
     assert few["prompts"]["p"]["zero_probability_samples"] > 0 and all(r["df"] == 0 for r in few["prompts"]["p"]["tests"].values())
-    assert few["testable"] and not few["passed"] and "FAIL: exactness rejected" in format_report(few)
+    assert few["testable"] and few["family_p"] < few["alpha"] and not few["passed"]
+    assert "FAIL: exactness rejected" in format_report(few)
 
 
 def test_long_continuations_are_not_impossible_by_underflow():
@@ -610,12 +611,12 @@ def test_check_rejects_broken_variants_and_keeps_lossless_ones(markov, variant, 
     with plugged(variant, target, ModelDrafter(draft)) as (t, d, rule):
         report = check(t, d, [("prompt", PROMPT)], k=VARIANT_K, sampling=variant_sampling(variant), length=VARIANT_K + 2,
                        samples=n, alpha=PER_CHECK_ALPHA, rule=rule or verify, law_target=target)
-    verdict = "pass" if report["passed"] else "REJECTED"
+    verdict = "pass" if report["passed"] else "REJECTED" if report["testable"] else "NO VERDICT"
     VARIANT_ROWS[n].append((variant.name, report["family_p"], verdict))
     if variant.lossless:
         assert report["passed"], format_report(report)
     else:
-        assert report["family_p"] < 1e-9, format_report(report)
+        assert report["testable"] and report["family_p"] < 1e-9, format_report(report)
         tests = report["prompts"]["prompt"]["tests"]
         for test in CAUGHT_BY[variant.name]:
             assert tests[test]["p_value"] < 1e-9, f"{variant.name}: the {test} test alone gave p = {tests[test]['p_value']:.3g}"
@@ -676,7 +677,7 @@ def test_missing_rollback_is_caught_on_tiny_transformer_pair(tiny_pair):
     with plugged(variant, target, drafter) as (t, d, rule):
         report = check(t, d, [("prompt", prompt)], k=TINY_K, sampling=TINY_SAMPLING, length=TINY_LENGTH,
                        samples=TINY_SAMPLES, alpha=FAMILY_ALPHA, law_target=target)
-    assert not report["passed"], format_report(report)
+    assert report["testable"] and report["family_p"] < FAMILY_ALPHA, format_report(report)
 
 
 def test_kept_prompt_draws_what_fresh_caches_draw(tiny_pair):
@@ -909,6 +910,53 @@ def test_samples_sized_from_detectable_tv(markov):
     assert detectable_tv(n, df, 1e-3 / 3) <= 0.05 < detectable_tv(int(n * 0.9), df, 1e-3 / 3)
 
 
+
+@pytest.mark.parametrize("tv", [0.4, 0.5, 0.9])
+def test_samples_sized_for_a_large_tv_split_the_continuations(markov, tv):
+    """A TV of 0.4 or more needs only a handful of samples at one degree of freedom, too few for two
+    cells of the minimum expected count: one cell, df 0, NO VERDICT. Sizing raises N until a cell
+    splits (so N >= 40, above the floor of exactness.samples), then sizes for the df it gets."""
+    from harness.exactness import MIN_EXPECTED, min_expected_for, size_samples
+
+    target, draft = markov
+    n = size_samples(target, [("prompt", PROMPT)], sampling=Sampling(1.0), length=4, eos_ids=set(), detect_tv=tv, alpha=1e-3)
+    law = TargetLaw(target, PROMPT, Sampling(1.0), set(), 4)
+    df = lambda m: len(Partition.build(law, m, 4, min_expected=min_expected_for(m, 200)).probs) - 1
+    assert n >= 2 * MIN_EXPECTED and df(n) >= 1 and detectable_tv(n, df(n), 1e-3 / 3) <= tv
+    assert df(n - 1) == 0 or detectable_tv(n - 1, df(n - 1), 1e-3 / 3) > tv  # the smallest such N
+    report = check(target, ModelDrafter(draft), [("prompt", PROMPT)], k=1, sampling=Sampling(1.0), length=4, samples=n)
+    assert report["testable"] and report["passed"], format_report(report)
+
+
+def test_sizing_refuses_a_law_with_one_continuation(markov):
+    """top_k=1: every N leaves one cell, so no N can test anything; that is an error, not an N (nor a NO VERDICT)."""
+    from harness.exactness import size_samples
+
+    target, _ = markov
+    with pytest.raises(HarnessError, match="one continuation of every prompt: nothing to test"):
+        size_samples(target, [("prompt", PROMPT)], sampling=Sampling(1.0, top_k=1), length=4, eos_ids=set(),
+                     detect_tv=0.05, alpha=1e-3)
+    # T = 0.05: more than one continuation, but none other holds 1/max_cells of the mass, so no N gives two cells
+    with pytest.raises(HarnessError, match="too concentrated for two cells of 1/200 of the mass each: .* raise exactness.max_cells"):
+        size_samples(target, [("prompt", PROMPT)], sampling=Sampling(0.05), length=4, eos_ids=set(), detect_tv=0.05, alpha=1e-3)
+
+
+def test_a_check_sized_for_a_large_tv_gives_a_verdict(tiny_pair, tmp_path):
+    """exactness.detect_tv=0.5, exactness.samples null: sizing once gave N=20, one cell per test, NO VERDICT, exit 2."""
+    cfg = compose_check(tiny_pair, tmp_path, "k=1", "temperature=1.0", "exactness.num_prompts=1", "exactness.detect_tv=0.5")
+    report = run_check(cfg, quiet=True)
+    assert report["testable"] and report["samples"] >= 40 and report["detect_tv_asked"] == 0.5, format_report(report)
+
+
+def test_the_no_verdict_error_says_whether_samples_were_given_or_sized():
+    from harness.exactness import no_verdict_error
+
+    given = no_verdict_error({"samples": 20, "detect_tv_asked": None})
+    assert given.startswith("every test has a single cell, so the check tested nothing: either exactness.samples=20 is too few")
+    sized = no_verdict_error({"samples": 52, "detect_tv_asked": 0.5})
+    assert "N=52, sized from exactness.detect_tv=0.5" in sized and "exactness.samples=52" not in sized
+    assert "null to size it" not in sized and "\n" not in given + sized
+
 # ---------------------------------------------------------------- the embedded default pair (slow: run it on a GPU)
 
 _default_pair_samples: dict = {}
@@ -983,7 +1031,7 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
     if variant is None or variant.lossless:
         assert report["passed"], format_report(report)
     else:
-        assert not report["passed"], format_report(report)
+        assert report["testable"] and report["family_p"] < alpha, format_report(report)
 
 
 @pytest.mark.parametrize("overrides, device, checked_in", [
@@ -1003,6 +1051,29 @@ def test_a_truncated_law_is_checked_in_full_precision_unless_asked(tiny_pair, tm
     if note:
         assert cfg.pair.target.dtype == cfg.pair.draft.dtype == "float32" and "checking in float32" in note
 
+
+
+@pytest.mark.parametrize("overrides, device, target, draft, top", [
+    # a target pinned to bfloat16 stays there (the user's choice), and the note says so instead of "checking in float32"
+    (["top_p=0.9", "pair.target.dtype=bfloat16"], "cuda", "bfloat16", "float32", "float32"),
+    (["top_p=0.9", "pair.target.dtype=bfloat16", "pair.draft.dtype=bfloat16"], "cuda", "bfloat16", "bfloat16", "auto"),
+    (["top_k=50", "pair.target.dtype=float16"], "cpu", "float16", "auto", "auto"),  # auto is float32 there: nothing to switch
+    # a pinned draft stays too; its rounding is harmless (verify uses the rows it sampled from)
+    (["top_k=50", "pair.draft.dtype=bfloat16"], "cuda", "float32", "bfloat16", "float32"),
+])
+def test_a_dtype_pinned_on_the_pair_is_kept_and_the_note_says_so(tiny_pair, tmp_path, overrides, device, target, draft, top):
+    from harness.exactness import full_precision_for_truncation
+    from harness.run import with_default_pair
+
+    cfg = with_default_pair(compose_check(tiny_pair, tmp_path, "temperature=1.0", *overrides))
+    note = full_precision_for_truncation(cfg, torch.device(device))
+    assert (cfg.pair.target.dtype, cfg.pair.draft.dtype, cfg.dtype) == (target, draft, top)
+    assert note is not None and "checking in float32" not in note
+    if target != "float32":
+        assert f"pair.target.dtype={target} is pinned" in note and "may fail on rounding at the truncation edge" in note
+        assert ("the draft is checked in float32" in note) == (draft == "float32")
+    else:
+        assert "checking the target in float32" in note and f"the draft stays in {draft}, pinned by pair.draft.dtype" in note
 
 def test_a_check_whose_every_test_has_one_cell_gives_no_verdict(tiny_pair, tmp_path):
     """20 samples: every cell's expected count would fall short, so each test is one cell (df 0) and could
