@@ -231,11 +231,14 @@ def group_setting(group: str, override: str, chosen: list[str], options: dict[st
 
 
 def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:
-    """A message for two common slips Hydra answers in several lines: a pair chosen without its
-    '+', and several values without -m (an escaped comma, `\\,`, is one value)."""
+    """A message for common slips Hydra answers in several lines, or not at all: a pair chosen without
+    its '+', several values without -m (an escaped comma, `\\,`, is one value), and hydra.job.chdir=true."""
     name, equals, value = override.partition("=")
     if name == "pair" and equals:
         return f"{override}: the pair is chosen with a '+': +pair={value}"
+    if name.lstrip("+") == "hydra.job.chdir" and value.strip().lower() in ("true", "yes", "on", "1"):
+        return (f"{override}: each job would run in its own folder, where a relative out_dir (and dataset.path) names "
+                f"another place every time, so cells never resume: leave hydra.job.chdir false")
     several = re.search(r"(?<!\\),", value) and not SWEEP_SYNTAX.search(value)
     if equals and not multirun and not name.startswith(("hydra", "~")) and several:
         return (f"{override} lists several values: add -m to run one cell each" if sweeps else
@@ -686,6 +689,13 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
     }
 
 
+def libraries() -> str:
+    """The libraries a prompt's timings depend on most, as one record field."""
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
 def conditions(cfg: DictConfig, pair: Pair) -> dict:
     """What a run's figures depend on beyond its config: the device, the target's dtype, threads,
     versions, and the CPU linear product the pair's layers use (Pair.linear)."""
@@ -943,6 +953,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
                 record["rss_mb"] = _current_rss_mb()
                 record["host"] = platform.node()  # a resumed cell may have run part of its prompts elsewhere
                 record["harness_commit"] = harness_commit()  # ... or with other code
+                record["libraries"] = libraries()  # ... or other torch and transformers
                 record["linear"] = pair.linear.get("product")
                 if pair.linear.get("rows_to"):
                     record["linear_rows_to"] = pair.linear["rows_to"]
@@ -965,6 +976,11 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             run_conditions["harness_commits"] = commits
             print(f"warning: the prompts of {cell_dir.name} were measured by several harness versions ({', '.join(commits)}): "
                   f"force=true reruns it with one", file=sys.stderr)
+        versions = sorted({r["libraries"] for r in records if r.get("libraries")} | {libraries()})  # records before: unknown
+        if len(versions) > 1:  # a resumed cell whose earlier prompts ran with another torch or transformers
+            run_conditions["libraries_mixed"] = versions
+            print(f"warning: the prompts of {cell_dir.name} were measured with several library versions ({'; '.join(versions)}): "
+                  f"their timings may not compare; force=true reruns it with one", file=sys.stderr)
         summary.update(
             pair=cfg.pair.name, target=cfg.pair.target.id, draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
             k=cfg.k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,

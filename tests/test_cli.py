@@ -59,7 +59,8 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     lines = (cell / "prompts.jsonl").read_text().splitlines()
     (cell / "prompts.jsonl").write_text("\n".join(lines[:2]) + "\n")
     # Two prompts from another process on another host (its memory, its machine), then a line cut by a kill mid-write.
-    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6, "host": "node-07", "harness_commit": "0123abc"}) for line in lines[2:4]]
+    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6, "host": "node-07", "harness_commit": "0123abc",
+                            "libraries": "torch 2.6.0, transformers 5.24.0"}) for line in lines[2:4]]
     with (cell / "prompts.jsonl").open("a") as out:
         out.write("\n".join(doctored) + "\n" + lines[4][:100])
     (cell / "summary.json").unlink()
@@ -72,6 +73,8 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     now = summary["conditions"]["harness_commit"] or "unknown"
     assert summary["conditions"]["harness_commits"] == sorted({"0123abc", now})  # and the first two prompts' (this code's)
     assert "measured by several harness versions" in second.stderr
+    assert "torch 2.6.0, transformers 5.24.0" in summary["conditions"]["libraries_mixed"]
+    assert "measured with several library versions (" in second.stderr and "; torch 2.6.0, transformers 5.24.0" in second.stderr
     ids = [json.loads(line)["id"] for line in (cell / "prompts.jsonl").read_text().splitlines()]  # every line parses
     assert len(ids) == 6 == len(set(ids))
     assert ids[:4] == [json.loads(line)["id"] for line in lines[:4]]  # finished prompts were kept, not redone

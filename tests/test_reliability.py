@@ -29,6 +29,7 @@ from test_cli import ROOT, harness, tiny_args
         (["banana=1"], "unknown setting 'banana': (--cfg job prints them all)"),
         (["+temprature=0.7"], "unknown setting 'temprature': did you mean temperature?"),  # added, read by nothing: a new cell key
         (["~dataset"], "~dataset: every run needs dataset; choose a prompt set"),  # validate crashed on it
+        (["hydra.job.chdir=true"], "hydra.job.chdir=true: each job would run in its own folder"),  # cells never resumed
         (["~dataset.num_prompts"], "~dataset.num_prompts: every run needs dataset.num_prompts"),
         (["dataset.path=x.jsonl"], "unknown setting 'dataset.path' for dataset=builtin, whose keys are category,"),
         (["+pair=smollm2", "pair.draft.length=cost_aware"],
@@ -185,12 +186,14 @@ def test_every_setting_the_configs_offer_is_known():
     for override in ["k=2", "temperature=0.7", "dataset.num_prompts=3", "dataset.path=x.jsonl", "pair.target.id=/m",
                      "pair.target.device_map=auto", "pair.draft.length=cost_aware", "pair.draft.max_ngram=4",
                      "wandb.mode=disabled", "prompts.template=raw", "exactness.num_prompts=1", "out_dir=/tmp/x",
-                     "+new_key=1", "~seed", "hydra.verbose=true", "hydra/launcher=slurm", "--cfg", "job", "-m"]:
+                     "+pair.target.trust_remote_code=true", "++k=7", "+hydra.job.name=x", "~seed", "hydra.verbose=true",
+                     "hydra/launcher=slurm", "--cfg", "job", "-m"]:
         assert unknown_setting(override, known) is None, override
     for path in (CONF_DIR / "dataset").glob("*.yaml"):  # every key of every option, under its group
         for key in OmegaConf.load(path):
             assert f"dataset.{key}" in known
     assert unknown_setting("exactness.num_promts=1", known) is not None
+    assert unknown_setting("+new_key=1", known) is not None  # added outside pair: read by nothing, only a new cell key
 
 
 @pytest.mark.parametrize(
