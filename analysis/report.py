@@ -452,9 +452,11 @@ def _methods_section(pct: str) -> list[str]:
         "A category with one prompt has no interval. Each cell's own interval (Cells table, figures) is the "
         f"harness's {100 * CELL_CONFIDENCE:g}%.",
         "- **Context**: one decision per target, sampling setting (at temperature 0, greedy, top-k and top-p are "
-        "ignored) and run conditions (device, dtype, max_new_tokens, cache, compile); a candidate's cells are combined "
-        "prompt by prompt, candidates are paired on the prompts they all ran, and a candidate with fewer than half the "
-        "prompts of the (lower) median candidate is left out (listed in the notes): of two candidates, neither.",
+        "ignored) and run conditions (device, dtype, max_new_tokens, cache, compile). With per-prompt rows, a candidate's "
+        "cells are combined prompt by prompt, candidates are paired on the prompts they all ran, and a candidate with fewer "
+        "than half the prompts of the lower median candidate is left out (listed in the notes): of two candidates, neither. "
+        "From summaries alone, each candidate is one cell on the prompt set most candidates ran, and one with fewer than "
+        "half the prompts of the median candidate is left out.",
         "- **Ship rule**: candidates are ranked by point estimate; the best one whose interval's lower bound is above 1 "
         "ships (when a higher one is uncertain, the verdict names it); if none, *ship no speculation*. Choosing the "
         "best of many candidates favours a lucky one, so its interval is slightly optimistic.",

@@ -664,11 +664,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
             parser.error(f"{arg}: the bench sets this with {BENCH_FLAGS[arg.partition('=')[0].lstrip('+')]}")
     if message := unwritable(args.out):
         parser.error(f"--out {args.out}: {message}")
-    if max(args.ks) + 3 > args.max_new_tokens:
-        # The limit part times the decode phase, after each prompt's first cycle (up to k + 1 tokens): it needs
-        # cycles after it that draft, and a cycle drafts at most the tokens left but one.
-        parser.error(f"--max-new-tokens {args.max_new_tokens}: give at least the largest of --ks plus 3 ({max(args.ks) + 3}), "
-                     f"so that cycles after each prompt's first still draft (the limit part times those)")
+    if max(args.ks) > args.max_new_tokens:  # as validate() refuses k above max_new_tokens (a few more make the
+        # limit part's figures nan where no cycle after a prompt's first drafts, rather than a crash)
+        parser.error(f"--ks {' '.join(map(str, args.ks))}: each must be at most --max-new-tokens {args.max_new_tokens} "
+                     f"(a cycle drafts at most {args.max_new_tokens - 1})")
     args.ks = list(dict.fromkeys(args.ks))  # --ks 2 2 would run k=2's parts twice and count its lookup floor twice
     check_choices(args.overrides, sweeps=False)  # as `python -m harness` checks them: one line for an unknown name
     return parser, args

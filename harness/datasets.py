@@ -121,23 +121,30 @@ def _column_length(value: Any) -> int | None:
     return None
 
 
-def _refuse_column_oriented(shown: str, ds, rows: Iterable[dict]) -> None:
+def _refuse_column_oriented(cfg, shown: str, ds, rows: Iterable[dict]) -> None:
     """Stop on a json file that is one object of columns ({"id": [...], "prompt": [...]}, as
     json.dump(df.to_dict("list")) or df.to_json() write): datasets reads it as one row, and its
-    first items would silently be the only prompt."""
+    first items would silently be the only prompt. A row of its own may hold lists too (turns, tags),
+    so it is refused only when its id or category field, one value per row, holds as many values as
+    the rest; otherwise a warning says what it looks like."""
     import datasets as hf_datasets
 
     first = list(itertools.islice(iter(rows), 2))
-    if len(first) != 1:
+    if len(first) != 1 or len(first[0]) < 2:
         return
     lengths = {_column_length(value) for value in first[0].values()}
     if len(lengths) != 1 or None in lengths or (n := lengths.pop()) < 2:
         return
     total = len(list(ds.take(2))) if isinstance(ds, hf_datasets.IterableDataset) else len(ds)
-    if total == 1:
-        raise HarnessError(f"{shown} looks column-oriented: one object whose fields hold {n} values each (as "
-                           f"json.dump(df.to_dict('list')) or df.to_json() write), which reads as one row: write one object "
-                           f"per row, as a jsonl (df.to_json(path, orient='records', lines=True)) or a list of objects (orient='records')")
+    if total != 1:
+        return
+    what = (f"{shown} looks column-oriented: one object whose fields hold {n} values each (as json.dump(df.to_dict('list')) "
+            f"or df.to_json() write), which reads as one row")
+    fix = "write one object per row, as a jsonl (df.to_json(path, orient='records', lines=True)) or a list of objects (orient='records')"
+    labels = [_field_name(cfg.get(key)) for key in ("id_field", "category_field")]
+    if any(label in first[0] for label in labels if label):  # an id or a category per row, as a list: columns
+        raise HarnessError(f"{what}: {fix}")
+    print(f"warning: {what}, so it gives one prompt; if its fields are columns, {fix}", file=sys.stderr)
 
 
 def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None, Any]:
@@ -169,7 +176,7 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None, Any]
             **({} if streaming else {"cache_dir": _content_cache(path)}))
         rows = _first_rows(ds, _rows_to_read(cfg))
         if fmt == "json":
-            _refuse_column_oriented(shown, ds, rows)
+            _refuse_column_oriented(cfg, shown, ds, rows)
     except UnicodeDecodeError:  # a row's text, decoded as it is read: load_prompts says so
         raise
     except (DatasetGenerationError, ValueError, StopIteration, OSError) as err:

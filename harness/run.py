@@ -231,19 +231,30 @@ def group_setting(group: str, override: str, chosen: list[str], options: dict[st
 
 
 def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:
-    """A message for common slips Hydra answers in several lines, or not at all: a pair chosen without
-    its '+', several values without -m (an escaped comma, `\\,`, is one value), and hydra.job.chdir=true."""
+    """A message for two common slips Hydra answers in several lines: a pair chosen without its
+    '+', and several values without -m (an escaped comma, `\\,`, is one value)."""
     name, equals, value = override.partition("=")
     if name == "pair" and equals:
         return f"{override}: the pair is chosen with a '+': +pair={value}"
-    if name.lstrip("+") == "hydra.job.chdir" and value.strip().lower() in ("true", "yes", "on", "1"):
-        return (f"{override}: each job would run in its own folder, where a relative out_dir (and dataset.path) names "
-                f"another place every time, so cells never resume: leave hydra.job.chdir false")
     several = re.search(r"(?<!\\),", value) and not SWEEP_SYNTAX.search(value)
     if equals and not multirun and not name.startswith(("hydra", "~")) and several:
         return (f"{override} lists several values: add -m to run one cell each" if sweeps else
                 f"{override} lists several values, and this command runs one of each (k: use --ks)")
     return None
+
+
+def moving_results(argv: list[str]) -> str | None:
+    """A message for hydra.job.chdir=true with a relative out_dir: each job runs in its own folder, so the
+    results land in another place every time and cells never resume (Hydra says nothing)."""
+    def value(key: str) -> str | None:
+        return next((a.partition("=")[2] for a in argv if a.lstrip("+").partition("=")[0] == key), None)
+
+    chdir = value("hydra.job.chdir")
+    out_dir = value("out_dir") or str(OmegaConf.load(CONF_DIR / "config.yaml").out_dir)
+    if chdir is None or chdir.strip().lower() not in ("true", "yes", "on", "1") or Path(out_dir).expanduser().is_absolute():
+        return None
+    return (f"hydra.job.chdir={chdir} runs each job in its own folder, where out_dir={out_dir} names another place every "
+            f"time, so cells never resume: leave hydra.job.chdir false, or give an absolute out_dir")
 
 
 def _is_multirun_flag(arg: str) -> bool:
@@ -283,8 +294,11 @@ def unknown_setting(override: str, known: set[str]) -> str | None:
     name, equals, _ = override.partition("=")
     bare = name.lstrip("+")
     # A key added (+key=, ++key=) is read only under pair (a model's loading settings, a chat template) and by
-    # Hydra: elsewhere nothing reads it, and it would only give the run another cell key (+temprature=0.7).
-    if name.startswith("+") and not bare.startswith(("pair", "hydra")) and bare != "dataset":
+    # Hydra: elsewhere nothing reads it, and it would only give the run another cell key (+temprature=0.7). A
+    # top-level name may also be a config group of the user's (+experiment=short with --config-dir): judged only
+    # when it is close to a setting, as a slip.
+    if name.startswith("+") and not bare.startswith(("pair", "hydra")) and bare != "dataset" and \
+            ("." in bare or difflib.get_close_matches(bare, sorted(known), n=1, cutoff=0.7)):
         name = bare
     if not equals or name.startswith(("+", "~", "-", "hydra")) or "/" in name or name in known:
         return None
@@ -312,15 +326,17 @@ def replaces_section(override: str, known: set[str]) -> str | None:
     return f"{override}: {name} is a section, not a setting: set one of its keys ({', '.join(keys)}), e.g. {example}"
 
 
+# The dataset keys every run reads (as attributes: removing one crashed); the others are read with a default.
+DATASET_KEYS_READ = ("name", "source", "num_prompts")
+
+
 def added_or_removed(override: str, known: set[str]) -> str | None:
     """A message for `+key=` on a key that exists (Hydra: "Could not append") and for `~key` on one
     of the harness's own settings (a crash later), which Hydra answers in several lines."""
     name, equals, value = override.partition("=")
     bare = name.lstrip("+~")
-    if name.startswith("~") and bare.startswith("dataset"):  # a key every prompt set has is read (validate crashed)
-        everywhere = set.intersection(*(set(option) for option in group_options("dataset").values()))
-        if bare == "dataset" or bare.removeprefix("dataset.") in everywhere:
-            return f"{override}: every run needs {bare}; choose a prompt set (dataset=NAME) or set the key instead (null where it may be empty)"
+    if name.startswith("~") and (bare == "dataset" or bare.removeprefix("dataset.") in DATASET_KEYS_READ):  # validate crashed
+        return f"{override}: every run needs {bare}; choose a prompt set (dataset=NAME) or set the key instead"
     if name.startswith("++") or bare.startswith(("pair", "dataset", "hydra")) or bare not in known:  # ++: Hydra's add-or-set
         return None  # a pair's or dataset's keys are theirs to add and remove; unknown ones: unknown_setting
     if name.startswith("+") and equals:
@@ -380,6 +396,9 @@ def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = Tru
         print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): {fix}", file=sys.stderr)
         sys.exit(2)
     if sweeps and (problem := unwritable_output(argv, multirun)):  # an entry point run by Hydra, which makes the folder
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    if problem := moving_results(argv):
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     words = bare_words(argv)

@@ -142,8 +142,7 @@ def test_the_bench_checks_its_config_as_the_harness_does(tiny_pair, tmp_path, ar
     (["--ks", "1", "+pair=smollm2_ngram"], "'+pair=smollm2_ngram' is an override, not a k: put overrides before --ks"),
     (["--out", "/etc/passwd/x.json"], "--out /etc/passwd/x.json: /etc/passwd is a file, not a folder"),
     (["--out", "/tmp"], "--out /tmp: is a folder"),
-    (["--ks", "1", "9", "--max-new-tokens", "8"], "--max-new-tokens 8: give at least the largest of --ks plus 3 (12)"),
-    (["--ks", "1", "--max-new-tokens", "3"], "--max-new-tokens 3: give at least the largest of --ks plus 3 (4)"),  # crashed in limit()
+    (["--ks", "1", "9", "--max-new-tokens", "8"], "--ks 1 9: each must be at most --max-new-tokens 8 (a cycle drafts at most 7)"),
     (["cache=static", "compile=true", "--ks", "1", "16"], "--ks 1 16: k=16 with compile=true: compiled steps take at most 16 positions"),
 ])
 def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, monkeypatch):

@@ -449,7 +449,7 @@ def test_a_hub_sets_revision_reaches_load_dataset_and_the_cell_key(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["lists", "pandas-default"])
-def test_a_column_oriented_json_file_is_one_line(tmp_path, layout):
+def test_a_column_oriented_json_file_is_one_line(tmp_path, layout, capsys):
     """json.dump(df.to_dict("list")) or df.to_json() is one object of columns: datasets reads it as one
     row, whose first list items (or an index-keyed dict) would silently be the only prompt."""
     frame = pd.DataFrame({"id": ["q1", "q2", "q3"], "prompt": ["What is 2+2?", "Name a color.", "Say hi."], "task": ["math", "chat", "chat"]})
@@ -468,6 +468,10 @@ def test_a_column_oriented_json_file_is_one_line(tmp_path, layout):
     one.write_text(json.dumps(SPEC_BENCH[:1]))
     [p] = load_prompts(composed("dataset=local", f"dataset.path={one}").dataset)
     assert p["prompt"] == SPEC_BENCH[0]["turns"][0]
+    # So is one whose fields are all lists of two but that has no id or category per row: a warning, not a refusal.
+    lists = write_jsonl(tmp_path / "lists.jsonl", [{"turns": ["Write a poem about cats.", "Now make it rhyme."], "tags": ["a", "b"]}])
+    [p] = load_prompts(composed("dataset=local", f"dataset.path={lists}", "dataset.id_field=null", "dataset.category_field=null").dataset)
+    assert p["prompt"] == "Write a poem about cats." and "looks column-oriented" in capsys.readouterr().err
 
 
 def test_a_dict_text_field_keyed_by_numbers_gets_no_template_that_cannot_read_it(tmp_path):

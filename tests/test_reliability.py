@@ -29,7 +29,7 @@ from test_cli import ROOT, harness, tiny_args
         (["banana=1"], "unknown setting 'banana': (--cfg job prints them all)"),
         (["+temprature=0.7"], "unknown setting 'temprature': did you mean temperature?"),  # added, read by nothing: a new cell key
         (["~dataset"], "~dataset: every run needs dataset; choose a prompt set"),  # validate crashed on it
-        (["hydra.job.chdir=true"], "hydra.job.chdir=true: each job would run in its own folder"),  # cells never resumed
+        (["hydra.job.chdir=true"], "hydra.job.chdir=true runs each job in its own folder, where out_dir=results"),  # never resumed
         (["~dataset.num_prompts"], "~dataset.num_prompts: every run needs dataset.num_prompts"),
         (["dataset.path=x.jsonl"], "unknown setting 'dataset.path' for dataset=builtin, whose keys are category,"),
         (["+pair=smollm2", "pair.draft.length=cost_aware"],
@@ -180,7 +180,7 @@ def test_every_setting_the_configs_offer_is_known():
     from omegaconf import OmegaConf
 
     from harness import exactness
-    from harness.run import CONF_DIR, known_settings, unknown_setting
+    from harness.run import CONF_DIR, added_or_removed, known_settings, moving_results, unknown_setting
 
     known = known_settings({"exactness": exactness.DEFAULTS})
     for override in ["k=2", "temperature=0.7", "dataset.num_prompts=3", "dataset.path=x.jsonl", "pair.target.id=/m",
@@ -193,7 +193,14 @@ def test_every_setting_the_configs_offer_is_known():
         for key in OmegaConf.load(path):
             assert f"dataset.{key}" in known
     assert unknown_setting("exactness.num_promts=1", known) is not None
-    assert unknown_setting("+new_key=1", known) is not None  # added outside pair: read by nothing, only a new cell key
+    assert unknown_setting("+temprature=0.7", known) is not None  # added outside pair: read by nothing, only a new cell key
+    assert unknown_setting("+wandb.tag=x", known) is not None
+    assert unknown_setting("+experiment=short", known) is None  # perhaps a config group of the user's (--config-dir)
+    for override in ("~dataset.id_field", "~dataset.category_field", "~dataset.streaming"):  # read with a default
+        assert added_or_removed(override, known) is None, override
+    assert "every run needs dataset.num_prompts" in added_or_removed("~dataset.num_prompts", known)
+    assert moving_results(["hydra.job.chdir=true", "out_dir=/tmp/abs"]) is None  # absolute: every job finds its cells
+    assert "never resume" in moving_results(["hydra.job.chdir=True"])
 
 
 @pytest.mark.parametrize(
