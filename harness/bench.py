@@ -208,12 +208,12 @@ def same_greedy_output(target: CachedLM, ids: torch.Tensor, reference: list[int]
     tolerance = TIE_LOGIT_GAP.get(dtype, 1e-3)
     chosen = rows.gather(1, ids.new_tensor(tokens[j:])[:, None])[:, 0]  # [n - j] the contender's tokens' logits
     gaps = rows.max(-1).values - chosen  # [n - j] >= 0: how far each is from the target's greedy choice
-    for i in range(len(gaps)):
-        if float(gaps[i]) > tolerance:
-            best = int(rows[i].argmax())
-            raise HarnessError(f"{name} output differs from the target's greedy output on prompt {prompt} at token {j + i}: the target "
-                               f"prefers {best} to {tokens[j + i]} by {float(gaps[i]):.3g} logits, more than a "
-                               f"{str(dtype).removeprefix('torch.')} tie ({tolerance}): not comparable")
+    beyond = (gaps > tolerance).nonzero()
+    if beyond.numel():
+        i = int(beyond[0])
+        raise HarnessError(f"{name} output differs from the target's greedy output on prompt {prompt} at token {j + i}: the target "
+                           f"prefers {int(rows[i].argmax())} to {tokens[j + i]} by {float(gaps[i]):.3g} logits, more than a "
+                           f"{str(dtype).removeprefix('torch.')} tie ({tolerance}): not comparable")
     return {"contender": name, "prompt": prompt, "position": j, "logit_gap": float(rows[0][reference[j]] - chosen[0]),
             "later_ties": int((gaps[1:] > 0).sum())}  # later tokens that were not the target's strict argmax either
 

@@ -964,6 +964,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     done = {r["id"] for r in records}
     tracker = tracking.start(cfg, cell_dir)
     todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
+    versions_now = libraries()
     _write_json_atomic(status_path, {"status": "running", "done": len(records), "total": len(encoded)})
     try:
         with lines_path.open("a") as out:
@@ -972,7 +973,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
                 record["rss_mb"] = _current_rss_mb()
                 record["host"] = platform.node()  # a resumed cell may have run part of its prompts elsewhere
                 record["harness_commit"] = harness_commit()  # ... or with other code
-                record["libraries"] = libraries()  # ... or other torch and transformers
+                record["libraries"] = versions_now  # ... or other torch and transformers
                 record["linear"] = pair.linear.get("product")
                 if pair.linear.get("rows_to"):
                     record["linear_rows_to"] = pair.linear["rows_to"]
@@ -995,7 +996,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             run_conditions["harness_commits"] = commits
             print(f"warning: the prompts of {cell_dir.name} were measured by several harness versions ({', '.join(commits)}): "
                   f"force=true reruns it with one", file=sys.stderr)
-        versions = sorted({r["libraries"] for r in records if r.get("libraries")} | {libraries()})  # records before: unknown
+        versions = sorted({r["libraries"] for r in records if r.get("libraries")} | {versions_now})  # records before: unknown
         if len(versions) > 1:  # a resumed cell whose earlier prompts ran with another torch or transformers
             run_conditions["libraries_mixed"] = versions
             print(f"warning: the prompts of {cell_dir.name} were measured with several library versions ({'; '.join(versions)}): "
