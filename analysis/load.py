@@ -60,7 +60,7 @@ SUMMARY_SCALARS = (
 # Per-prompt fields of the speculative path kept in the prompts frame.
 SPEC_FIELDS = ("cycles", "committed", "drafted", "accepted", "tested", "new_tokens", "time_s")
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
-CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", "prompt_format")
+CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", "forward", "prompt_format")
 # Dataset settings that decide which text a prompt id names (not which ids run: num_prompts,
 # max_rows): cells of one dataset name that differ in one are different prompt sets.
 TEXT_FIELDS = ("source", "text_field", "template", "id_field")  # source: the file, or the hub set and split
@@ -390,6 +390,7 @@ def cell_row(raw: RawCell) -> dict:
         "dtype": _known(conditions.get("dtype")),
         "cache": _known(conditions.get("cache", cfg.get("cache"))),
         "compile": _known(conditions.get("compile", cfg.get("compile"))),
+        "forward": _known(conditions.get("forward", cfg.get("forward", "hf"))),  # cells from before forward=lean: HF's
         "prompt_format": _prompt_format(cfg),
         "has_prompts": raw.records is not None and len(raw.records) > 0,
     }

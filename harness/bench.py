@@ -605,7 +605,7 @@ def goals(result: dict) -> dict[str, dict]:
 def setup(cfg, args, argv, prompts, encoded) -> dict:
     return {
         "pair": cfg.pair.name, "prompts": len(encoded), "prompt_ids": [p["id"] for p in prompts],
-        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "ks": args.ks, "cache": cfg.cache, "compile": cfg.compile,
+        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "ks": args.ks, "cache": cfg.cache, "compile": cfg.compile, "forward": cfg.get("forward", "hf"),
         "grad_mode": "torch.inference_mode, every contender",
         "statistic": "median over reps of total tokens / total time; limits: median over reps of the decode-phase speedup, "
                      "acceptance, costs and overhead over all reps",
@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--ks {' '.join(map(str, args.ks))}: {compiled_k_message(max(args.ks))}")
     device = resolve_device(cfg.device)
     all_prompts = select(load_prompts(cfg.dataset), None, cfg.seed, shuffle=False)  # a dataset problem before a model loads
-    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear, cfg.get("forward", "hf"))
     prompts = all_prompts[: args.prompts]
     # Prompts cut to leave room for the new tokens, the same budget at every k, as `python -m harness` does,
     # and for the k positions HF's prompt lookup may verify past them (lookup_room).

@@ -829,7 +829,8 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     try:
         chosen = chosen_prompts(cfg)  # first: a dataset problem should stop the check before a model loads
         # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
-        pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"))
+        pair = load_pair(cfg.pair, device, cfg.get("cache", "dynamic"), cfg.get("compile", False), cfg.get("cpu_linear", "auto"),
+                         cfg.get("forward", "hf"))
         prompts = encode_prompts(cfg, pair, length, chosen)
     except BaseException:  # a check that cannot start leaves no empty folder of its own making
         if created:

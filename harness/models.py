@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from harness.errors import HarnessError
 from harness.host_syncs import unwatched
 from harness.kv_cache import GrowingLayer, in_place
+from harness.lean import LeanLlama
+from harness.lean import check as lean_check
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -211,7 +213,7 @@ class CachedLM:
     COMPILED_MAX_TOKENS = 16  # k + 1 for any k a sweep uses
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, cache: str = "dynamic", max_len: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, forward: str = "hf"):
         self.model = model
         self.vocab_size = vocab_size  # rows beyond it (padding) are dropped
         # A draft may score and read fewer tokens than the target can produce (Gemma 3 1B beside 4B and up, whose
@@ -233,6 +235,13 @@ class CachedLM:
         self.compiled = _compile(model, "reduce-overhead" if self.graphs else None) if compile else None
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
+        self.lean: LeanLlama | None = None  # forward=lean: harness/lean.py runs the steps, with KV storage of its own
+        if forward == "lean":
+            if self.static or compile:
+                raise HarnessError("forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it")
+            self.lean = LeanLlama(model)
+            lean_check(self.lean, self.cache_kwarg)
+            self.lean.reserve(max_len or 1)
         self.growing: dict[int, GrowingLayer] = {}  # the dynamic cache's in-place layers, kept across sequences
         self.reset()
 
@@ -250,12 +259,17 @@ class CachedLM:
         """Start an empty cache whose in-place layers are this object's own, as reserved so far
         (for a copy sharing another's model: it must not write into the other's storage)."""
         self.growing = {index: GrowingLayer(layer.capacity) for index, layer in self.growing.items()}
+        if self.lean is not None:
+            self.lean = self.lean.own_storage()
         self.reset()
 
     def reserve(self, max_len: int) -> None:
         """Size a static cache for sequences of up to max_len tokens, rounded up
         to a multiple of 256 so that runs with similar lengths share one compiled
         shape. The dynamic cache allocates room for max_len at its next sequence."""
+        if self.lean is not None:
+            self.lean.reserve(max_len)
+            return
         if not self.static:
             for layer in self.growing.values():
                 layer.reserve(max_len)
@@ -296,7 +310,9 @@ class CachedLM:
     def reset(self, rollback: bool = True) -> None:
         """Empty the cache: a new sequence starts. rollback=False: it will never be rolled back (the baseline)."""
         self.trims = False  # a dynamic cache to crop after every cycle, rejection or not
-        if self.static:
+        if self.lean is not None:
+            pass  # its storage is overwritten from position 0 on
+        elif self.static:
             self.cache.reset()  # in place: the compiled steps keep their addresses
         else:
             self.cache = in_place(DynamicCache(config=self.model.config), self.growing)
@@ -317,6 +333,10 @@ class CachedLM:
             self._check_static_rollback()  # before the forward: it depends on the cache alone, and leaves it as it was
         if self.readable < self.vocab_size:
             input_ids = torch.where(input_ids < self.readable, input_ids, 0)  # on the device: no host read
+        if self.lean is not None:
+            logits = self.lean(input_ids, self.length, num_logits)  # [num_logits, scored]
+            self.length += input_ids.shape[0]
+            return self._widen(logits[:, : self.vocab_size])
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= self.COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
         out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
@@ -330,10 +350,14 @@ class CachedLM:
             self.cache_checked = True
         self.length += input_ids.shape[0]
         logits = out.logits[0, -num_logits:, : self.vocab_size]
-        if self.scored < self.vocab_size:  # [num_logits, vocab_size]: the rows it lacks can never be drafted
+        if self.scored >= self.vocab_size and step is self.compiled and self.device.type == "cuda":
+            return logits.clone()  # a CUDA graph's output is overwritten by its next replay
+        return self._widen(logits)
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """[num_logits, vocab_size]: the rows a draft lacks get -inf (it can never draft them)."""
+        if self.scored < self.vocab_size:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - self.scored), value=float("-inf"))
-        elif step is self.compiled and self.device.type == "cuda":
-            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
         return logits
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -346,7 +370,7 @@ class CachedLM:
         """Whether a rollback to `length` finds what it restores. Sliding-window layers
         keep what left their window only until the next rollback: one cycle's worth."""
         removed = self.length - length
-        if self.static or not self.trims or removed <= 0:
+        if self.static or self.lean is not None or not self.trims or removed <= 0:
             return True
         return all(layer.keys.shape[-2] - removed >= min(self.length - removed, layer.sliding_window - 1)
                    for layer in self.cache.layers if getattr(layer, "is_sliding", False) and layer.is_initialized)
@@ -354,7 +378,9 @@ class CachedLM:
     @torch.inference_mode()
     def rollback(self, length: int) -> None:
         """Drop cached positions at and beyond `length` (rejected tokens)."""
-        if length < self.length:
+        if length < self.length and self.lean is not None:
+            self.length = length  # attention reads the first `length` positions; later ones are overwritten
+        elif length < self.length:
             if self.static:
                 self._check_static_rollback()
             elif not self.can_roll_back(length):  # HF's sliding layer would cut the wrong positions, and attention fail

@@ -39,7 +39,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from harness import cpu_linear, metrics, tracking
+from harness import cpu_linear, lean, metrics, tracking
 from harness.datasets import file_sha256, load_prompts
 from harness.drafters import Drafter, ModelDrafter, NgramDrafter, check_lookup_length
 from harness.errors import HarnessError
@@ -491,6 +491,9 @@ def validate(cfg: DictConfig) -> None:
         (not cfg.compile or not _positive_int(cfg.k) or cfg.k + 1 <= CachedLM.COMPILED_MAX_TOKENS,
          compiled_k_message(cfg.k) if _positive_int(cfg.k) else ""),  # messages are made before any check: k=abc
         (cfg.cpu_linear in cpu_linear.MODES, f"cpu_linear={cfg.cpu_linear} must be one of {', '.join(cpu_linear.MODES)}"),
+        (cfg.get("forward", "hf") in lean.FORWARDS, f"forward={cfg.get('forward')} must be {' or '.join(lean.FORWARDS)} (hf: the models' own modules; lean: harness/lean.py, Llama models)"),
+        (cfg.get("forward", "hf") != "lean" or (cfg.cache == "dynamic" and not cfg.compile),
+         "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"),
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
@@ -554,6 +557,8 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     keyed["device"] = device_identity(device)
     if device.type != "cpu":
         keyed.pop("cpu_linear", None)  # it changes nothing off the CPU
+    if keyed.get("forward", "hf") == "hf":  # HF's forward, as before the setting existed: the same cells
+        keyed.pop("forward", None)
     pair = keyed["pair"]
     models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") == "model" else [])
     for node in (keyed, *models):  # the top-level dtype, and each model's (a pair may pin its own)
@@ -590,10 +595,10 @@ def _linear_plan(record: dict) -> tuple[int, ...] | None:
 
 
 def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False,
-              linear: str = "auto") -> Pair:
+              linear: str = "auto", forward: str = "hf") -> Pair:
     """Load (or reuse) a pair. `cache` is dynamic or static; `compile` wraps both forwards;
-    `linear` is the cpu_linear mode (harness.cpu_linear)."""
-    key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + f"{device}{cache}{compile}{linear}"
+    `linear` is the cpu_linear mode (harness.cpu_linear); `forward` hf or lean (harness.lean)."""
+    key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + f"{device}{cache}{compile}{linear}{forward}"
     if key in _loaded:
         return _loaded[key]
     _loaded.clear()  # free the previous pair before loading the next
@@ -616,14 +621,14 @@ def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic"
         if not getattr(draft_model, "shares_target_weights", False):
             shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
             vocab_size = min(vocab_size, shared)  # a draft scoring fewer is padded (CachedLM): the target keeps its range
-        drafter = ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile))
+        drafter = ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile, forward=forward))
     else:
         raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use model or ngram")
     eos = target_model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile), drafter, tokenizer, eos_ids, device)
+    pair = Pair(pair_cfg.name, CachedLM(target_model, vocab_size, cache, compile=compile, forward=forward), drafter, tokenizer, eos_ids, device)
     pair.linear = pair.linear_at_load = cpu_linear.choose(linear, pair.models(), device)  # before the first forward compiles
     if "probe" in pair.linear:
         print(f"[harness] cpu_linear=auto: {cpu_linear.describe(pair.linear.get('rows_to'))} (a step's linear layers, "
@@ -725,6 +730,7 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
         "dtype": str(next(pair.target.model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "seed": cfg.seed, "hostname": platform.node(), "harness_commit": harness_commit(),
+        "forward": "lean" if pair.target.lean is not None else "hf",
         **({"linear": pair.linear} if pair.linear else {}),
         **({"cuda": torch.version.cuda, "capability": ".".join(map(str, torch.cuda.get_device_capability(pair.device)))}
            if pair.device.type == "cuda" else {}),
@@ -927,7 +933,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
 
     # Prompts first: a dataset problem should stop the run before a model loads.
     prompts = select(load_prompts(cfg.dataset), cfg.dataset.num_prompts, cfg.seed, cfg.prompts.shuffle)
-    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear, cfg.get("forward", "hf"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))

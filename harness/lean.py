@@ -1,0 +1,189 @@
+"""A lean forward for Llama-architecture models (`forward=lean`).
+
+HF's forward spends part of a decode step around its matrix products: per
+layer a dozen module calls, keyword plumbing, a cache object's update, a
+mask built per call, output dataclasses. On a 2-core CPU and SmolLM2-135M,
+a one-token step took 32-40 ms through HF's modules and 26-34 ms through
+this forward, on the same weights and the same products (docs/performance.md,
+session 19). This forward runs the same computation with fewer calls:
+
+- the q, k and v projections are one product, and so are gate and up: the
+  model's own weights are re-pointed as views of one fused tensor per layer,
+  so nothing is copied and HF's modules (the bench's HF contenders) keep
+  working on the very same memory;
+- keys and values live in one preallocated tensor per layer
+  [kv_heads, capacity, head_dim]; a rollback only moves the length, as a
+  static cache does, and attention reads the first `length` slots;
+- one `scaled_dot_product_attention` call per layer (grouped-query heads
+  without copies), an explicit mask only for steps of several tokens.
+
+It stays exact in the sense the harness needs: the baseline and the loop
+both run it, so the target's law p is one function on both sides. It is
+checked against HF's logits when a model is wrapped (`check`): a model this
+forward would compute differently is refused in one line rather than run.
+Only `LlamaForCausalLM` is taken (SmolLM2, Llama 2/3, TinyLlama, Vicuna and
+the harness's shared-weights drafts); anything else needs `forward=hf`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness import cpu_linear
+from harness.errors import HarnessError
+
+FORWARDS = ("hf", "lean")
+ROOM = 256  # the KV storage grows in multiples of this many positions
+# check(): the largest logit difference from HF's forward, over the largest logit, that passes
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+TOLERANCE_16BIT = 5e-2  # bfloat16 / float16: the two forwards round in different places
+
+
+def check_forward(forward: str) -> None:
+    if forward not in FORWARDS:
+        raise HarnessError(f"forward={forward} must be {' or '.join(FORWARDS)} (hf: the model's own modules; lean: harness/lean.py, Llama models)")
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the lean forward cannot run this model, or None."""
+    name = type(model).__name__
+    if name != "LlamaForCausalLM" or getattr(model.config, "model_type", None) != "llama":
+        return f"{name} (model_type {getattr(model.config, 'model_type', '?')}) is not a LlamaForCausalLM"
+    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return f"{name} runs with accelerate hooks (device_map offloading), which the lean forward would bypass"
+    if getattr(model.config, "pretraining_tp", 1) not in (None, 1):
+        return f"{name} has pretraining_tp={model.config.pretraining_tp}"
+    if type(model.model.embed_tokens) is not nn.Embedding:
+        return f"{name}'s embedding is a {type(model.model.embed_tokens).__name__}, not an nn.Embedding"
+    return None
+
+
+def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum N, K] (and bias) for several linear layers; each layer's own weight
+    (and bias) becomes a view of it, so the memory is not doubled and the layers still work."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    bias = torch.cat([m.bias.detach() for m in modules]) if modules[0].bias is not None else None
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> torch.Tensor:
+    """F.linear with the product harness.cpu_linear planned for the layer `like` (read at each call: a plan may change)."""
+    rows_to = getattr(like, "rows_to", None)
+    if rows_to and type(like) is cpu_linear.TransposedLinear:
+        return cpu_linear.transposed_linear(x, weight, bias, rows_to)
+    return F.linear(x, weight, bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as HF's Llama applies it: x [heads, T, D], cos and sin [T, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LeanLlama:
+    """The lean forward of one LlamaForCausalLM, with KV storage of its own (batch of one)."""
+
+    def __init__(self, model: nn.Module):
+        if reason := unsupported(model):
+            raise HarnessError(f"forward=lean runs Llama-architecture models only: {reason}; use forward=hf")
+        self.model, self.inner = model, model.model
+        config = model.config
+        self.layers = list(self.inner.layers[: config.num_hidden_layers])
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        fused = getattr(model, "_harness_lean_fused", None)  # once per model: a copy of a CachedLM shares it
+        if fused is None:
+            fused = [(_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
+                      _fuse([l.mlp.gate_proj, l.mlp.up_proj])) for l in self.layers]
+            model._harness_lean_fused = fused
+        self.fused = fused
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+
+    def own_storage(self) -> "LeanLlama":
+        """The same model and weights with KV storage of its own (the draft-is-target control)."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.capacity, other.keys, other.values = 0, [], []
+        other.reserve(self.capacity)
+        return other
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions, rounded up to ROOM; what is stored is kept."""
+        if length <= self.capacity:
+            return
+        capacity = -(-length // ROOM) * ROOM
+        weight = self.layers[0].self_attn.o_proj.weight
+        shape = (self.kv_heads, capacity, self.head_dim)
+        keys = [weight.new_zeros(shape) for _ in self.layers]
+        values = [weight.new_zeros(shape) for _ in self.layers]
+        for old, new in zip(self.keys + self.values, keys + values):
+            new[:, : self.capacity] = old
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
+        """Positions start.. of input_ids [T] after `start` stored ones; logits [num_logits, V] of the last ones."""
+        T, end = input_ids.shape[0], start + input_ids.shape[0]
+        for key, hook in self.model._forward_pre_hooks.items():  # a pass of the model to whoever counts them (the bench)
+            hook(self.model, (), {}) if key in self.model._forward_pre_hooks_with_kwargs else hook(self.model, ())
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        x = self.inner.embed_tokens(input_ids)  # [T, hidden]
+        positions = torch.arange(start, end, device=input_ids.device)  # [T]
+        cos, sin = self.inner.rotary_emb(x.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D] each
+        cos, sin = cos[0], sin[0]
+        # A step of several tokens sees what came before it and itself up to its own position.
+        mask = None if T == 1 else torch.arange(end, device=input_ids.device) <= positions[:, None]  # [T, end]
+        split = (self.heads, self.kv_heads, self.kv_heads)
+        for layer, ((qkv_w, qkv_b), (gu_w, gu_b)), keys, values in zip(self.layers, self.fused, self.keys, self.values):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = F.rms_norm(x, x.shape[-1:], layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+            qkv = _linear(h, qkv_w, qkv_b, attn.q_proj)  # [T, (heads + 2 kv_heads) D]
+            q, k, v = qkv.view(T, -1, self.head_dim).transpose(0, 1).split(split)  # [heads|kv_heads, T, D]
+            keys[:, start:end] = _rotate(k, cos, sin)
+            values[:, start:end] = v
+            out = F.scaled_dot_product_attention(_rotate(q, cos, sin).unsqueeze(0), keys[None, :, :end], values[None, :, :end],
+                                                 attn_mask=mask, scale=self.scaling, enable_gqa=True)  # [1, heads, T, D]
+            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, -1))
+            h = F.rms_norm(x, x.shape[-1:], layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+            gate, up = _linear(h, gu_w, gu_b, mlp.gate_proj).chunk(2, dim=-1)  # [T, intermediate] each
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        norm = self.inner.norm
+        h = F.rms_norm(x[-num_logits:], x.shape[-1:], norm.weight, norm.variance_epsilon)
+        return self.model.lm_head(h)  # [num_logits, V]
+
+
+@torch.inference_mode()
+def check(lean: LeanLlama, cache_kwarg: str) -> None:
+    """Refuse a model whose logits the lean forward does not reproduce: a prompt of 24 tokens,
+    then a step of 3, through HF's forward and the lean one (ids from a fixed generator: the
+    global random state is not touched)."""
+    from transformers import DynamicCache
+
+    model = lean.model
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (27,), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = DynamicCache(config=model.config)
+    theirs = [model(input_ids=ids[None, :24], **{cache_kwarg: cache}, use_cache=True).logits[0],
+              model(input_ids=ids[None, 24:], **{cache_kwarg: cache}, use_cache=True).logits[0]]
+    ours = [lean(ids[:24], 0, 24), lean(ids[24:], 24, 3)]
+    scale = max(t[t.isfinite()].abs().max().item() for t in theirs)
+    worst = max(((a - b).nan_to_num(0.0, 0.0, 0.0).abs().max().item() for a, b in zip(theirs, ours)), default=0.0)
+    same_infinite = all(torch.equal(a.isfinite(), b.isfinite()) for a, b in zip(theirs, ours))
+    tolerance = TOLERANCE.get(lean.model.dtype, TOLERANCE_16BIT)
+    if not same_infinite or not worst <= tolerance * max(scale, 1.0):
+        raise HarnessError(f"forward=lean does not reproduce {type(model).__name__}'s logits (largest difference {worst:.3g} "
+                           f"against logits up to {scale:.3g}; allowed {tolerance:g} of that): use forward=hf")

@@ -1,0 +1,214 @@
+"""forward=lean (harness/lean.py): HF's logits, the loop's tokens, refusals, and exactness."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import harness.lean
+from broken import BROKEN, plugged
+from harness.drafters import ModelDrafter
+from harness.errors import HarnessError
+from harness.exactness import check, format_report, run_check
+from harness.lean import LeanLlama
+from harness.loop import speculative_decode
+from harness.models import CachedLM, ModelSpec, load_model
+from harness.run import CONF_DIR, cell_key, validate, with_default_pair
+from harness.sampling import Sampling
+
+VOCAB = 98
+
+
+def llama(**settings) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(**{"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, **settings})
+    return LlamaForCausalLM(config).eval()
+
+
+def hf_steps(model, chunks: list[torch.Tensor], crops: dict[int, int]) -> list[torch.Tensor]:
+    """HF's own forward over chunks of ids with a DynamicCache; crops[i]: tokens dropped after chunk i."""
+    cache, out = DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        for i, chunk in enumerate(chunks):
+            out.append(model(input_ids=chunk[None], cache=cache, use_cache=True).logits[0])
+            if i in crops:
+                cache.crop(-crops[i])
+    return out
+
+
+def lean_steps(lm: CachedLM, chunks: list[torch.Tensor], crops: dict[int, int]) -> list[torch.Tensor]:
+    out = []
+    lm.reset()
+    for i, chunk in enumerate(chunks):
+        out.append(lm.forward(chunk, num_logits=chunk.shape[0]))
+        if i in crops:
+            lm.rollback(lm.length - crops[i])
+    return out
+
+
+CHUNKS = [torch.arange(3, 13), torch.tensor([20]), torch.tensor([30, 31, 32]), torch.tensor([40, 41]), torch.tensor([50])]
+CROPS = {2: 2, 3: 1}  # a verify of 3 with 2 rejected, then one of 2 with 1 rejected
+
+
+@pytest.mark.parametrize("settings", [{}, {"attention_bias": True, "mlp_bias": True}, {"num_key_value_heads": 4},
+                                      {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}],
+                         ids=["gqa", "biases", "mha", "scaled-rope"])
+def test_lean_logits_are_hfs_through_prompt_steps_verifies_and_rollbacks(settings):
+    model = llama(**settings)
+    expected = hf_steps(model, CHUNKS, CROPS)
+    lm = CachedLM(model, VOCAB, forward="lean")
+    assert lm.lean is not None
+    for got, want in zip(lean_steps(lm, CHUNKS, CROPS), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert lm.length == 10 + 1 + 3 - 2 + 2 - 1 + 1
+
+
+def test_fused_weights_are_views_and_hfs_forward_is_unchanged():
+    """The bench's HF contenders run the same modules on the same memory."""
+    model = llama()
+    before = hf_steps(model, CHUNKS, CROPS)
+    lean = LeanLlama(model)
+    (qkv, _), (gate_up, _) = lean.fused[0]
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    for got, want in zip(hf_steps(model, CHUNKS, CROPS), before, strict=True):
+        assert torch.equal(got, want)
+    assert LeanLlama(model).fused is lean.fused  # fused once per model
+
+
+def test_storage_grows_past_what_was_reserved():
+    model = llama()
+    ids = torch.arange(300) % VOCAB
+    chunks = [ids[:250], ids[250:251], *ids[251:300].split(7)]  # past ROOM = 256 positions mid-sequence
+    lm = CachedLM(model, VOCAB, forward="lean")
+    lm.reserve(10)
+    assert lm.lean.capacity == harness.lean.ROOM
+    for got, want in zip(lean_steps(lm, chunks, {}), hf_steps(model, chunks, {}), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert lm.lean.capacity >= 300
+
+
+def test_a_copy_writes_storage_of_its_own():
+    """The draft-is-target control drafts with a copy of the target, and the bench times one."""
+    model = llama()
+    lm = CachedLM(model, VOCAB, forward="lean")
+    other = copy.copy(lm)
+    assert other.lean is not lm.lean and other.lean.keys[0] is not lm.lean.keys[0] and other.lean.fused is lm.lean.fused
+    lm.forward(CHUNKS[0])
+    other.forward(torch.arange(50, 60))  # would overwrite lm's positions if shared
+    torch.testing.assert_close(lm.forward(CHUNKS[1]), hf_steps(model, CHUNKS[:2], {})[1], rtol=1e-5, atol=1e-5)
+
+
+def test_forward_pre_hooks_see_each_lean_pass():
+    """The bench counts target passes with a pre-hook on the model."""
+    model = llama()
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    lm = CachedLM(model, VOCAB, forward="lean")
+    calls.clear()  # the load check ran HF's forward twice
+    lean_steps(lm, CHUNKS, CROPS)
+    assert len(calls) == len(CHUNKS)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=5)], ids=["greedy", "sampled"])
+def test_the_loop_commits_the_same_tokens_with_either_forward(tiny_pair, sampling):
+    device = torch.device("cpu")
+
+    def run(forward):
+        target = load_model(ModelSpec(str(tiny_pair["target"])), device)
+        draft = load_model(ModelSpec(str(tiny_pair["draft"])), device, "draft")
+        vocab = target.config.vocab_size
+        lm, drafter = CachedLM(target, vocab, forward=forward), ModelDrafter(CachedLM(draft, vocab, forward=forward))
+        tokens = []
+        for prompt in ([1, 40, 60, 70, 80, 90], [1, 33, 34]):
+            gen = torch.Generator().manual_seed(7)
+            for cycle in speculative_decode(lm, drafter, torch.tensor(prompt), 3, sampling, 24, set(), gen):
+                tokens += cycle.tokens
+        return tokens
+
+    assert run("lean") == run("hf")
+
+
+def test_other_architectures_are_refused_in_one_line():
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    with pytest.raises(HarnessError, match=r"forward=lean runs Llama-architecture models only: Qwen2ForCausalLM .*use forward=hf"):
+        CachedLM(qwen, VOCAB, forward="lean")
+    assert CachedLM(qwen, VOCAB).lean is None  # forward=hf (the default) runs it
+
+
+def test_a_forward_that_differs_from_hfs_is_refused(monkeypatch):
+    """The load check: here the lean forward forgets RoPE."""
+    monkeypatch.setattr(harness.lean, "_rotate", lambda x, cos, sin: x)
+    with pytest.raises(HarnessError, match=r"forward=lean does not reproduce LlamaForCausalLM's logits .*use forward=hf"):
+        CachedLM(llama(), VOCAB, forward="lean")
+
+
+def test_lean_needs_the_dynamic_cache_and_eager_steps():
+    with pytest.raises(HarnessError, match="forward=lean keeps KV storage of its own"):
+        CachedLM(llama(), VOCAB, cache="static", forward="lean")
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = with_default_pair(compose(config_name="config", overrides=list(overrides)))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["forward=fast"], "forward=fast must be hf or lean"),
+    (["forward=lean", "cache=static"], "forward=lean keeps KV storage of its own and runs eagerly"),
+    (["forward=lean", "cache=static", "compile=true"], "forward=lean keeps KV storage of its own and runs eagerly"),
+])
+def test_bad_forward_settings_are_one_line(overrides, message):
+    with pytest.raises(HarnessError, match=message):
+        validate(composed(*overrides))
+
+
+def test_hfs_forward_keeps_the_cells_it_had_and_lean_gets_its_own():
+    plain = composed()
+    validate(composed("forward=lean"))
+    without = copy.deepcopy(plain)
+    with open_dict(without):
+        del without["forward"]  # a config from before the setting existed
+    assert cell_key(plain) == cell_key(without)
+    assert cell_key(composed("forward=lean")) != cell_key(plain)
+
+
+# ---------------------------------------------------------------- exactness with the lean forward
+
+
+def test_exactness_check_passes_with_the_lean_forward(tiny_pair, tmp_path):
+    from test_exactness import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, compose_check
+
+    cfg = compose_check(tiny_pair, tmp_path, "forward=lean", f"k={TINY_K}", "temperature=1.0", "top_k=5",
+                        f"exactness.length={TINY_LENGTH}", f"exactness.samples={TINY_SAMPLES}", "exactness.num_prompts=1",
+                        f"exactness.alpha={FAMILY_ALPHA}")
+    report = run_check(cfg, quiet=True)
+    assert report["passed"], format_report(report)
+    assert json.loads((tmp_path / report["run_dir"].split("/")[-1] / "exactness.json").read_text())["passed"]
+
+
+def test_exactness_check_catches_a_missing_rollback_with_the_lean_forward(tiny_pair):
+    """The same check, shown to fail: lean storage that is not rolled back (stale keys, shifted positions)."""
+    from test_exactness import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, TINY_SAMPLING
+
+    device = torch.device("cpu")
+    target = load_model(ModelSpec(str(tiny_pair["target"])), device)
+    draft = load_model(ModelSpec(str(tiny_pair["draft"])), device, "draft")
+    vocab = target.config.vocab_size
+    lm, drafter = CachedLM(target, vocab, forward="lean"), ModelDrafter(CachedLM(draft, vocab, forward="lean"))
+    variant = next(v for v in BROKEN if v.name == "no_rollback")
+    with plugged(variant, lm, drafter) as (t, d, rule):
+        report = check(t, d, [("prompt", torch.tensor([1, 40, 60, 70, 80, 90]))], k=TINY_K, sampling=TINY_SAMPLING,
+                       length=TINY_LENGTH, samples=TINY_SAMPLES, alpha=FAMILY_ALPHA, law_target=lm)
+    assert report["testable"] and report["family_p"] < FAMILY_ALPHA, format_report(report)
