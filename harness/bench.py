@@ -308,7 +308,12 @@ def throughput(pair, encoded, args, device, on_rep=None) -> dict:
     def figures(reps_done: int) -> dict:
         """The throughput figures over the repetitions so far."""
         median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
-        ratios = {name: median[ours] / median[theirs] for name, (ours, theirs) in pairs.items()}
+        # Contenders alternate within a repetition, so each repetition gives a paired ratio, and a ratio is
+        # their median: a drift of the machine's speed between repetitions cancels within each pair. The
+        # ratio of the contenders' medians does not: with such a drift both medians fall in one repetition
+        # and give that one's ratio (in session 19's file, every ratio was repetition 1's).
+        per_rep = {name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])] for name, (ours, theirs) in pairs.items()}
+        ratios = {name: statistics.median(v) for name, v in per_rep.items()}
         # ours/HF tokens per second = (HF's target passes per token / ours) x (HF's time per pass / ours):
         # how much of a lead comes from verifying more tokens per pass, how much from a cheaper pass.
         fewer_passes = {name: (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
@@ -320,11 +325,10 @@ def throughput(pair, encoded, args, device, on_rep=None) -> dict:
             "target_forwards_per_rep": forwards,
             "tokens_per_rep": tokens_per_rep,
             "ratios": ratios,
+            "ratio_of_medians": {name: median[ours] / median[theirs] for name, (ours, theirs) in pairs.items()},
             "ratio_parts": {name: {"fewer_target_passes": part, "cheaper_time_per_pass": ratios[name] / part}
                             for name, part in fewer_passes.items()},
-            # Contenders alternate within a repetition, so each repetition gives a paired ratio.
-            "ratio_per_rep": {name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])]
-                              for name, (ours, theirs) in pairs.items()},
+            "ratio_per_rep": per_rep,
             "greedy_ties": ties,
             # How far any prompt lookup could go here: HF's target passes over the fewest possible.
             "lookup_floor": {k: {"hf_passes": forwards[f"hf_lookup_k{k}"], "ours_passes": forwards[f"ours_ngram_k{k}"],
@@ -607,7 +611,8 @@ def setup(cfg, args, argv, prompts, encoded) -> dict:
         "pair": cfg.pair.name, "prompts": len(encoded), "prompt_ids": [p["id"] for p in prompts],
         "max_new_tokens": args.max_new_tokens, "reps": args.reps, "ks": args.ks, "cache": cfg.cache, "compile": cfg.compile, "forward": cfg.get("forward", "hf"),
         "grad_mode": "torch.inference_mode, every contender",
-        "statistic": "median over reps of total tokens / total time; limits: median over reps of the decode-phase speedup, "
+        "statistic": "tokens_per_s: median over reps of total tokens / total time; ratios: median over reps of the paired "
+                     "per-rep ratio (ratio_of_medians: of the medians); limits: median over reps of the decode-phase speedup, "
                      "acceptance, costs and overhead over all reps",
         "command": "python -m harness.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
@@ -728,7 +733,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, value in result.get("ratios", {}).items():
         per_rep = result["ratio_per_rep"][name]
         parts = result["ratio_parts"][name]
-        print(f"{name:<36}{value:8.3f}   (per repetition {min(per_rep):.3f} to {max(per_rep):.3f}; "
+        print(f"{name:<36}{value:8.3f}   (per repetition {min(per_rep):.3f} to {max(per_rep):.3f}, ratio of medians "
+              f"{result['ratio_of_medians'][name]:.3f}; "
               f"{parts['fewer_target_passes']:.3f} from target passes per token x {parts['cheaper_time_per_pass']:.3f} from time per pass)")
     if result.get("greedy_ties"):
         ties = result["greedy_ties"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +42,10 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert all(v > 0 for v in result["ratios"].values())
     reps = result["tokens_per_s_all_reps"]
     assert result["ratio_per_rep"]["ours_base / hf_base"] == [a / b for a, b in zip(reps["ours_base"], reps["hf_base"])]
+    for name, per_rep in result["ratio_per_rep"].items():  # a ratio is the median of the paired ones, not of the medians
+        assert result["ratios"][name] == statistics.median(per_rep)
+        ours, theirs = name.split(" / ")
+        assert result["ratio_of_medians"][name] == statistics.median(reps[ours]) / statistics.median(reps[theirs])
     for name, parts in result["ratio_parts"].items():  # the lead = fewer passes x cheaper passes
         assert parts["fewer_target_passes"] * parts["cheaper_time_per_pass"] == pytest.approx(result["ratios"][name])
     tokens = result["tokens_per_rep"]
