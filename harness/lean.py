@@ -39,11 +39,7 @@ ROOM = 256  # the KV storage grows in multiples of this many positions
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 TOLERANCE_16BIT = 5e-2  # bfloat16 / float16: the two forwards round in different places
-
-
-def check_forward(forward: str) -> None:
-    if forward not in FORWARDS:
-        raise HarnessError(f"forward={forward} must be {' or '.join(FORWARDS)} (hf: the model's own modules; lean: harness/lean.py, Llama models)")
+EAGER_ONLY = "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"
 
 
 def unsupported(model: nn.Module) -> str | None:

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from harness.errors import HarnessError
 from harness.host_syncs import unwatched
 from harness.kv_cache import GrowingLayer, in_place
+from harness.lean import EAGER_ONLY as LEAN_EAGER_ONLY
 from harness.lean import LeanLlama
 from harness.lean import check as lean_check
 
@@ -238,7 +239,7 @@ class CachedLM:
         self.lean: LeanLlama | None = None  # forward=lean: harness/lean.py runs the steps, with KV storage of its own
         if forward == "lean":
             if self.static or compile:
-                raise HarnessError("forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it")
+                raise HarnessError(LEAN_EAGER_ONLY)
             self.lean = LeanLlama(model)
             lean_check(self.lean, self.cache_kwarg)
             self.lean.reserve(max_len or 1)
@@ -310,11 +311,9 @@ class CachedLM:
     def reset(self, rollback: bool = True) -> None:
         """Empty the cache: a new sequence starts. rollback=False: it will never be rolled back (the baseline)."""
         self.trims = False  # a dynamic cache to crop after every cycle, rejection or not
-        if self.lean is not None:
-            pass  # its storage is overwritten from position 0 on
-        elif self.static:
+        if self.static:
             self.cache.reset()  # in place: the compiled steps keep their addresses
-        else:
+        elif self.lean is None:  # lean storage is simply overwritten from position 0 on
             self.cache = in_place(DynamicCache(config=self.model.config), self.growing)
             if rollback:
                 # Sliding-window layers then keep what leaves the window until the next crop, which can
@@ -370,7 +369,7 @@ class CachedLM:
         """Whether a rollback to `length` finds what it restores. Sliding-window layers
         keep what left their window only until the next rollback: one cycle's worth."""
         removed = self.length - length
-        if self.static or self.lean is not None or not self.trims or removed <= 0:
+        if self.static or not self.trims or removed <= 0:
             return True
         return all(layer.keys.shape[-2] - removed >= min(self.length - removed, layer.sliding_window - 1)
                    for layer in self.cache.layers if getattr(layer, "is_sliding", False) and layer.is_initialized)

@@ -492,8 +492,7 @@ def validate(cfg: DictConfig) -> None:
          compiled_k_message(cfg.k) if _positive_int(cfg.k) else ""),  # messages are made before any check: k=abc
         (cfg.cpu_linear in cpu_linear.MODES, f"cpu_linear={cfg.cpu_linear} must be one of {', '.join(cpu_linear.MODES)}"),
         (cfg.get("forward", "hf") in lean.FORWARDS, f"forward={cfg.get('forward')} must be {' or '.join(lean.FORWARDS)} (hf: the models' own modules; lean: harness/lean.py, Llama models)"),
-        (cfg.get("forward", "hf") != "lean" or (cfg.cache == "dynamic" and not cfg.compile),
-         "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"),
+        (cfg.get("forward", "hf") != "lean" or (cfg.cache == "dynamic" and not cfg.compile), lean.EAGER_ONLY),
         (cfg.wandb.mode in tracking.MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(tracking.MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
         (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
