@@ -70,6 +70,25 @@ def test_lean_logits_are_hfs_through_prompt_steps_verifies_and_rollbacks(setting
     assert lm.length == 10 + 1 + 3 - 2 + 2 - 1 + 1
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-3), (torch.float16, 1e-4)], ids=["bf16", "fp16"])
+def test_lean_rounds_the_norms_as_hf_does_in_16_bit(dtype, tolerance):
+    """HF's RMSNorm normalises in float32, casts, then scales in 16 bits. Scaled inside one
+    rounding instead, these logits moved by 5e-3 (bf16) and 6e-4 to 1e-3 (fp16) of the largest
+    one; rounded as HF rounds, they were HF's bits here. Norm weights away from 1, where the
+    order of the scaling shows."""
+    model = llama()
+    torch.manual_seed(1)
+    for name, weight in model.named_parameters():
+        if "norm" in name:
+            weight.data.normal_(1.0, 0.5)
+    model = model.to(dtype)
+    expected = hf_steps(model, CHUNKS, CROPS)
+    got = lean_steps(CachedLM(model, VOCAB, forward="lean"), CHUNKS, CROPS)
+    scale = max(want.float().abs().max().item() for want in expected)
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected, strict=True))
+    assert worst <= tolerance * scale
+
+
 def test_fused_weights_are_views_and_hfs_forward_is_unchanged():
     """The bench's HF contenders run the same modules on the same memory."""
     model = llama()
