@@ -5,7 +5,8 @@
 #   1. eager, dynamic cache: ours vs HF generate / assisted / prompt lookup, efficiency,
 #      overhead, memory over 100 prompts, and the host syncs per cycle;
 #   2. static cache + torch.compile of both models, against HF generate's own compiled
-#      path (static cache + compile_config): throughput, efficiency and overhead.
+#      path (static cache + compile_config): throughput, efficiency and overhead;
+#   3. eager with forward=lean (harness/lean.py) at k=4, in the time that is left.
 #
 # On a lent machine with no network (see scripts/gpu_payload.sh, which packs what it lacks):
 #   bash scripts/gpu_check.sh --stash .gpu/1          # keep a payload part on the machine
@@ -31,7 +32,7 @@ case "$seconds" in
 esac
 seconds=$((10#$seconds))  # decimal, also with a leading zero (bash reads 0300 as octal)
 if [ "$seconds" -lt 180 ]; then
-    echo "error: --seconds $seconds: the check needs at least 180 s (eager part, then the compiled part)" >&2; exit 2
+    echo "error: --seconds $seconds: the check needs at least 180 s (eager part, then the compiled and lean parts)" >&2; exit 2
 fi
 
 if [ -n "$stash" ]; then
@@ -72,17 +73,20 @@ if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble 
 fi
 
 if [ "$rehearse" = 1 ]; then
-    device=cpu t1=1200 end=2400
+    device=cpu t1=1200 t2=2400 end=3600
     eager=(--reps 1 --prompts 2 --ks 1 --max-new-tokens 8 --memory-prompts 4 --memory-new-tokens 4)
     compiled=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
+    lean=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
 else
     # Within one 10-minute call of the device tool, set-up included (SECONDS counts from this script's
-    # start), with 30 s left to bring $OUT back: of the default 570 s the eager part gets up to 330 s
-    # (58%), the compiled part the rest. --seconds S scales both, for a device with less time left.
-    device=cuda end=$seconds t1=$((seconds * 330 / 570))
+    # start), with 30 s left to bring $OUT back: of the default 570 s the eager part runs until 330 s
+    # at most, the compiled part until 480 s, the lean part until the end (time a part leaves goes to the
+    # next). --seconds S scales the three, for a device with less time left.
+    device=cuda end=$seconds t1=$((seconds * 330 / 570)) t2=$((seconds * 480 / 570))
     $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path (--rehearse runs it on the CPU)')"
     eager=(--reps 5 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/bench/cpu-*.json
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 0)
+    lean=(--reps 3 --prompts 6 --ks 4 --max-new-tokens 32 --memory-prompts 0)  # the extra: last, in what is left
 fi
 dir=${OUT:-results/bench}  # on the device tool, straight into $OUT: a call cut short still brings back what was written
 mkdir -p "$dir"
@@ -92,11 +96,18 @@ if [ "$rehearse" = 0 ]; then  # the GPU's driver and clocks, kept beside the JSO
 fi
 status=0
 timeout $t1 $PY -m harness.bench "${eager[@]}" --out "$dir/gpu_eager.json" device=$device 2>&1 | tee "$dir/gpu_eager.log" || status=1
-t2=$((end - SECONDS))
-if [ "$t2" -lt 60 ]; then
-    echo "[gpu_check] $((SECONDS))s in: no time left for the compiled part (${t2}s)"; exit 1
+left=$((t2 - SECONDS))
+if [ "$left" -lt 60 ]; then
+    echo "[gpu_check] $((SECONDS))s in: no time left for the compiled part (${left}s)"; exit 1
 fi
-echo "[gpu_check] $((SECONDS))s in: the compiled part gets ${t2}s"
-timeout $t2 $PY -m harness.bench "${compiled[@]}" --out "$dir/gpu_static_compile.json" device=$device cache=static compile=true 2>&1 \
+echo "[gpu_check] $((SECONDS))s in: the compiled part gets ${left}s"
+timeout $left $PY -m harness.bench "${compiled[@]}" --out "$dir/gpu_static_compile.json" device=$device cache=static compile=true 2>&1 \
     | tee "$dir/gpu_static_compile.log" || status=1
+left=$((end - SECONDS))
+if [ "$left" -lt 45 ]; then
+    echo "[gpu_check] $((SECONDS))s in: no time left for the forward=lean part (${left}s)"; exit $status
+fi
+echo "[gpu_check] $((SECONDS))s in: the forward=lean part gets ${left}s"
+timeout $left $PY -m harness.bench "${lean[@]}" --out "$dir/gpu_lean.json" device=$device forward=lean 2>&1 \
+    | tee "$dir/gpu_lean.log" || status=1
 exit $status

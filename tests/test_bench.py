@@ -240,8 +240,8 @@ def test_the_gpu_check_gives_the_bench_sizes_it_accepts(monkeypatch):
     """Every argument list in scripts/gpu_check.sh (the GPU's and the rehearsal's) passes the bench's own
     checks: a refused one would stop that part on the lent machine, where it cannot be rerun."""
     script = (Path(__file__).parents[1] / "scripts" / "gpu_check.sh").read_text()
-    lists = re.findall(r"^\s*(?:eager|compiled)=\(([^)]*)\)", script, flags=re.M)
-    assert len(lists) == 4
+    lists = re.findall(r"^\s*(?:eager|compiled|lean)=\(([^)]*)\)", script, flags=re.M)
+    assert len(lists) == 6
     monkeypatch.setattr(bench, "check_choices", lambda *a, **k: (_ for _ in ()).throw(Parsed()))
     for args in lists:
         with pytest.raises(Parsed):
