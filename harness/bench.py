@@ -65,6 +65,7 @@ from transformers.utils import logging as hf_logging
 
 from harness import loop, metrics
 from harness.metrics import _ratio
+from harness.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
 from harness.datasets import load_prompts
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
@@ -72,8 +73,7 @@ from harness.loop import autoregressive_decode, speculative_decode
 from harness.models import CachedLM, resolve_device
 from harness.prompts import as_tensor, encode_within, select
 from harness.run import (
-    CONF_DIR, _current_rss_mb, _peak_rss_mb, _reset_peak_rss, _sync, _write_json_atomic, check_choices, compiled_k_message, conditions, load_pair,
-    measure_costs, process_peak_rss_mb, run_prompt, unmakeable, validate, with_default_pair,
+    _current_rss_mb, _peak_rss_mb, _reset_peak_rss, _sync, _write_json_atomic, conditions, load_pair, measure_costs, process_peak_rss_mb, run_prompt,
 )
 from harness.sampling import Sampling
 

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.checks import CPU_LINEAR_MODES as MODES
 from harness.errors import HarnessError
 
-MODES = ("auto", "transposed", "torch")
 FEW_ROWS = 17  # k + 1 for k up to 16 (analysis' MAX_K); more rows (a prompt's pass): torch's own product
 MARGIN = 0.9  # auto takes the transposed product for a row count only when it is clearly faster
 NEAR = 1.05  # and pads a row count only to save more than this: closer times are within the probe's noise

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from harness.errors import HarnessError
+from harness.checks import check_lookup_length
 from harness.models import CachedLM
 from harness.sampling import Sampling, sample, shape_probs
 
@@ -70,14 +70,6 @@ class ModelDrafter:
 
     def rollback(self, length: int) -> None:
         self.lm.rollback(length)
-
-
-LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (NgramDrafter)
-
-
-def check_lookup_length(length: str) -> None:
-    if length not in LOOKUP_LENGTHS:
-        raise HarnessError(f"pair.draft.length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
 
 
 class NgramDrafter:

@@ -798,7 +798,8 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     """Load the configured pair, run the check on its first prompts, write
     exactness.json into the run directory and return the report. A run
     directory that already holds a report is not redone unless force=true."""
-    from harness.run import cell_key, conditions, load_pair, measure_costs, resolve_device, validate, with_default_pair, _write_json_atomic
+    from harness.checks import validate, with_default_pair
+    from harness.run import cell_key, conditions, load_pair, measure_costs, resolve_device, _write_json_atomic
 
     cfg = with_default_pair(cfg)
     OmegaConf.set_struct(cfg, False)
@@ -909,7 +910,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from harness.run import check_choices
+    from harness.checks import check_choices
 
     check_choices(sys.argv[1:], extra={"exactness": DEFAULTS})
     main()

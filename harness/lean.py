@@ -34,7 +34,6 @@ from torch import nn
 from harness import cpu_linear
 from harness.errors import HarnessError
 
-FORWARDS = ("hf", "lean")
 ROOM = 256  # the KV storage grows in multiples of this many positions
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
@@ -42,7 +41,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 # forward moved by up to 1.4% (bf16) between a 24 + 3 token run and all 27 at once, the kind of difference
 # a GPU's products of other shapes (the fused ones) may bring
 TOLERANCE_16BIT = 5e-2
-EAGER_ONLY = "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"
 
 
 def unsupported(model: nn.Module) -> str | None:

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from harness.errors import HarnessError
 from harness.host_syncs import unwatched
 from harness.kv_cache import GrowingLayer, in_place
-from harness.lean import EAGER_ONLY as LEAN_EAGER_ONLY
+from harness.checks import COMPILED_MAX_TOKENS, LEAN_EAGER_ONLY
 from harness.lean import LeanLlama
 from harness.lean import check as lean_check
 
@@ -211,7 +211,7 @@ class CachedLM:
     cost a recompilation.
     """
 
-    COMPILED_MAX_TOKENS = 16  # k + 1 for any k a sweep uses
+    COMPILED_MAX_TOKENS = COMPILED_MAX_TOKENS  # k + 1 for any k a sweep uses (harness.checks refuses larger k with compile=true)
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, cache: str = "dynamic", max_len: int | None = None,
                  compile: bool = False, forward: str = "hf"):

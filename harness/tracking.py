@@ -42,9 +42,9 @@ from urllib.parse import urlsplit
 from omegaconf import DictConfig, OmegaConf
 
 from harness import metrics
+from harness.checks import WANDB_MODES as MODES
 from harness.errors import HarnessError
 
-MODES = ("auto", "online", "offline", "disabled")
 
 # Top-level scalar summary keys: what dashboards plot and sweeps optimise.
 METRICS = (

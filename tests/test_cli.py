@@ -120,6 +120,19 @@ def test_bad_input_is_one_line_and_nonzero(tiny_pair, tmp_path, override, messag
     assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+
+@pytest.mark.parametrize("override", ["tempreature=1.0", "k=0", "compile=true", "+pair=smollm3"])
+def test_a_setting_refused_is_reported_before_torch_loads(tmp_path, override):
+    """The command line's checks and validate() run before torch and transformers are imported (about
+    10 s on a 2-core machine), so a typo costs a second; -X importtime lists every module imported."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "harness", override, f"out_dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "hydra" in imported and not imported & {"torch", "transformers", "scipy", "wandb", "datasets"}
+
 def test_missing_model_path_and_unavailable_hub_id(tiny_pair, tmp_path):
     out = harness("+pair=llama_7b_68m", f"pair.target.id={tmp_path / 'nope'}", f"out_dir={tmp_path}")
     assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr

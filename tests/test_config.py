@@ -12,7 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness.run import CONF_DIR, cell_key, validate, with_default_pair
+from harness.checks import CONF_DIR, validate, with_default_pair
+from harness.run import cell_key
 
 PAIRS = sorted(p.stem for p in (CONF_DIR / "pair").glob("*.yaml"))
 PUBLISHED = {
@@ -194,7 +195,7 @@ def test_bools_and_overflowing_seeds_are_refused_before_loading(override, messag
 def test_the_largest_seed_seeds_every_prompt():
     import torch
 
-    from harness.run import MAX_SEED, PROMPT_SEED_STRIDE
+    from harness.checks import MAX_SEED, PROMPT_SEED_STRIDE
 
     validate(with_default_pair(composed([f"seed={MAX_SEED}"])))
     torch.Generator().manual_seed(MAX_SEED * PROMPT_SEED_STRIDE + 10**9)

@@ -240,6 +240,7 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
     from omegaconf import OmegaConf
 
     from harness import run
+    from harness.checks import CONF_DIR
 
     rows = list(range(1, cpu_linear.FEW_ROWS + 1))
     found = {"rows": rows, "torch_ms": ms({}), "transposed_ms": ms({m: 0.5 for m in rows} | {3: 0.7}), "seconds": 0.0}
@@ -247,7 +248,7 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
     run._loaded.clear()  # a pair loaded by another test was probed for real
     overrides = ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
                  "dataset.num_prompts=3", "max_new_tokens=8", "wandb.mode=disabled"]
-    with initialize_config_dir(config_dir=str(run.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = run.with_default_pair(compose(config_name="config", overrides=overrides))
     try:
         first = run.run_cell(cfg, out_dir=tmp_path, quiet=True)

@@ -24,10 +24,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import make_tokenizer
+from harness.checks import CONF_DIR, validate, with_default_pair
 from harness.datasets import load_prompts
 from harness.errors import HarnessError
 from harness.prompts import encode, encode_within, load_builtin, select
-from harness.run import CONF_DIR, validate, with_default_pair
 
 ROOT = Path(__file__).parent.parent
 DATASETS = sorted(p.stem for p in (CONF_DIR / "dataset").glob("*.yaml"))
@@ -197,7 +197,7 @@ def test_a_text_field_of_messages_or_pairs_is_one_line_with_the_template_that_re
         {"id": 1, "messages": [{"role": "user", "content": "Hi there"}], "translation": {"de": "Hallo", "en": "Hello"}}])
     import shlex
 
-    from harness.run import unparsable
+    from harness.checks import unparsable
 
     base = ("dataset=local", f"dataset.path={rows}", "dataset.id_field=id", "dataset.category_field=null")
     for field, message in (("messages", "dataset.text_field=messages of local holds dict values (keys: role, content), not text: "

@@ -33,6 +33,7 @@ import broken
 import harness.drafters
 import harness.rule
 from broken import BROKEN, VARIANTS, plugged, variant_table
+from harness.checks import CONF_DIR
 from harness.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
 from harness.exactness import (
@@ -41,7 +42,6 @@ from harness.exactness import (
 )
 from harness.loop import speculative_decode
 from harness.rule import verify
-from harness.run import CONF_DIR
 from harness.sampling import Sampling, shape_probs
 from markov import markov_pair
 
@@ -1001,7 +1001,8 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
     import time
 
     from harness.exactness import chosen_prompts, encode_prompts, size_samples
-    from harness.run import load_pair, resolve_device, with_default_pair
+    from harness.checks import with_default_pair
+    from harness.run import load_pair, resolve_device
 
     k, temperature, top_p = setting
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -1049,7 +1050,7 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
 ])
 def test_a_truncated_law_is_checked_in_full_precision_unless_asked(tiny_pair, tmp_path, overrides, device, checked_in):
     from harness.exactness import full_precision_for_truncation
-    from harness.run import with_default_pair
+    from harness.checks import with_default_pair
 
     cfg = with_default_pair(compose_check(tiny_pair, tmp_path, "temperature=1.0", *overrides))
     note = full_precision_for_truncation(cfg, torch.device(device))  # no GPU is touched: only the dtype auto resolves to
@@ -1069,7 +1070,7 @@ def test_a_truncated_law_is_checked_in_full_precision_unless_asked(tiny_pair, tm
 ])
 def test_a_dtype_pinned_on_the_pair_is_kept_and_the_note_says_so(tiny_pair, tmp_path, overrides, device, target, draft, top):
     from harness.exactness import full_precision_for_truncation
-    from harness.run import with_default_pair
+    from harness.checks import with_default_pair
 
     cfg = with_default_pair(compose_check(tiny_pair, tmp_path, "temperature=1.0", *overrides))
     note = full_precision_for_truncation(cfg, torch.device(device))

@@ -13,13 +13,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 import harness.lean
 from broken import BROKEN, plugged
+from harness.checks import CONF_DIR, validate, with_default_pair
 from harness.drafters import ModelDrafter
 from harness.errors import HarnessError
 from harness.exactness import check, format_report, run_check
 from harness.lean import LeanLlama
 from harness.loop import speculative_decode
 from harness.models import CachedLM, ModelSpec, load_model
-from harness.run import CONF_DIR, cell_key, validate, with_default_pair
+from harness.run import cell_key
 from harness.sampling import Sampling
 
 VOCAB = 98

@@ -168,7 +168,7 @@ def test_the_embedded_cache_is_readable_by_other_users(monkeypatch, tmp_path):
 def test_a_pair_that_cannot_run_is_one_line_before_loading(overrides, message):
     from hydra import compose, initialize_config_dir
 
-    from harness.run import CONF_DIR, validate, with_default_pair
+    from harness.checks import CONF_DIR, validate, with_default_pair
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=overrides))
@@ -177,7 +177,7 @@ def test_a_pair_that_cannot_run_is_one_line_before_loading(overrides, message):
 
 
 def test_pair_settings_without_a_chosen_pair_are_one_line(capsys):
-    from harness.run import check_choices
+    from harness.checks import check_choices
 
     with pytest.raises(SystemExit) as exit:
         check_choices(["pair.target.id=/models/llama-2-7b", "k=2"])
@@ -194,7 +194,8 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
 
     import harness.run
     from harness.prompts import encode
-    from harness.run import CONF_DIR, load_pair
+    from harness.checks import CONF_DIR
+    from harness.run import load_pair
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+pair=vicuna_7b_68m", f"pair.target.id={tiny_pair['target']}",
@@ -273,7 +274,8 @@ def test_a_draft_that_scores_fewer_tokens_than_the_target_leaves_the_target_its_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from harness.loop import speculative_decode
-    from harness.run import CONF_DIR, load_pair
+    from harness.checks import CONF_DIR
+    from harness.run import load_pair
     from harness.sampling import Sampling
 
     vocab = len(AutoTokenizer.from_pretrained(tiny_pair["target"]))

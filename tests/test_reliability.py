@@ -26,7 +26,7 @@ from test_cli import ROOT, harness, tiny_args
         (["-m", "k=1,2", "dataset.num_promts=3"], "unknown setting 'dataset.num_promts': did you mean dataset.num_prompts?"),
         (["+pair=smollm2_ngram", "pair.draft.lenght=cost_aware"], "did you mean pair.draft.length?"),
         (["wandb.mdoe=disabled"], "did you mean wandb.mode?"),
-        (["banana=1"], "unknown setting 'banana': (--cfg job prints them all)"),
+        (["banana=1"], "unknown setting 'banana': no config has it (--cfg job prints them all)"),
         (["+temprature=0.7"], "unknown setting 'temprature': did you mean temperature?"),  # added, read by nothing: a new cell key
         (["~dataset"], "~dataset: every run needs dataset; choose a prompt set"),  # validate crashed on it
         (["hydra.job.chdir=true"], "hydra.job.chdir=true runs each job in its own folder, where out_dir=results"),  # never resumed
@@ -79,7 +79,7 @@ def test_hydra_forms_the_checks_leave_alone(args):
     (["dataset.path=x.jsonl", "dataset=gsm8k"], None),
 ])
 def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, capsys):
-    from harness.run import check_choices
+    from harness.checks import check_choices
 
     if bad is None:
         check_choices(args)
@@ -95,7 +95,7 @@ def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, caps
 @pytest.mark.parametrize("override", ["+dataset.text_feild=q", "dataset.text_feild=q"])
 def test_a_dataset_key_no_prompt_set_reads_is_refused(override, capsys):
     """Added with '+' it would be silently ignored (a prompt set reads only its configs' keys)."""
-    from harness.run import check_choices
+    from harness.checks import check_choices
 
     with pytest.raises(SystemExit) as exit:
         check_choices(["dataset=local", "dataset.path=x.jsonl", override])
@@ -116,13 +116,13 @@ def test_a_dataset_key_no_prompt_set_reads_is_refused(override, capsys):
     ["wandb.name=run\\,1"],  # an escaped comma is one value
 ])
 def test_sweep_syntax_and_settings_the_chosen_option_has_pass(args):
-    from harness.run import check_choices
+    from harness.checks import check_choices
 
     check_choices(args)
 
 
 def test_the_bench_runs_one_value_each_even_with_hydra_mode_multirun(capsys):
-    from harness.run import check_choices
+    from harness.checks import check_choices
 
     with pytest.raises(SystemExit):
         check_choices(["hydra.mode=MULTIRUN", "temperature=0,1"], sweeps=False)
@@ -180,7 +180,7 @@ def test_every_setting_the_configs_offer_is_known():
     from omegaconf import OmegaConf
 
     from harness import exactness
-    from harness.run import CONF_DIR, added_or_removed, known_settings, moving_results, unknown_setting
+    from harness.checks import CONF_DIR, added_or_removed, known_settings, moving_results, unknown_setting
 
     known = known_settings({"exactness": exactness.DEFAULTS})
     for override in ["k=2", "temperature=0.7", "dataset.num_prompts=3", "dataset.path=x.jsonl", "pair.target.id=/m",
@@ -582,7 +582,7 @@ def test_a_cell_out_of_memory_is_recorded_and_the_sweep_goes_on(tiny_pair, tmp_p
 
 
 def test_the_output_folder_check_leaves_printing_and_interpolated_folders_alone(monkeypatch):
-    from harness.run import unwritable_output
+    from harness.checks import unwritable_output
 
     assert unwritable_output(["hydra.run.dir=/etc/passwd/x"], False).startswith("hydra.run.dir=/etc/passwd/x: /etc/passwd is a file")
     assert unwritable_output(["hydra.run.dir=/etc/passwd/x", "--cfg", "job"], False) is None  # Hydra only prints

@@ -15,7 +15,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from harness.run import CONF_DIR, cell_key, validate, with_default_pair
+from harness.checks import CONF_DIR, validate, with_default_pair
+from harness.run import cell_key
 from harness.tracking import METRICS
 
 ROOT = Path(__file__).parent.parent

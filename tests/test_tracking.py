@@ -24,8 +24,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from harness import tracking
+from harness.checks import CONF_DIR
 from harness.errors import HarnessError
-from harness.run import CONF_DIR
 
 ROOT = Path(__file__).parent.parent
 
