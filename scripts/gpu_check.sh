@@ -94,20 +94,19 @@ if [ "$rehearse" = 0 ]; then  # the GPU's driver and clocks, kept beside the JSO
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \
         | tee "$dir/nvidia-smi.csv" || true
 fi
+# part NAME FILE UNTIL LEAST ARGS...: one bench run, written to $dir/FILE.json and .log, cut at UNTIL seconds
+# into the script; skipped (returning 1) when fewer than LEAST seconds are left for it.
+part() {
+    local name=$1 file=$2 until=$3 least=$4; shift 4
+    local left=$((until - SECONDS))
+    if [ "$left" -lt "$least" ]; then
+        echo "[gpu_check] ${SECONDS}s in: no time left for the $name part (${left}s)"; return 1
+    fi
+    echo "[gpu_check] ${SECONDS}s in: the $name part gets ${left}s"
+    timeout "$left" $PY -m harness.bench --out "$dir/$file.json" "$@" device=$device 2>&1 | tee "$dir/$file.log" || status=1
+}
 status=0
-timeout $t1 $PY -m harness.bench "${eager[@]}" --out "$dir/gpu_eager.json" device=$device 2>&1 | tee "$dir/gpu_eager.log" || status=1
-left=$((t2 - SECONDS))
-if [ "$left" -lt 60 ]; then
-    echo "[gpu_check] $((SECONDS))s in: no time left for the compiled part (${left}s)"; exit 1
-fi
-echo "[gpu_check] $((SECONDS))s in: the compiled part gets ${left}s"
-timeout $left $PY -m harness.bench "${compiled[@]}" --out "$dir/gpu_static_compile.json" device=$device cache=static compile=true 2>&1 \
-    | tee "$dir/gpu_static_compile.log" || status=1
-left=$((end - SECONDS))
-if [ "$left" -lt 45 ]; then
-    echo "[gpu_check] $((SECONDS))s in: no time left for the forward=lean part (${left}s)"; exit $status
-fi
-echo "[gpu_check] $((SECONDS))s in: the forward=lean part gets ${left}s"
-timeout $left $PY -m harness.bench "${lean[@]}" --out "$dir/gpu_lean.json" device=$device forward=lean 2>&1 \
-    | tee "$dir/gpu_lean.log" || status=1
+part eager gpu_eager "$t1" 60 "${eager[@]}" || exit 1
+part compiled gpu_static_compile "$t2" 60 "${compiled[@]}" cache=static compile=true || exit 1
+part forward=lean gpu_lean "$end" 45 "${lean[@]}" forward=lean || exit $status
 exit $status
