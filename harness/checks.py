@@ -31,7 +31,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # The values a setting may take (each module named reads its own from here).
 CPU_LINEAR_MODES = ("auto", "transposed", "torch")  # harness.cpu_linear
-FORWARDS = ("hf", "lean")  # harness.lean: the models' own modules, or ours
+FORWARDS = ("auto", "hf", "lean")  # harness.lean: the models' own modules, or ours; auto: ours where it runs (CachedLM)
 LEAN_EAGER_ONLY = "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"
 WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking
 LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.drafters.NgramDrafter)
@@ -405,7 +405,7 @@ def validate(cfg: DictConfig) -> None:
         (not cfg.compile or not _positive_int(cfg.k) or cfg.k + 1 <= COMPILED_MAX_TOKENS,
          compiled_k_message(cfg.k) if _positive_int(cfg.k) else ""),  # messages are made before any check: k=abc
         (cfg.cpu_linear in CPU_LINEAR_MODES, f"cpu_linear={cfg.cpu_linear} must be one of {', '.join(CPU_LINEAR_MODES)}"),
-        (cfg.get("forward", "hf") in FORWARDS, f"forward={cfg.get('forward')} must be {' or '.join(FORWARDS)} (hf: the models' own modules; lean: harness/lean.py, Llama models)"),
+        (cfg.get("forward", "hf") in FORWARDS, f"forward={cfg.get('forward')} must be {', '.join(FORWARDS[:-1])} or {FORWARDS[-1]} (auto: lean where it runs, else hf; hf: the models' own modules; lean: harness/lean.py, Llama models)"),
         (cfg.get("forward", "hf") != "lean" or (cfg.cache == "dynamic" and not cfg.compile), LEAN_EAGER_ONLY),
         (cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(WANDB_MODES)}"),
         (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),

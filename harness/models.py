@@ -15,6 +15,7 @@ import functools
 import inspect
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -28,6 +29,7 @@ from harness.kv_cache import GrowingLayer, in_place
 from harness.checks import COMPILED_MAX_TOKENS, LEAN_EAGER_ONLY
 from harness.lean import LeanLlama
 from harness.lean import check as lean_check
+from harness.lean import unsupported as lean_unsupported
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -237,7 +239,9 @@ class CachedLM:
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
         self.lean: LeanLlama | None = None  # forward=lean: harness/lean.py runs the steps, with KV storage of its own
-        if forward == "lean":
+        if forward == "auto":  # lean where it runs and was measured faster: a Llama model, eager, on the CPU
+            self.lean = self._lean_if_it_runs(compile, max_len)
+        elif forward == "lean":
             if self.static or compile:
                 raise HarnessError(LEAN_EAGER_ONLY)
             self.lean = LeanLlama(model)
@@ -245,6 +249,21 @@ class CachedLM:
             self.lean.reserve(max_len or 1)
         self.growing: dict[int, GrowingLayer] = {}  # the dynamic cache's in-place layers, kept across sequences
         self.reset()
+
+    def _lean_if_it_runs(self, compile: bool, max_len: int | None) -> LeanLlama | None:
+        """forward=auto: the lean forward for a LlamaForCausalLM on the CPU with the dynamic cache, run
+        eagerly, whose logits it reproduces; None (HF's forward) for anything else, quietly where the
+        lean forward does not apply and with a warning where it applies but its check fails."""
+        if self.device.type != "cpu" or self.static or compile or lean_unsupported(self.model):
+            return None
+        lean = LeanLlama(self.model)
+        try:
+            lean_check(lean, self.cache_kwarg)
+        except HarnessError as err:
+            print(f"warning: forward=auto runs HF's forward for {type(self.model).__name__}: {str(err).split(': use')[0]}", file=sys.stderr)
+            return None
+        lean.reserve(max_len or 1)
+        return lean
 
     def __copy__(self) -> "CachedLM":
         """The same model with a cache of its own (the draft-is-target control drafts with a copy

@@ -10,6 +10,7 @@ def _f(x, fmt=".3f") -> str:
 def format_summary(s: dict) -> str:
     c = s["conditions"]
     linear = ", linear W @ x.T" if (c.get("linear") or {}).get("product") == "transposed" else ""  # harness.cpu_linear
+    lean = ", lean forward" if c.get("forward") == "lean" else ""  # harness.lean (forward=auto's choice on the CPU)
     lo, hi = s["speedup_ci"]
     glo, ghi = s["speedup_geomean_ci"]
     lines = [
@@ -17,7 +18,7 @@ def format_summary(s: dict) -> str:
         f"k={s['k']} temperature={s['temperature']} top_k={s['top_k']} top_p={s['top_p']} "
         f"max_new_tokens={s['max_new_tokens']} dataset={s.get('dataset', '?')} prompts={s['num_prompts']} "
         f"(skipped {s['prompts_skipped']}, truncated {s.get('prompts_truncated', 0)})",
-        f"{c['device']} ({c['device_name']}), {c['dtype']}, {c['threads']} threads{linear}, torch {c['torch']}, transformers {c['transformers']}",
+        f"{c['device']} ({c['device_name']}), {c['dtype']}, {c['threads']} threads{linear}{lean}, torch {c['torch']}, transformers {c['transformers']}",
         "",
         f"{'metric':<34}{'value':>12}",
         f"{'acceptance rate (accepted/drafted)':<34}{_f(s['acceptance_rate']):>12}",

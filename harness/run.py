@@ -154,8 +154,8 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     keyed["device"] = device_identity(device)
     if device.type != "cpu":
         keyed.pop("cpu_linear", None)  # it changes nothing off the CPU
-    if keyed.get("forward", "hf") == "hf":  # HF's forward, as before the setting existed: the same cells
-        keyed.pop("forward", None)
+    if keyed.get("forward", "hf") == "hf" or (keyed["forward"] == "auto" and device.type != "cpu"):
+        keyed.pop("forward", None)  # HF's forward (auto's off the CPU), as before the setting existed: the same cells
     pair = keyed["pair"]
     models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") == "model" else [])
     for node in (keyed, *models):  # the top-level dtype, and each model's (a pair may pin its own)
@@ -327,7 +327,8 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
         "dtype": str(next(pair.target.model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "seed": cfg.seed, "hostname": platform.node(), "harness_commit": harness_commit(),
-        "forward": "lean" if pair.target.lean is not None else "hf",
+        "forward": "lean" if pair.target.lean is not None else "hf",  # as forward=auto resolved, for the target
+        **({"draft_forward": "lean" if pair.drafter.lm.lean is not None else "hf"} if hasattr(pair.drafter, "lm") else {}),
         **({"linear": pair.linear} if pair.linear else {}),
         **({"cuda": torch.version.cuda, "capability": ".".join(map(str, torch.cuda.get_device_capability(pair.device)))}
            if pair.device.type == "cuda" else {}),

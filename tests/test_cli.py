@@ -45,7 +45,8 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     assert summary["acceptance_rate"] == last["acceptance_rate"]
     assert summary["conditions"]["torch"] and summary["conditions"]["threads"] >= 1
     assert summary["conditions"]["linear"] == {"mode": "transposed", "product": "transposed", "rows_to": [0, 2, *range(2, 18)]}
-    assert "threads, linear W @ x.T, torch" in out.stdout  # the conditions line of the table
+    assert summary["conditions"]["forward"] == summary["conditions"]["draft_forward"] == "lean"  # forward=auto, Llama models on the CPU
+    assert "threads, linear W @ x.T, lean forward, torch" in out.stdout  # the conditions line of the table
     assert {r["linear"] for r in records} == {"transposed"}  # each prompt's record names its product
     assert len(summary["categories"]) == 6
 

@@ -177,6 +177,25 @@ def test_lean_needs_the_dynamic_cache_and_eager_steps():
         CachedLM(llama(), VOCAB, cache="static", forward="lean")
 
 
+def test_auto_is_lean_where_it_runs_and_hfs_forward_elsewhere(monkeypatch, capsys):
+    """forward=auto (the default): lean for a Llama model on the CPU with the dynamic cache, eager;
+    HF's forward, without a word, for another architecture or a static cache, and with a warning
+    for a Llama model whose logits the lean forward would not reproduce."""
+    assert CachedLM(llama(), VOCAB, forward="auto").lean is not None
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    assert CachedLM(qwen, VOCAB, forward="auto").lean is None
+    assert CachedLM(llama(), VOCAB, cache="static", forward="auto").lean is None
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(harness.lean, "_rotate", lambda x, cos, sin: x)
+    model = llama()
+    expected = model(input_ids=torch.arange(3, 13)[None]).logits[0, -1]
+    lm = CachedLM(model, VOCAB, forward="auto")
+    assert lm.lean is None and "warning: forward=auto runs HF's forward for LlamaForCausalLM" in capsys.readouterr().err
+    lm.reset()
+    assert torch.allclose(lm.forward(torch.arange(3, 13))[0], expected, atol=1e-5)  # HF's modules, on the fused views
+
+
 def composed(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=list(overrides)))
@@ -185,7 +204,7 @@ def composed(*overrides: str):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["forward=fast"], "forward=fast must be hf or lean"),
+    (["forward=fast"], "forward=fast must be auto, hf or lean"),
     (["forward=lean", "cache=static"], "forward=lean keeps KV storage of its own and runs eagerly"),
     (["forward=lean", "cache=static", "compile=true"], "forward=lean keeps KV storage of its own and runs eagerly"),
 ])
@@ -194,14 +213,17 @@ def test_bad_forward_settings_are_one_line(overrides, message):
         validate(composed(*overrides))
 
 
-def test_hfs_forward_keeps_the_cells_it_had_and_lean_gets_its_own():
-    plain = composed()
+def test_hfs_forward_keeps_the_cells_it_had_and_lean_and_auto_get_their_own(monkeypatch):
+    plain = composed("forward=hf")
     validate(composed("forward=lean"))
     without = copy.deepcopy(plain)
     with open_dict(without):
         del without["forward"]  # a config from before the setting existed
-    assert cell_key(plain) == cell_key(without)
-    assert cell_key(composed("forward=lean")) != cell_key(plain)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert cell_key(plain, cpu) == cell_key(without, cpu)
+    assert len({cell_key(composed(f"forward={f}"), cpu) for f in ("hf", "lean", "auto")}) == 3
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert cell_key(composed("forward=auto"), gpu) == cell_key(plain, gpu)  # off the CPU auto is HF's forward
 
 
 # ---------------------------------------------------------------- exactness with the lean forward
