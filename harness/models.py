@@ -239,29 +239,22 @@ class CachedLM:
         self.cache_kwarg = cache_kwarg(model)
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
         self.lean: LeanLlama | None = None  # forward=lean: harness/lean.py runs the steps, with KV storage of its own
-        if forward == "auto":  # lean where it runs and was measured faster: a Llama model, eager, on the CPU
-            self.lean = self._lean_if_it_runs(compile, max_len)
-        elif forward == "lean":
+        if forward == "lean":
             if self.static or compile:
                 raise HarnessError(LEAN_EAGER_ONLY)
-            self.lean = LeanLlama(model)
-            lean_check(self.lean, self.cache_kwarg)
-            self.lean.reserve(max_len or 1)
+            self.lean = self._checked_lean(max_len)
+        elif forward == "auto" and self.device.type == "cpu" and not (self.static or compile or lean_unsupported(model)):
+            try:  # lean where it runs and was measured faster: a Llama model, eager, on the CPU; else HF's forward
+                self.lean = self._checked_lean(max_len)
+            except HarnessError as err:  # its logits check: HF's forward, said
+                print(f"warning: forward=auto runs HF's forward for {type(model).__name__}: {str(err).split(': use')[0]}", file=sys.stderr)
         self.growing: dict[int, GrowingLayer] = {}  # the dynamic cache's in-place layers, kept across sequences
         self.reset()
 
-    def _lean_if_it_runs(self, compile: bool, max_len: int | None) -> LeanLlama | None:
-        """forward=auto: the lean forward for a LlamaForCausalLM on the CPU with the dynamic cache, run
-        eagerly, whose logits it reproduces; None (HF's forward) for anything else, quietly where the
-        lean forward does not apply and with a warning where it applies but its check fails."""
-        if self.device.type != "cpu" or self.static or compile or lean_unsupported(self.model):
-            return None
+    def _checked_lean(self, max_len: int | None) -> LeanLlama:
+        """The lean forward of this model, refused (HarnessError) if its logits are not HF's."""
         lean = LeanLlama(self.model)
-        try:
-            lean_check(lean, self.cache_kwarg)
-        except HarnessError as err:
-            print(f"warning: forward=auto runs HF's forward for {type(self.model).__name__}: {str(err).split(': use')[0]}", file=sys.stderr)
-            return None
+        lean_check(lean, self.cache_kwarg)
         lean.reserve(max_len or 1)
         return lean
 
