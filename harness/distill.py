@@ -897,9 +897,11 @@ def main(argv=None) -> None:
     started = time.time()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from harness.models import PLAIN
+
     model_dir = embedded_model_dir(args.target)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **PLAIN).eval()
     target.requires_grad_(False)
     init_layers = args.init_layers or default_init_layers(args.layers, target.config.num_hidden_layers)
     assert len(init_layers) == args.layers, "--init-layers must name --layers layers"

@@ -89,7 +89,8 @@ def embedded_model_dir(name: str) -> Path:
     gguf = find_gguf()
     print(f"[harness] dequantising {gguf.name} once into {out} ...", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 use_kernels=False)  # as harness.models.PLAIN
     # The weights are now plain float32; drop the GGUF marker so they save as such.
     model.config.quantization_config = None
     del model.config.quantization_config

@@ -31,6 +31,12 @@ from harness.lean import LeanLlama
 from harness.lean import check as lean_check
 from harness.lean import unsupported as lean_unsupported
 
+# Models load as their own PyTorch modules. transformers 5.25 turns hub kernels on by default
+# (`use_kernels=None` -> True): layers swapped for kernels fetched from the hub, which needs the
+# `kernels` package and the network, and makes what is measured depend on the hub's state that day.
+# False is 5.24's default: the same modules on every version.
+PLAIN = {"use_kernels": False}
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -156,7 +162,7 @@ def load_model(spec: ModelSpec, device: torch.device, role: str = "target", targ
         if target is None:
             raise HarnessError(f"draft '{spec.id}' shares weights with its target and must be loaded with it")
         return load_shared_draft(Path(source), target, dtype)
-    kwargs = {**_hub_kwargs(spec, source), "dtype": dtype}
+    kwargs = {**_hub_kwargs(spec, source), "dtype": dtype, **PLAIN}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     if spec.device_map:

@@ -15,7 +15,7 @@ import harness.embedded as embedded
 from harness import models
 from harness.draft_model import build_shared_draft, save_shared_draft
 from harness.errors import HarnessError
-from harness.models import CachedLM, ModelSpec, load_model, load_tokenizer
+from harness.models import PLAIN, CachedLM, ModelSpec, load_model, load_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -114,6 +114,27 @@ def test_the_hub_probe_uses_the_endpoint_port(monkeypatch):
     finally:
         server.close()
         models.hub_reachable.cache_clear()
+
+
+def test_models_load_as_their_own_modules_whatever_transformers_defaults_to(saved, monkeypatch, tmp_path):
+    """transformers 5.25 swaps layers for hub kernels unless told not to (it needs the `kernels` package
+    and the hub): the pair's models and the embedded model's dequantisation both say use_kernels=False."""
+    real, calls = models.AutoModelForCausalLM.from_pretrained, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", spy)
+    load_model(ModelSpec(str(saved / "target")), CPU)
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "find_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: make_tokenizer())
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: calls.append(k) or make_model(98, seed=1))
+    embedded.embedded_model_dir("smollm2")
+    assert PLAIN == {"use_kernels": False}
+    assert [call.get("use_kernels") for call in calls] == [False, False]
 
 
 def test_concurrent_first_runs_share_the_embedded_cache(monkeypatch, tmp_path):
@@ -287,7 +308,7 @@ def test_a_draft_that_scores_fewer_tokens_than_the_target_leaves_the_target_its_
                                                        f"pair.draft.id={folder}"])
     pair = load_pair(cfg.pair, torch.device("cpu"), linear="torch")
     assert pair.target.vocab_size == vocab and pair.drafter.lm.scored == vocab - 2
-    hf = AutoModelForCausalLM.from_pretrained(tiny_pair["target"])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], **PLAIN)
     hf.generation_config.eos_token_id = None
     seen = set()
     for prompt in ([5, 17, 40, 9], [10, vocab - 1, 30, vocab - 2], [2, 28]):

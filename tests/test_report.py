@@ -763,7 +763,9 @@ def test_report_from_wandb_logs_figures_back(sweep, tmp_path, monkeypatch):
 def test_draft_size_from_safetensors_headers_and_config(tiny_pair):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair["draft"])
+    from harness.models import PLAIN
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["draft"], **PLAIN)
     true = sum(p.numel() for p in model.parameters())
     size = draft_size("model", str(tiny_pair["draft"]), "bfloat16")
     assert size == {"params": float(true), "bytes": 2.0 * true, "source": "weights"}
