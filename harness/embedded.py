@@ -86,11 +86,12 @@ def embedded_model_dir(name: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from harness.models import PLAIN
+
     gguf = find_gguf()
     print(f"[harness] dequantising {gguf.name} once into {out} ...", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                 use_kernels=False)  # as harness.models.PLAIN
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **PLAIN)
     # The weights are now plain float32; drop the GGUF marker so they save as such.
     model.config.quantization_config = None
     del model.config.quantization_config
