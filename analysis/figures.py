@@ -22,7 +22,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.load import names  # noqa: E402
-from harness.metrics import expected_tokens_per_cycle  # noqa: E402
+from harness.core.metrics import expected_tokens_per_cycle  # noqa: E402
 
 DPI = 110
 STYLES = ["-", "--", ":", "-."]  # one per sampling setting where a panel mixes them

@@ -4,7 +4,7 @@ The run setup (analysis.load.CONDITION_KEYS: device, dtype, max_new_tokens,
 cache, compile) is part of a fit's key: c and v are the machine's, and
 pooling an A100's cells with an H100's would fit neither.
 
-Leviathan et al.'s model of a speculative cycle (harness.metrics):
+Leviathan et al.'s model of a speculative cycle (harness.core.metrics):
 
     S(k) = E[tokens per cycle] / cycle cost = ((1 - a^(k+1)) / (1 - a)) / (k c + v(k+1))
 
@@ -41,8 +41,8 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from harness.metrics import expected_tokens_per_cycle
-from harness.metrics import predicted_speedup as leviathan_speedup
+from harness.core.metrics import expected_tokens_per_cycle
+from harness.core.metrics import predicted_speedup as leviathan_speedup
 
 MAX_K = 16
 FIT_KEYS = ["target", "setup", "label", "dataset", "sampling"]

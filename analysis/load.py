@@ -1,8 +1,8 @@
 """One loader for every kind of results: a local tree or a W&B sweep -> two frames.
 
 A *cell* is one benchmark run (a pair, a k, a sampling setting, a prompt
-set): `harness.run.run_cell` writes it as `<cell dir>/{config.yaml,
-summary.json, prompts.jsonl}`, and `harness.tracking` logs the same three
+set): `harness.runner.cell.run_cell` writes it as `<cell dir>/{config.yaml,
+summary.json, prompts.jsonl}`, and `harness.tracking.tracker` logs the same three
 things to one W&B run (config = resolved config, summary = summary.json,
 the files as a "cell-results" artifact). Both sources are reduced to the
 same raw triple (config, summary, records) and go through `frames`, so
@@ -66,7 +66,7 @@ CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", 
 TEXT_FIELDS = ("source", "text_field", "template", "id_field")  # source: the file, or the hub set and split
 # W&B job types of the harness's runs that are not benchmark cells.
 NOT_CELLS = ("exactness", "report")
-# A cell's own speedup interval (summary.json's speedup_ci): harness.metrics computes it at 95%.
+# A cell's own speedup interval (summary.json's speedup_ci): harness.core.metrics computes it at 95%.
 CELL_CONFIDENCE = 0.95
 # A path that reads as a local one: starts with . / ~, or has a Hydra date or time segment.
 LOCAL_LOOKING = re.compile(r"^[./~]|(^|/)(\d{4}-\d{2}-\d{2}|\d{2}-\d{2}-\d{2}(\.\d{6})?)(/|$)")
@@ -156,7 +156,7 @@ def find_cell_dirs(root: Path) -> tuple[list[Path], list[str]]:
     """Finished cell directories under `root` or pointed at by Hydra jobs in it, and notes on the rest."""
     notes: list[str] = []
     found = [p.parent for p in sorted(root.rglob("summary.json"))]
-    for pointer_path in sorted(root.rglob("cell.json")):  # Hydra jobs (harness.callbacks.record_job)
+    for pointer_path in sorted(root.rglob("cell.json")):  # Hydra jobs (harness.cli.callbacks.record_job)
         try:
             pointer = json.loads(pointer_path.read_text())
         except (OSError, ValueError):
@@ -252,7 +252,7 @@ def load_wandb(path: str, api: Any = None) -> Results:
         notes.append(f"{len(bare)} runs have no cell-results artifact ({', '.join(bare[:5])}{', ...' if len(bare) > 5 else ''}): "
                      f"cell-level rows only, decided from their summaries (unpaired)")
     results = frames(raws, path, "wandb", notes)
-    # A run is named by its cell key (harness.tracking): an unfinished run whose cell another run finished is not a gap.
+    # A run is named by its cell key (harness.tracking.tracker): an unfinished run whose cell another run finished is not a gap.
     loaded = {str(cell).split("@")[0] for cell in results.cells.get("cell", [])}
     results.notes = [note for name, note in unfinished if name not in loaded] + results.notes
     if results.cells.empty:
@@ -262,7 +262,7 @@ def load_wandb(path: str, api: Any = None) -> Results:
 
 def _unshadow(config: dict) -> dict:
     """Under `wandb agent` a swept config group (dataset=gsm8k) shows as its option's name, and
-    harness.tracking keeps the group's resolved fields as `<group>_config`: put them back."""
+    harness.tracking.tracker keeps the group's resolved fields as `<group>_config`: put them back."""
     for key, value in list(config.items()):
         fields = config.get(f"{key}_config")
         if not isinstance(value, dict) and isinstance(fields, dict):
@@ -412,7 +412,7 @@ def cell_row(raw: RawCell) -> dict:
     if row["max_new_tokens"] != row["max_new_tokens"]:
         row["max_new_tokens"] = _num(cfg.get("max_new_tokens"))
     row["setup"] = describe(row, CONDITION_KEYS)
-    # The draft's bytes at the dtype it loaded in: its own setting, auto where it has none (harness.models.ModelSpec).
+    # The draft's bytes at the dtype it loaded in: its own setting, auto where it has none (harness.models.loading.ModelSpec).
     size = draft_size(kind, draft.get("id"), _resolved_dtype(draft.get("dtype") or "auto", conditions), s)
     row.update(draft_params=size["params"], draft_bytes=size["bytes"], draft_size_source=size["source"])
     return row
@@ -496,7 +496,7 @@ def prompt_row(cell: str, r: dict, dataset: str) -> dict:
 
 def sampling_name(temperature: float, top_k: int = 0, top_p: float = 1.0) -> str:
     """'T=1 top_k=50 top_p=0.9': what names (and so groups) a sampling setting. At temperature 0 the
-    harness decodes greedily and ignores top_k and top_p (harness.sampling.Sampling.greedy), so every
+    harness decodes greedily and ignores top_k and top_p (harness.core.sampling.Sampling.greedy), so every
     greedy cell is 'T=0', one context, whatever top_k and top_p it was configured with."""
     if temperature == 0:
         top_k, top_p = 0, 1.0
@@ -516,7 +516,7 @@ def _variant(model: dict) -> str:
 
 
 def _resolved_dtype(dtype: Any, conditions: dict) -> str | None:
-    """A model's dtype setting as the harness resolves it (harness.models.resolve_dtype): auto is
+    """A model's dtype setting as the harness resolves it (harness.models.loading.resolve_dtype): auto is
     bfloat16 on CUDA, float32 elsewhere; None when the setting was not recorded."""
     if dtype in (None, ""):
         return None
@@ -550,11 +550,11 @@ def _labels(cells: pd.DataFrame) -> pd.Series:
 def _device_label(conditions: dict) -> str:
     """The device as the harness keys cells by it: a GPU's model; a CPU's model and its
     torch threads (its timings depend on both), e.g. "AMD EPYC, 2 threads", and ", W @ x.T"
-    when its linear layers took few rows that way (harness.cpu_linear; torch's product otherwise)."""
+    when its linear layers took few rows that way (harness.models.cpu_linear; torch's product otherwise)."""
     name = _known(conditions.get("device_name") or conditions.get("device"))
     threads = conditions.get("threads")
     if str(conditions.get("device", "")).startswith("cpu") and threads:
-        transposed = (conditions.get("linear") or {}).get("product") == "transposed"  # harness.cpu_linear's record
+        transposed = (conditions.get("linear") or {}).get("product") == "transposed"  # harness.models.cpu_linear's record
         return f"{name}, {threads} threads" + (", W @ x.T" if transposed else "")
     return name
 

@@ -481,7 +481,7 @@ def _methods_section(pct: str) -> list[str]:
 
 def log_to_wandb(source: str, out: Path, figures: dict[str, Path], decisions: list[dict], fits: pd.DataFrame) -> None:
     """The figures, the decision table and the report folder as one W&B run (job_type=report) next to the sweep."""
-    from harness.tracking import resolve_mode
+    from harness.tracking.tracker import resolve_mode
 
     entity, project, sweep_id = WANDB_PATH.match(source).groups()
     try:

@@ -11,7 +11,7 @@ In order of preference:
   unknown    none of these are here: NaN
 Memory is parameters x the bytes per element of the run's dtype (the weights
 as they sat in memory, not as stored on disk). A draft that shares its
-target's embeddings (harness.draft_model) counts its own layers and its
+target's embeddings (harness.models.shared_draft) counts its own layers and its
 subset head only: the shared rows cost nothing extra.
 """
 
@@ -64,7 +64,7 @@ def _params(draft_id: str) -> tuple[float, str]:
 def model_dir(draft_id: str) -> Path | None:
     """The local directory holding a draft's files, if any (never downloads)."""
     if draft_id.startswith("embedded:"):
-        from harness.embedded import EMBEDDED, SHIPPED_DRAFTS, cache_root
+        from harness.models.embedded import EMBEDDED, SHIPPED_DRAFTS, cache_root
 
         name = draft_id.removeprefix("embedded:")
         if name in SHIPPED_DRAFTS:

@@ -30,9 +30,9 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from harness.drafters import ModelDrafter  # noqa: E402
-from harness.exactness import TESTS, check  # noqa: E402
-from harness.sampling import Sampling  # noqa: E402
+from harness.core.drafters import ModelDrafter  # noqa: E402
+from harness.exactness.main import TESTS, check  # noqa: E402
+from harness.core.sampling import Sampling  # noqa: E402
 from markov import markov_pair  # noqa: E402
 
 

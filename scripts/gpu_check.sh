@@ -52,7 +52,7 @@ EOF
 fi
 [ "$run" = 1 ] || exit 0
 
-if [ -f "$STASH/COMMIT" ] && [ ! -e .git ]; then  # the commit the payload was packed at (harness.run.harness_commit)
+if [ -f "$STASH/COMMIT" ] && [ ! -e .git ]; then  # the commit the payload was packed at (harness.runner.cell.harness_commit)
     export SPECBENCH_COMMIT=$(cat "$STASH/COMMIT")
 fi
 if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble the GGUF file

@@ -35,7 +35,7 @@ $PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 
     -d .gpu/stage/wheels "transformers==$($PY -c 'import transformers; print(transformers.__version__)')" hydra-core==1.3.8 omegaconf==2.3.1 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 $PY -m pip wheel --quiet --no-deps -w .gpu/stage/wheels antlr4-python3-runtime==4.9.3
 
-gguf=$($PY -c 'from harness.embedded import find_gguf; print(find_gguf())')
+gguf=$($PY -c 'from harness.models.embedded import find_gguf; print(find_gguf())')
 name=$(basename "$gguf")
 (cd "$(dirname "$gguf")" && sha256sum "$name") > .gpu/stage/SHA256SUMS
 split -b $((part - 2 * 1000 * 1000)) -d -a 2 "$gguf" ".gpu/stage/$name.part-"  # room beside a part for the checksum and small wheels

@@ -1,14 +1,14 @@
 """Deliberately broken speculative samplers: the exactness check must reject each.
 
 Test code only: nothing here is reachable from a configuration. Each variant
-plugs into the REAL `harness.loop.speculative_decode` through what the loop
+plugs into the REAL `harness.core.loop.speculative_decode` through what the loop
 already offers: its `rule=` argument, a drafter subclass, a target wrapper,
 or a patched module attribute. They are the classic ways to get speculative
 sampling subtly wrong; a few lossless changes are included as controls,
 which the check must NOT reject.
 
 Rule-level bugs are knobs on `speculative_rule`, a copy of
-`harness.rule.verify` whose only differences from it are the hooks
+`harness.core.rule.verify` whose only differences from it are the hooks
 (`acceptance`, `residual`, `bonus`) and that its acceptance coins go through
 `coins`, so a test can enumerate them exactly. With default hooks it has
 verify's law; tests/test_exactness.py checks that too.
@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-import harness.loop
-from harness.drafters import ModelDrafter, NgramDrafter
-from harness.rule import Verdict
-from harness.sampling import Sampling, sample, shape_probs
+import harness.core.loop
+from harness.core.drafters import ModelDrafter, NgramDrafter
+from harness.core.rule import Verdict
+from harness.core.sampling import Sampling, sample, shape_probs
 
 
 def coins(accept_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -57,7 +57,7 @@ def speculative_rule(
     residual=positive_part,  # (p [V], q [V]) -> [V] weights of the recovered token
     bonus=last_row,  # (target_probs, draft_tokens) -> [V] bonus weights; None: no bonus
 ) -> Verdict:
-    """harness.rule.verify with hooks where the classic bugs live."""
+    """harness.core.rule.verify with hooks where the classic bugs live."""
     k = draft_tokens.shape[0]
     positions = torch.arange(k, device=draft_tokens.device)
     p_x, q_x = target_probs[positions, draft_tokens], draft_probs[positions, draft_tokens]  # [k], [k]
@@ -179,7 +179,7 @@ VARIANTS = [
     Variant("unshaped_draft_q", False, "q from the unshaped draft distribution (draft sampled shaped)",
             lambda t, d: (t, UnshapedQDrafter(d.lm), None), shaped=True),
     Variant("target_without_top_p", False, "target p without the top-k / top-p the draft used",
-            patches=((harness.loop, "shape_probs", _target_unshaped),), truncating=True, shaped=True),
+            patches=((harness.core.loop, "shape_probs", _target_unshaped),), truncating=True, shaped=True),
     Variant("bonus_from_draft", False, "bonus token sampled from the draft's next row", _bonus_from_draft),
     Variant("bonus_wrong_row", False, "bonus token from row k-1 instead of row k",
             lambda t, d: (t, d, rule_with(bonus=lambda p, tokens: p[tokens.shape[0] - 1]))),

@@ -1,6 +1,6 @@
 """A fast fake language model for the exactness tests: a trigram table.
 
-`MarkovLM` has the verbs the loop drives on a `harness.models.CachedLM`
+`MarkovLM` has the verbs the loop drives on a `harness.models.cached.CachedLM`
 (reset, forward, prefill, rollback, length) and nothing else. Its "cache"
 is the list of tokens it has been fed; the logits after position i depend
 on tokens i-1 and i, so the next-token row depends on the previous TWO

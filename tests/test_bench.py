@@ -14,11 +14,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness import bench, run
+import harness.bench.main as bench
+import harness.runner.cell as run
 from harness.errors import HarnessError
-from harness.loop import autoregressive_decode
-from harness.models import CachedLM, ModelSpec, load_model
-from harness.sampling import Sampling
+from harness.core.loop import autoregressive_decode
+from harness.models.loading import ModelSpec, load_model
+from harness.models.cached import CachedLM
+from harness.core.sampling import Sampling
 
 
 def run_bench(tiny_pair, tmp_path, *extra: str) -> dict:
@@ -401,7 +403,7 @@ def test_the_memory_part_reports_its_own_peak_not_the_loading(monkeypatch):
 
 def test_a_tree_without_git_names_its_commit_from_the_payload(tmp_path, monkeypatch):
     """The GPU machine gets the working tree without .git: gpu_check.sh exports the commit the payload was packed at."""
-    from harness.run import harness_commit
+    from harness.runner.cell import harness_commit
 
     monkeypatch.delenv("SPECBENCH_COMMIT", raising=False)
     assert harness_commit(tmp_path) is None

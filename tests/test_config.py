@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness.checks import CONF_DIR, validate, with_default_pair
-from harness.run import cell_key
+from harness.config.checks import CONF_DIR, validate, with_default_pair
+from harness.runner.cell import cell_key
 
 PAIRS = sorted(p.stem for p in (CONF_DIR / "pair").glob("*.yaml"))
 PUBLISHED = {
@@ -119,7 +119,7 @@ def test_cell_key_hashes_the_cpu_model_and_threads(monkeypatch):
     measured on one CPU or thread count is not taken as done on another."""
     import torch
 
-    from harness import run
+    import harness.runner.cell as run
 
     cfg, cpu = with_default_pair(composed(["device=cpu"])), torch.device("cpu")
     monkeypatch.setattr(run, "device_name", lambda device: "Intel(R) Xeon(R) Processor")
@@ -162,7 +162,7 @@ def test_cfg_job_prints_both_model_ids():
 
 
 def test_prompt_selection_is_balanced_and_seeded():
-    from harness.prompts import load_builtin, select
+    from harness.data.prompts import load_builtin, select
 
     prompts = load_builtin()
     assert len(prompts) >= 48 and len({p["category"] for p in prompts}) >= 6
@@ -195,7 +195,7 @@ def test_bools_and_overflowing_seeds_are_refused_before_loading(override, messag
 def test_the_largest_seed_seeds_every_prompt():
     import torch
 
-    from harness.checks import MAX_SEED, PROMPT_SEED_STRIDE
+    from harness.config.checks import MAX_SEED, PROMPT_SEED_STRIDE
 
     validate(with_default_pair(composed([f"seed={MAX_SEED}"])))
     torch.Generator().manual_seed(MAX_SEED * PROMPT_SEED_STRIDE + 10**9)
@@ -205,7 +205,7 @@ def test_compile_refuses_a_k_whose_verify_would_run_eagerly():
     """CachedLM compiles steps of up to COMPILED_MAX_TOKENS positions and runs longer ones eagerly: a
     compiled run at k=16 timed its full verifies eager while its cell said compile=true."""
     from harness.errors import HarnessError
-    from harness.models import CachedLM
+    from harness.models.cached import CachedLM
 
     top = CachedLM.COMPILED_MAX_TOKENS - 1
     validate(with_default_pair(composed(["cache=static", "compile=true", f"k={top}"])))

@@ -1,4 +1,4 @@
-"""harness.cpu_linear: a step's few rows through the linear layers as W @ x.T, and the
+"""harness.models.cpu_linear: a step's few rows through the linear layers as W @ x.T, and the
 choice between that product and torch's own."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import cpu_linear
-from harness.cpu_linear import TransposedLinear, choose, transposed_linear
-from harness.draft_model import build_shared_draft
-from harness.drafters import ModelDrafter
+from harness.models import cpu_linear
+from harness.models.cpu_linear import TransposedLinear, choose, transposed_linear
+from harness.models.shared_draft import build_shared_draft
+from harness.core.drafters import ModelDrafter
 from harness.errors import HarnessError
-from harness.loop import autoregressive_decode, speculative_decode
-from harness.models import CachedLM, ModelSpec, load_model
-from harness.sampling import Sampling
+from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.models.loading import ModelSpec, load_model
+from harness.models.cached import CachedLM
+from harness.core.sampling import Sampling
 
 CPU = torch.device("cpu")
 GREEDY = Sampling(0.0)
@@ -239,8 +240,8 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from harness import run
-    from harness.checks import CONF_DIR
+    import harness.runner.cell as run
+    from harness.config.checks import CONF_DIR
 
     rows = list(range(1, cpu_linear.FEW_ROWS + 1))
     found = {"rows": rows, "torch_ms": ms({}), "transposed_ms": ms({m: 0.5 for m in rows} | {3: 0.7}), "seconds": 0.0}

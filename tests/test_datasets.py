@@ -24,10 +24,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import make_tokenizer
-from harness.checks import CONF_DIR, validate, with_default_pair
-from harness.datasets import load_prompts
+from harness.config.checks import CONF_DIR, validate, with_default_pair
+from harness.data.datasets import load_prompts
 from harness.errors import HarnessError
-from harness.prompts import encode, encode_within, load_builtin, select
+from harness.data.prompts import encode, encode_within, load_builtin, select
 
 ROOT = Path(__file__).parent.parent
 DATASETS = sorted(p.stem for p in (CONF_DIR / "dataset").glob("*.yaml"))
@@ -197,7 +197,7 @@ def test_a_text_field_of_messages_or_pairs_is_one_line_with_the_template_that_re
         {"id": 1, "messages": [{"role": "user", "content": "Hi there"}], "translation": {"de": "Hallo", "en": "Hello"}}])
     import shlex
 
-    from harness.checks import unparsable
+    from harness.config.checks import unparsable
 
     base = ("dataset=local", f"dataset.path={rows}", "dataset.id_field=id", "dataset.category_field=null")
     for field, message in (("messages", "dataset.text_field=messages of local holds dict values (keys: role, content), not text: "
@@ -299,7 +299,7 @@ def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp
     script = textwrap.dedent(f"""
         import time
         from hydra import compose, initialize_config_dir
-        from harness.datasets import load_prompts
+        from harness.data.datasets import load_prompts
         from harness.errors import HarnessError
         with initialize_config_dir(config_dir={str(CONF_DIR)!r}, version_base="1.3"):
             print(load_prompts(compose("config", overrides=["dataset=gsm8k"]).dataset))
@@ -427,7 +427,7 @@ def test_a_hub_sets_revision_reaches_load_dataset_and_the_cell_key(monkeypatch):
     """Pinning a revision reads those rows and is another cell; unpinned keeps the keys cells had before."""
     from omegaconf import open_dict
 
-    from harness.run import cell_key
+    from harness.runner.cell import cell_key
 
     seen = {}
 

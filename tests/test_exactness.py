@@ -30,19 +30,19 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import broken
-import harness.drafters
-import harness.rule
+import harness.core.drafters
+import harness.core.rule
 from broken import BROKEN, VARIANTS, plugged, variant_table
-from harness.checks import CONF_DIR
-from harness.drafters import ModelDrafter, NgramDrafter
+from harness.config.checks import CONF_DIR
+from harness.core.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
-from harness.exactness import (
+from harness.exactness.main import (
     TESTS, Partition, TargetLaw, check, detectable_tv, draw_continuations, format_report, g_test, holm, run_check,
     samples_for_tv,
 )
-from harness.loop import speculative_decode
-from harness.rule import verify
-from harness.sampling import Sampling, shape_probs
+from harness.core.loop import speculative_decode
+from harness.core.rule import verify
+from harness.core.sampling import Sampling, shape_probs
 from markov import markov_pair
 
 
@@ -135,7 +135,7 @@ class Enumerator:
 
     @contextmanager
     def installed(self):
-        patches = [(harness.rule, "sample", self.sample), (harness.drafters, "sample", self.sample),
+        patches = [(harness.core.rule, "sample", self.sample), (harness.core.drafters, "sample", self.sample),
                    (broken, "sample", self.sample), (broken, "coins", self.coins), (torch, "rand", self.rand)]
         saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
         for m, n, v in patches:
@@ -323,7 +323,7 @@ def draw_shares(sampler, weights: torch.Tensor, monkeypatch) -> np.ndarray:
 
 @pytest.mark.parametrize("case", ["generic", "disjoint supports", "one-hot p", "top-k truncated rows", "tiny probabilities"])
 def test_sample_draws_each_index_with_probability_weight_over_total(case, monkeypatch):
-    from harness.sampling import sample
+    from harness.core.sampling import sample
 
     for weights in EDGE_CASES[case]:
         unnormalised = weights * 3.7  # sample() takes weights, not probabilities
@@ -337,7 +337,7 @@ def test_sample_draws_each_index_with_probability_weight_over_total(case, monkey
 
 
 def test_draw_shares_catch_a_wrong_sampler(monkeypatch):
-    from harness.sampling import sample
+    from harness.core.sampling import sample
 
     p = EDGE_CASES["generic"][0]
     squared = draw_shares(lambda w, g: sample(w**2, g), p, monkeypatch)  # a temperature bug
@@ -487,7 +487,7 @@ def test_tv_upper_bound_covers_the_true_tv(delta):
     s = +1 on half the mass and -1 on the rest. A bound too small by sqrt(2)
     covers 36% and 0% of the time there. For the exact sampler the bound is
     also informative (median below 0.05)."""
-    from harness.exactness import tv_upper_bound
+    from harness.exactness.main import tv_upper_bound
 
     rng = np.random.default_rng(7)
     probs = rng.dirichlet(np.full(64, 2.0))  # [C] pi
@@ -666,7 +666,8 @@ def test_check_passes_on_tiny_transformer_pair(tiny_pair, tmp_path):
 
 def tiny_cached_pair(tiny_pair):
     """(target CachedLM, ModelDrafter, prompt [6]) on the tiny transformer pair."""
-    from harness.models import CachedLM, ModelSpec, load_model
+    from harness.models.loading import ModelSpec, load_model
+    from harness.models.cached import CachedLM
 
     device = torch.device("cpu")
     target_model = load_model(ModelSpec(str(tiny_pair["target"])), device)
@@ -676,7 +677,7 @@ def tiny_cached_pair(tiny_pair):
 
 
 def test_missing_rollback_is_caught_on_tiny_transformer_pair(tiny_pair):
-    """The real dynamic cache (DynamicCache with harness.kv_cache's layers), not rolled back:
+    """The real dynamic cache (DynamicCache with harness.models.kv_cache's layers), not rolled back:
     stale keys and shifted positions, at the N above."""
     target, drafter, prompt = tiny_cached_pair(tiny_pair)
     variant = next(v for v in BROKEN if v.name == "no_rollback")
@@ -689,8 +690,8 @@ def test_missing_rollback_is_caught_on_tiny_transformer_pair(tiny_pair):
 def test_kept_prompt_draws_what_fresh_caches_draw(tiny_pair):
     """The check prefills each prompt once (PromptKept); with the same seeds it
     commits exactly the tokens that runs from empty caches commit."""
-    from harness.exactness import PromptKept, draw_continuations
-    from harness.models import CachedLM
+    from harness.exactness.main import PromptKept, draw_continuations
+    from harness.models.cached import CachedLM
 
     target, drafter, prompt = tiny_cached_pair(tiny_pair)
     kept = draw_continuations(target, drafter, prompt, TINY_K, TINY_SAMPLING, TINY_LENGTH, set(), 40, 0)
@@ -717,8 +718,8 @@ def test_kept_prompt_draws_what_fresh_caches_draw(tiny_pair):
 def test_kept_prompt_of_a_sliding_window_model_draws_what_fresh_caches_draw():
     """Continuations that run past a sliding window leave a cache that cannot roll back to the
     prompt: each then starts from an empty cache, and draws the tokens fresh caches draw."""
-    from harness.exactness import draw_continuations
-    from harness.models import CachedLM
+    from harness.exactness.main import draw_continuations
+    from harness.models.cached import CachedLM
     from tests.test_loop import ids_of, sliding_window_pair
 
     target, draft = sliding_window_pair(window=8)
@@ -766,7 +767,7 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
 def test_cost_aware_lookup_is_checked_with_the_proposals_a_run_makes(tiny_pair, tmp_path):
     """The check arms a cost_aware lookup with measured v(n), as `python -m harness` does:
     otherwise it would check whole-match proposals instead."""
-    from harness.run import _loaded
+    from harness.runner.cell import _loaded
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="exactness_check", overrides=[
@@ -821,7 +822,8 @@ def test_a_failed_job_exits_where_its_launcher_can_see_it(monkeypatch, launcher,
 
     from hydra.core.hydra_config import HydraConfig
 
-    from harness import callbacks, exactness
+    from harness.cli import callbacks
+    import harness.exactness.main as exactness
 
     monkeypatch.setattr(callbacks, "in_multirun", lambda: True)
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(launcher=SimpleNamespace(_target_=launcher))))
@@ -838,7 +840,7 @@ def test_a_failed_job_exits_where_its_launcher_can_see_it(monkeypatch, launcher,
 def test_a_check_that_cannot_start_keeps_a_folder_it_did_not_make(tiny_pair, tmp_path, monkeypatch):
     """Its own empty folder goes; another process's check of the same cell may have made the folder
     and be loading its models, so that one stays."""
-    from harness import exactness
+    import harness.exactness.main as exactness
 
     seen = []
 
@@ -869,8 +871,8 @@ def test_a_check_that_crashes_exits_3_not_1(tiny_pair, tmp_path):
 
 def test_prompts_that_do_not_fit_are_skipped_as_the_benchmark_skips_them(tiny_pair, tmp_path):
     """prompts.overlong=skip is honoured (the check truncated every prompt), and a budget none fits is one line."""
-    from harness.exactness import encode_prompts
-    from harness.run import load_pair
+    from harness.exactness.main import encode_prompts
+    from harness.runner.cell import load_pair
 
     cfg = compose_check(tiny_pair, tmp_path, "temperature=1.0", "prompts.overlong=skip")
     pair = load_pair(cfg.pair, torch.device("cpu"), cfg.cache, cfg.compile, cfg.cpu_linear)
@@ -884,7 +886,7 @@ def test_prompts_that_do_not_fit_are_skipped_as_the_benchmark_skips_them(tiny_pa
 
 def test_the_sample_limit_holds_when_the_first_estimate_suffices(markov):
     """One cell (top-k 1: greedy in all but name) needs no second estimate: the limit was checked only after one."""
-    from harness.exactness import size_samples
+    from harness.exactness.main import size_samples
 
     target, _ = markov
     with pytest.raises(HarnessError, match="needs over 1000 samples per prompt"):
@@ -895,7 +897,8 @@ def test_the_sample_limit_holds_when_the_first_estimate_suffices(markov):
 def test_a_dataset_problem_stops_the_check_before_a_model_loads(tmp_path, monkeypatch):
     from test_config import composed
 
-    from harness import exactness, run
+    import harness.exactness.main as exactness
+    import harness.runner.cell as run
 
     def no_model(*args, **kwargs):
         raise AssertionError("the pair loaded before the prompts")
@@ -907,7 +910,7 @@ def test_a_dataset_problem_stops_the_check_before_a_model_loads(tmp_path, monkey
 
 
 def test_samples_sized_from_detectable_tv(markov):
-    from harness.exactness import size_samples
+    from harness.exactness.main import size_samples
 
     target, _ = markov
     n = size_samples(target, [("prompt", PROMPT)], sampling=Sampling(1.0), length=4, eos_ids=set(), detect_tv=0.05, alpha=1e-3)
@@ -922,7 +925,7 @@ def test_samples_sized_for_a_large_tv_split_the_continuations(markov, tv):
     """A TV of 0.4 or more needs only a handful of samples at one degree of freedom, too few for two
     cells of the minimum expected count: one cell, df 0, NO VERDICT. Sizing raises N until a cell
     splits (so N >= 40, above the floor of exactness.samples), then sizes for the df it gets."""
-    from harness.exactness import MIN_EXPECTED, min_expected_for, size_samples
+    from harness.exactness.main import MIN_EXPECTED, min_expected_for, size_samples
 
     target, draft = markov
     n = size_samples(target, [("prompt", PROMPT)], sampling=Sampling(1.0), length=4, eos_ids=set(), detect_tv=tv, alpha=1e-3)
@@ -936,7 +939,7 @@ def test_samples_sized_for_a_large_tv_split_the_continuations(markov, tv):
 
 def test_sizing_refuses_a_law_with_one_continuation(markov):
     """top_k=1: every N leaves one cell, so no N can test anything; that is an error, not an N (nor a NO VERDICT)."""
-    from harness.exactness import size_samples
+    from harness.exactness.main import size_samples
 
     target, _ = markov
     with pytest.raises(HarnessError, match="one continuation of every prompt: nothing to test"):
@@ -955,7 +958,7 @@ def test_a_check_sized_for_a_large_tv_gives_a_verdict(tiny_pair, tmp_path):
 
 
 def test_the_no_verdict_error_says_whether_samples_were_given_or_sized():
-    from harness.exactness import no_verdict_error
+    from harness.exactness.main import no_verdict_error
 
     given = no_verdict_error({"samples": 20, "detect_tv_asked": None})
     assert given.startswith("every test has a single cell, so the check tested nothing: either exactness.samples=20 is too few")
@@ -1000,9 +1003,9 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
     about 10 minutes per run on 2 CPU cores."""
     import time
 
-    from harness.exactness import chosen_prompts, encode_prompts, size_samples
-    from harness.checks import with_default_pair
-    from harness.run import load_pair, resolve_device
+    from harness.exactness.main import chosen_prompts, encode_prompts, size_samples
+    from harness.config.checks import with_default_pair
+    from harness.runner.cell import load_pair, resolve_device
 
     k, temperature, top_p = setting
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -1049,8 +1052,8 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
     (["top_p=0.9"], "cpu", "auto"),  # auto is float32 on a CPU
 ])
 def test_a_truncated_law_is_checked_in_full_precision_unless_asked(tiny_pair, tmp_path, overrides, device, checked_in):
-    from harness.exactness import full_precision_for_truncation
-    from harness.checks import with_default_pair
+    from harness.exactness.main import full_precision_for_truncation
+    from harness.config.checks import with_default_pair
 
     cfg = with_default_pair(compose_check(tiny_pair, tmp_path, "temperature=1.0", *overrides))
     note = full_precision_for_truncation(cfg, torch.device(device))  # no GPU is touched: only the dtype auto resolves to
@@ -1069,8 +1072,8 @@ def test_a_truncated_law_is_checked_in_full_precision_unless_asked(tiny_pair, tm
     (["top_k=50", "pair.draft.dtype=bfloat16"], "cuda", "float32", "bfloat16", "float32"),
 ])
 def test_a_dtype_pinned_on_the_pair_is_kept_and_the_note_says_so(tiny_pair, tmp_path, overrides, device, target, draft, top):
-    from harness.exactness import full_precision_for_truncation
-    from harness.checks import with_default_pair
+    from harness.exactness.main import full_precision_for_truncation
+    from harness.config.checks import with_default_pair
 
     cfg = with_default_pair(compose_check(tiny_pair, tmp_path, "temperature=1.0", *overrides))
     note = full_precision_for_truncation(cfg, torch.device(device))

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.drafters import ModelDrafter
-from harness.host_syncs import HostReads
-from harness.loop import autoregressive_decode, speculative_decode
-from harness.models import CachedLM, ModelSpec, load_model
-from harness.sampling import Sampling
+from harness.core.drafters import ModelDrafter
+from harness.core.host_syncs import HostReads
+from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.models.loading import ModelSpec, load_model
+from harness.models.cached import CachedLM
+from harness.core.sampling import Sampling
 
 CPU = torch.device("cpu")
 PROMPT = torch.tensor([5, 17, 33, 8, 60, 12])
@@ -48,7 +49,7 @@ def test_two_host_reads_per_cycle_whatever_k(models, k, temperature):
     cycles, sites = reads_per_site(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), k, Sampling(temperature))
     if k > 1:
         assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)  # a read per drafted token would show
-    assert by_file(sites) == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}, sites
+    assert by_file(sites) == {"harness/core/rule.py": [len(cycles)], "harness/core/loop.py": [len(cycles)]}, sites
 
 
 @pytest.mark.parametrize("ladder", [(), (16,)])
@@ -57,15 +58,15 @@ def test_top_p_reads_nothing_on_the_path_cuda_takes(models, monkeypatch, ladder)
     cycle and never in the sampler. On a CPU a candidate ladder (here 16 of the
     tiny vocabulary's 98) first tries the most probable tokens, and its early
     exit is a host read per shaped row: the count sees it."""
-    from harness import sampling
+    from harness.core import sampling
 
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", ladder)
     target, draft = models
     cycles, sites = reads_per_site(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), 4, Sampling(1.0, top_p=0.9, top_k=50))
     assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)
     files = by_file(sites)
-    ladder_reads = sum(files.pop("harness/sampling.py", []))
-    assert files == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}, sites
+    ladder_reads = sum(files.pop("harness/core/sampling.py", []))
+    assert files == {"harness/core/rule.py": [len(cycles)], "harness/core/loop.py": [len(cycles)]}, sites
     assert (ladder_reads > 0) == bool(ladder)
 
 
@@ -90,7 +91,7 @@ def test_static_cache_reads_only_in_transformers_mask_code_for_multi_token_forwa
     files = by_file(sites)
     assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)
     mask_reads = sum(files.pop("transformers/masking_utils.py"))
-    assert files == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)], "harness/models.py": [2]}, sites
+    assert files == {"harness/core/rule.py": [len(cycles)], "harness/core/loop.py": [len(cycles)], "harness/models/cached.py": [2]}, sites
     long_forwards = target_lm.long_forwards + draft_lm.long_forwards
     assert long_forwards - 2 <= mask_reads <= long_forwards < 2 * len(cycles)  # a fresh cache's first pass has an int position
 
@@ -99,7 +100,7 @@ def test_the_baseline_reads_each_token_once(models):
     target, _ = models
     with HostReads() as reads:
         tokens = list(autoregressive_decode(CachedLM(target, 98), PROMPT, Sampling(1.0), 30, set(), torch.Generator().manual_seed(0)))
-    assert by_file(reads.sites) == {"harness/loop.py": [len(tokens)]}
+    assert by_file(reads.sites) == {"harness/core/loop.py": [len(tokens)]}
 
 
 class ReadsEachDraft(ModelDrafter):
@@ -117,7 +118,7 @@ def test_a_read_per_drafted_token_is_caught(models):
     cycles, sites = reads_per_site(CachedLM(target, 98), ReadsEachDraft(CachedLM(draft, 98)), 4, Sampling(0.0))
     drafted = sum(c.num_drafted for c in cycles)
     assert sum(n for site, n in sites.items() if site.startswith("tests/test_host_syncs.py")) == drafted
-    assert by_file(sites) != {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}
+    assert by_file(sites) != {"harness/core/rule.py": [len(cycles)], "harness/core/loop.py": [len(cycles)]}
 
 
 def test_reads_inside_a_model_forward_are_seen(models):
@@ -171,7 +172,7 @@ def test_compiled_steps_run_unwatched_and_compile_nothing_new(tiny_pair):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
     files = by_file(sites)
     assert files.pop("transformers/masking_utils.py") == [2]  # the two prompts' passes, eager
-    assert files == {"harness/rule.py": [len(cycles)], "harness/loop.py": [len(cycles)]}
+    assert files == {"harness/core/rule.py": [len(cycles)], "harness/core/loop.py": [len(cycles)]}
 
 
 def test_unwatched_sets_aside_only_host_reads():
@@ -180,7 +181,7 @@ def test_unwatched_sets_aside_only_host_reads():
     restored after, also when the step raises."""
     from torch.overrides import _get_current_function_mode_stack
 
-    from harness.host_syncs import unwatched
+    from harness.core.host_syncs import unwatched
 
     def step():
         return [type(mode).__name__ for mode in _get_current_function_mode_stack()]

@@ -1,4 +1,4 @@
-"""The dynamic cache's in-place layers (harness.kv_cache) against HF's DynamicCache."""
+"""The dynamic cache's in-place layers (harness.models.kv_cache) against HF's DynamicCache."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from harness.kv_cache import GrowingLayer, in_place
-from harness.models import CachedLM, cache_kwarg
+from harness.models.kv_cache import GrowingLayer, in_place
+from harness.models.cached import CachedLM, cache_kwarg
 from tests.test_loop import sliding_window_pair
 
 
@@ -123,7 +123,7 @@ def test_hf_keeps_its_own_layers_and_sliding_windows_keep_theirs():
 
 
 def test_the_benchs_timed_wrapper_has_a_cache_of_its_own():
-    from harness.bench import TimedLM
+    from harness.bench.main import TimedLM
 
     lm = CachedLM(llama(2, "sdpa"), vocab_size=40)
     lm.reserve(300)

@@ -11,17 +11,18 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import harness.lean
+import harness.models.lean
 from broken import BROKEN, plugged
-from harness.checks import CONF_DIR, validate, with_default_pair
-from harness.drafters import ModelDrafter
+from harness.config.checks import CONF_DIR, validate, with_default_pair
+from harness.core.drafters import ModelDrafter
 from harness.errors import HarnessError
-from harness.exactness import check, format_report, run_check
-from harness.lean import LeanLlama
-from harness.loop import speculative_decode
-from harness.models import CachedLM, ModelSpec, load_model
-from harness.run import cell_key
-from harness.sampling import Sampling
+from harness.exactness.main import check, format_report, run_check
+from harness.models.lean import LeanLlama
+from harness.core.loop import speculative_decode
+from harness.models.loading import ModelSpec, load_model
+from harness.models.cached import CachedLM
+from harness.runner.cell import cell_key
+from harness.core.sampling import Sampling
 
 VOCAB = 98
 
@@ -110,7 +111,7 @@ def test_storage_grows_past_what_was_reserved():
     chunks = [ids[:250], ids[250:251], *ids[251:300].split(7)]  # past ROOM = 256 positions mid-sequence
     lm = CachedLM(model, VOCAB, forward="lean")
     lm.reserve(10)
-    assert lm.lean.capacity == harness.lean.ROOM
+    assert lm.lean.capacity == harness.models.lean.ROOM
     for got, want in zip(lean_steps(lm, chunks, {}), hf_steps(model, chunks, {}), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert lm.lean.capacity >= 300
@@ -167,7 +168,7 @@ def test_other_architectures_are_refused_in_one_line():
 
 def test_a_forward_that_differs_from_hfs_is_refused(monkeypatch):
     """The load check: here the lean forward forgets RoPE."""
-    monkeypatch.setattr(harness.lean, "_rotate", lambda x, cos, sin: x)
+    monkeypatch.setattr(harness.models.lean, "_rotate", lambda x, cos, sin: x)
     with pytest.raises(HarnessError, match=r"forward=lean does not reproduce LlamaForCausalLM's logits .*use forward=hf"):
         CachedLM(llama(), VOCAB, forward="lean")
 
@@ -187,7 +188,7 @@ def test_auto_is_lean_where_it_runs_and_hfs_forward_elsewhere(monkeypatch, capsy
     assert CachedLM(qwen, VOCAB, forward="auto").lean is None
     assert CachedLM(llama(), VOCAB, cache="static", forward="auto").lean is None
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(harness.lean, "_rotate", lambda x, cos, sin: x)
+    monkeypatch.setattr(harness.models.lean, "_rotate", lambda x, cos, sin: x)
     model = llama()
     expected = model(input_ids=torch.arange(3, 13)[None]).logits[0, -1]
     lm = CachedLM(model, VOCAB, forward="auto")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.drafters import ModelDrafter, NgramDrafter
+from harness.core.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
-from harness.loop import autoregressive_decode, speculative_decode
-from harness.metrics import cycle_counts
-from harness.models import CachedLM, ModelSpec, cache_kwarg, load_model
-from harness import sampling
-from harness.sampling import Sampling, shape_probs
+from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.core.metrics import cycle_counts
+from harness.models.loading import ModelSpec, load_model
+from harness.models.cached import CachedLM, cache_kwarg
+from harness.core import sampling
+from harness.core.sampling import Sampling, shape_probs
 
 PROMPTS = ["hello world", "The quick brown fox", "def f(x): return", "2 + 2 =", "Once upon a time, there"]
 GREEDY = Sampling(0.0)
@@ -284,7 +285,7 @@ def test_compiled_forwards_give_the_same_tokens(models):
 def test_warm_up_compiles_every_step_a_run_takes(tiny_pair):
     """After Pair.warm_up(k), decoding compiles nothing more: no compilation lands inside
     a timed prompt (it did before warm_up existed, and cost the compiled run 15% of its speed)."""
-    from harness.run import Pair
+    from harness.runner.cell import Pair
 
     cpu = torch.device("cpu")
     target = load_model(ModelSpec(str(tiny_pair["target"])), cpu)  # fresh modules: nothing compiled for them yet
@@ -367,7 +368,7 @@ def test_cost_aware_lookup_proposes_what_pays_for_its_verification():
 def test_drafts_after_an_accepted_eos_do_not_count_against_acceptance(models):
     """A draft equal to the target has every draft accepted: its acceptance rate is 1 also when an EOS
     is accepted mid-cycle and the drafts after it are cut (they count as neither accepted nor rejected)."""
-    from harness.metrics import acceptance_rate
+    from harness.core.metrics import acceptance_rate
 
     target, _ = models
     cut = 0

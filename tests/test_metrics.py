@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from harness.loop import Cycle
-from harness.metrics import cycle_counts, expected_tokens_per_cycle, predicted_speedup, speedup_stats, summarize
+from harness.core.loop import Cycle
+from harness.core.metrics import cycle_counts, expected_tokens_per_cycle, predicted_speedup, speedup_stats, summarize
 
 
 def cyc(num_drafted, num_accepted, betas, tokens=None):
@@ -102,7 +102,7 @@ def test_leviathan_formulas():
 def test_cycles_that_drafted_nothing_are_counted_apart():
     """Prompt lookup without a match (or the budget's last token) drafts nothing: such a cycle counts in
     accept_hist[0], which alone would read as a rejection; alpha leaves it out, and the summary says how many."""
-    from harness.report import format_summary
+    from harness.cli.summary import format_summary
 
     cycles = [*CYCLES, cyc(0, 0, [])]
     counts = cycle_counts(cycles, k=4)

@@ -11,11 +11,12 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
-import harness.embedded as embedded
-from harness import models
-from harness.draft_model import build_shared_draft, save_shared_draft
+import harness.models.embedded as embedded
+import harness.models.loading as models
+from harness.models.shared_draft import build_shared_draft, save_shared_draft
 from harness.errors import HarnessError
-from harness.models import PLAIN, CachedLM, ModelSpec, load_model, load_tokenizer
+from harness.models.loading import PLAIN, ModelSpec, load_model, load_tokenizer
+from harness.models.cached import CachedLM
 
 CPU = torch.device("cpu")
 
@@ -189,7 +190,7 @@ def test_the_embedded_cache_is_readable_by_other_users(monkeypatch, tmp_path):
 def test_a_pair_that_cannot_run_is_one_line_before_loading(overrides, message):
     from hydra import compose, initialize_config_dir
 
-    from harness.checks import CONF_DIR, validate, with_default_pair
+    from harness.config.checks import CONF_DIR, validate, with_default_pair
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=overrides))
@@ -198,7 +199,7 @@ def test_a_pair_that_cannot_run_is_one_line_before_loading(overrides, message):
 
 
 def test_pair_settings_without_a_chosen_pair_are_one_line(capsys):
-    from harness.checks import check_choices
+    from harness.config.checks import check_choices
 
     with pytest.raises(SystemExit) as exit:
         check_choices(["pair.target.id=/models/llama-2-7b", "k=2"])
@@ -213,10 +214,10 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
     tuned on (and Spec-Bench prompts it with), so prompts.template=auto does not fall back to raw text."""
     from hydra import compose, initialize_config_dir
 
-    import harness.run
-    from harness.prompts import encode
-    from harness.checks import CONF_DIR
-    from harness.run import load_pair
+    import harness.runner.cell
+    from harness.data.prompts import encode
+    from harness.config.checks import CONF_DIR
+    from harness.runner.cell import load_pair
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+pair=vicuna_7b_68m", f"pair.target.id={tiny_pair['target']}",
@@ -235,11 +236,11 @@ def test_a_pair_can_give_its_target_the_chat_template_its_tokenizer_lacks(tiny_p
              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How?"}]
     assert pair.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False) == \
         "Be brief. USER: Hi ASSISTANT: Hello</s>USER: How? ASSISTANT:"
-    from harness.prompts import set_pair_template
+    from harness.data.prompts import set_pair_template
 
     set_pair_template(pair.tokenizer, "{{ bos_token }}" + cfg.pair.chat_template)  # a template that writes its own BOS
     assert encode(pair.tokenizer, "Name a prime.", "auto").count(bos) == 1  # not twice
-    harness.run._loaded.clear()  # the cached pair's tokenizer was changed here
+    harness.runner.cell._loaded.clear()  # the cached pair's tokenizer was changed here
 
 
 def test_compile_refuses_a_static_cache_with_sliding_window_layers():
@@ -256,7 +257,7 @@ def test_compile_refuses_a_static_cache_with_sliding_window_layers():
 def test_compiling_makes_running_out_of_graphs_an_error():
     """Target and draft share one code object (transformers' forward wrapper), and every cache capacity
     a multirun reserves adds graphs: dynamo's default limit of 8 fell back to eager steps, silently."""
-    from harness.models import _compile
+    from harness.models.cached import _compile
 
     config = torch._dynamo.config
     saved = {k: getattr(config, k) for k in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")}
@@ -294,10 +295,10 @@ def test_a_draft_that_scores_fewer_tokens_than_the_target_leaves_the_target_its_
     from hydra import compose, initialize_config_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from harness.loop import speculative_decode
-    from harness.checks import CONF_DIR
-    from harness.run import load_pair
-    from harness.sampling import Sampling
+    from harness.core.loop import speculative_decode
+    from harness.config.checks import CONF_DIR
+    from harness.runner.cell import load_pair
+    from harness.core.sampling import Sampling
 
     vocab = len(AutoTokenizer.from_pretrained(tiny_pair["target"]))
     folder = tmp_path / "short"

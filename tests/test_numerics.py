@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.rule import verify
-from harness import sampling
-from harness.sampling import Sampling, nucleus_floor, sample, shape_probs
+from harness.core.rule import verify
+from harness.core import sampling
+from harness.core.sampling import Sampling, nucleus_floor, sample, shape_probs
 
 T1 = Sampling(1.0)
 

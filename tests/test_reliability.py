@@ -79,7 +79,7 @@ def test_hydra_forms_the_checks_leave_alone(args):
     (["dataset.path=x.jsonl", "dataset=gsm8k"], None),
 ])
 def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, capsys):
-    from harness.checks import check_choices
+    from harness.config.checks import check_choices
 
     if bad is None:
         check_choices(args)
@@ -95,7 +95,7 @@ def test_dataset_settings_are_checked_against_the_chosen_dataset(args, bad, caps
 @pytest.mark.parametrize("override", ["+dataset.text_feild=q", "dataset.text_feild=q"])
 def test_a_dataset_key_no_prompt_set_reads_is_refused(override, capsys):
     """Added with '+' it would be silently ignored (a prompt set reads only its configs' keys)."""
-    from harness.checks import check_choices
+    from harness.config.checks import check_choices
 
     with pytest.raises(SystemExit) as exit:
         check_choices(["dataset=local", "dataset.path=x.jsonl", override])
@@ -116,13 +116,13 @@ def test_a_dataset_key_no_prompt_set_reads_is_refused(override, capsys):
     ["wandb.name=run\\,1"],  # an escaped comma is one value
 ])
 def test_sweep_syntax_and_settings_the_chosen_option_has_pass(args):
-    from harness.checks import check_choices
+    from harness.config.checks import check_choices
 
     check_choices(args)
 
 
 def test_the_bench_runs_one_value_each_even_with_hydra_mode_multirun(capsys):
-    from harness.checks import check_choices
+    from harness.config.checks import check_choices
 
     with pytest.raises(SystemExit):
         check_choices(["hydra.mode=MULTIRUN", "temperature=0,1"], sweeps=False)
@@ -130,7 +130,7 @@ def test_the_bench_runs_one_value_each_even_with_hydra_mode_multirun(capsys):
 
 
 def test_records_cut_by_a_kill_are_trimmed_before_a_resumed_run_appends(tmp_path):
-    from harness.run import _read_records
+    from harness.runner.cell import _read_records
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"id": "a"}\n{"id": "b", "sp')  # the second line cut mid-write
@@ -143,7 +143,7 @@ def test_records_cut_by_a_kill_are_trimmed_before_a_resumed_run_appends(tmp_path
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc")
 def test_peak_memory_is_the_cells_own():
     """A multirun's later cell must not report an earlier cell's peak."""
-    from harness.run import _peak_rss_mb, _reset_peak_rss
+    from harness.runner.cell import _peak_rss_mb, _reset_peak_rss
 
     big = torch.ones(64 * 2**20)  # 256 MB, touched
     before, _ = _peak_rss_mb(True)
@@ -155,7 +155,7 @@ def test_peak_memory_is_the_cells_own():
 
 
 def test_a_failed_cell_is_named_in_the_sweep_table():
-    from harness.callbacks import COLUMNS, to_markdown
+    from harness.cli.callbacks import COLUMNS, to_markdown
 
     row = {name: None for name, _, _ in COLUMNS}
     table = to_markdown([{**row, "job": 0, "status": "finished", "overrides": "+pair=smollm2 k=1 out_dir=/r"},
@@ -165,7 +165,7 @@ def test_a_failed_cell_is_named_in_the_sweep_table():
 
 def test_a_gpu_index_past_the_visible_ones_is_one_line(monkeypatch):
     from harness.errors import HarnessError
-    from harness.models import resolve_device
+    from harness.models.loading import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -179,8 +179,8 @@ def test_a_gpu_index_past_the_visible_ones_is_one_line(monkeypatch):
 def test_every_setting_the_configs_offer_is_known():
     from omegaconf import OmegaConf
 
-    from harness import exactness
-    from harness.checks import CONF_DIR, added_or_removed, known_settings, moving_results, unknown_setting
+    import harness.exactness.main as exactness
+    from harness.config.checks import CONF_DIR, added_or_removed, known_settings, moving_results, unknown_setting
 
     known = known_settings({"exactness": exactness.DEFAULTS})
     for override in ["k=2", "temperature=0.7", "dataset.num_prompts=3", "dataset.path=x.jsonl", "pair.target.id=/m",
@@ -228,9 +228,9 @@ def context_pair(target_context: int, draft_context: int):
     """The tiny target and draft (static caches) with the given context lengths."""
     from conftest import make_model, make_tokenizer, perturbed
 
-    from harness.drafters import ModelDrafter
-    from harness.models import CachedLM
-    from harness.run import Pair
+    from harness.core.drafters import ModelDrafter
+    from harness.models.cached import CachedLM
+    from harness.runner.cell import Pair
 
     tok = make_tokenizer()
     target = make_model(len(tok), seed=1)
@@ -256,8 +256,8 @@ def peak_lengths(pair) -> dict:
 def test_a_prompt_that_fills_the_context_exactly_runs_at_every_k(k):
     """prompt + max_new_tokens - 1 == context: the budget keeps the whole prompt whatever k,
     and the static caches `reserve` sizes hold both models' sequences."""
-    from harness.loop import autoregressive_decode, speculative_decode
-    from harness.sampling import Sampling
+    from harness.core.loop import autoregressive_decode, speculative_decode
+    from harness.core.sampling import Sampling
 
     context, new = 64, 8
     pair = context_pair(context, context)
@@ -276,8 +276,8 @@ def test_a_prompt_that_fills_the_context_exactly_runs_at_every_k(k):
 
 
 def test_the_budget_is_the_shorter_context_of_target_and_draft():
-    from harness.loop import speculative_decode
-    from harness.sampling import Sampling
+    from harness.core.loop import speculative_decode
+    from harness.core.sampling import Sampling
 
     pair = context_pair(512, 64)  # e.g. Llama-2-7b (4096) with llama-68m (2048)
     budget = pair.prompt_budget(8)
@@ -307,7 +307,7 @@ def test_every_k_of_a_sweep_runs_the_same_prompts_at_full_context(context_64_pai
     == context), including k >= max_new_tokens, where measuring the k + 1 verify needs room too."""
     from test_config import composed
 
-    from harness.run import run_cell
+    from harness.runner.cell import run_cell
 
     lengths = {}
     for k in (1, 4, 8):
@@ -322,7 +322,7 @@ def test_every_k_of_a_sweep_runs_the_same_prompts_at_full_context(context_64_pai
 
 
 def _stored_cell(cfg, out: Path) -> Path:
-    from harness.run import cell_key
+    from harness.runner.cell import cell_key
 
     cell = out / cell_key(cfg)
     cell.mkdir(parents=True)
@@ -340,7 +340,7 @@ def test_force_keeps_the_old_results_until_the_redo_can_start(tmp_path, monkeypa
 
     from test_config import composed
 
-    from harness import run
+    import harness.runner.cell as run
     from harness.errors import HarnessError
 
     cell = _stored_cell(run.with_default_pair(composed(["wandb.mode=disabled"])), tmp_path)
@@ -373,7 +373,7 @@ def test_a_skipped_cell_reports_where_it_is_now(tmp_path):
     """A complete cell in a results store that moved since it ran: the summary names its current place."""
     from test_config import composed
 
-    from harness import run
+    import harness.runner.cell as run
 
     cfg = run.with_default_pair(composed(["wandb.mode=disabled"]))
     cell = _stored_cell(cfg, tmp_path / "moved")
@@ -401,7 +401,7 @@ def test_a_run_that_cannot_start_leaves_no_cell_but_keeps_one_that_was_there(tmp
     run made goes, so sweeps do not fill the store with folders holding a config and no result."""
     from test_config import composed
 
-    from harness import run
+    import harness.runner.cell as run
     from harness.errors import HarnessError
 
     def offline(*args, **kwargs):
@@ -426,7 +426,7 @@ def test_a_run_that_cannot_start_leaves_no_cell_but_keeps_one_that_was_there(tmp
 def test_a_claim_on_a_cell_folder_removed_meanwhile_makes_it_again(tmp_path):
     """A run waiting for a claim whose holder stopped before writing anything (and removed the empty
     folder) takes the claim in a new folder instead of failing."""
-    from harness import tracking
+    import harness.tracking.tracker as tracking
 
     with tracking.claim(tmp_path / "gone" / "cell", quiet=True) as path:
         assert path.exists() and path.parent.is_dir()
@@ -437,7 +437,7 @@ def test_sigterm_while_the_models_load_ends_the_run_as_ctrl_c(tiny_pair, tmp_pat
     `python -m harness` turns into exit 130, and the cell's claim is released."""
     from test_config import composed
 
-    from harness import run
+    import harness.runner.cell as run
 
     def killed_while_loading(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -462,7 +462,7 @@ def test_sigterm_while_the_models_load_ends_the_run_as_ctrl_c(tiny_pair, tmp_pat
 def test_a_submitit_task_keeps_submitits_sigterm_handling(monkeypatch):
     """submitit ignores SIGTERM on purpose (SLURM sends it on preemption) and requeues on its own
     signal; turning SIGTERM into an interruption there would end the task before the requeue."""
-    from harness import run
+    import harness.runner.cell as run
 
     class SignalHandler:  # as submitit.core.job_environment installs it
         def bypass(self, signum, frame):
@@ -546,7 +546,7 @@ def test_directory_that_is_not_a_model_and_bad_dataset_files(tiny_pair, tmp_path
 
 OOM_CLI = """
 import torch
-import harness.run as run
+import harness.runner.cell as run
 real = run.run_prompt
 def run_prompt(pair, prompt, ids, index, cfg, sampling):
     if cfg.k == 2 and index == 1:  # this cell runs out of memory on its second prompt
@@ -582,7 +582,7 @@ def test_a_cell_out_of_memory_is_recorded_and_the_sweep_goes_on(tiny_pair, tmp_p
 
 
 def test_the_output_folder_check_leaves_printing_and_interpolated_folders_alone(monkeypatch):
-    from harness.checks import unwritable_output
+    from harness.config.checks import unwritable_output
 
     assert unwritable_output(["hydra.run.dir=/etc/passwd/x"], False).startswith("hydra.run.dir=/etc/passwd/x: /etc/passwd is a file")
     assert unwritable_output(["hydra.run.dir=/etc/passwd/x", "--cfg", "job"], False) is None  # Hydra only prints
@@ -597,7 +597,7 @@ def test_the_output_folder_check_leaves_printing_and_interpolated_folders_alone(
                                            ("true", "run it again with force=false to resume (force=true starts the cell over)")])
 def test_the_interrupt_message_says_how_to_resume(force, advice, tmp_path):
     """force=true redoes a cell from the start, so "the same command" would not resume it."""
-    script = ("import harness.run as run\n"
+    script = ("import harness.runner.cell as run\n"
               "def interrupted(*a, **k):\n    raise KeyboardInterrupt\n"
               "run.run_cell = interrupted\n"
               "import runpy\nrunpy.run_module('harness', run_name='__main__', alter_sys=True)\n")

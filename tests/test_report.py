@@ -3,7 +3,7 @@
 Synthetic cells are built with known alpha, c and v(n): every prompt's
 acceptance histogram is the exact i.i.d. expectation (alpha rational, so the
 counts are integers), and its timings are what the cost model says, times a
-small seeded jitter. Their summaries go through harness.metrics.summarize,
+small seeded jitter. Their summaries go through harness.core.metrics.summarize,
 so they have the harness's own schema. The fitted values, the predicted
 speedups and the recommended draft must then be what the formulas give.
 """
@@ -35,7 +35,7 @@ from analysis import report  # noqa: E402
 from analysis.figures import make_figures, pareto_front  # noqa: E402
 from analysis.load import load, load_wandb  # noqa: E402
 from analysis.sizes import draft_size, rough_params, safetensors_shapes  # noqa: E402
-from harness import metrics  # noqa: E402
+from harness.core import metrics  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 
 STEP_S = 0.01  # target decode step of the synthetic machine
@@ -81,7 +81,7 @@ def write_cell(root: Path, name: str, kind: str, alpha: Fraction, k: int, c: flo
                params: int | None = None, dataset: str = "synthetic", alphas: dict | None = None,
                target: str = "org/target", conditions: dict = GPU, config: dict | None = None,
                time_factors: list[float] | None = None, tag: str = "") -> Path:
-    """One cell directory as harness.run.run_cell writes it. `alphas` gives a category its own alpha;
+    """One cell directory as harness.runner.cell.run_cell writes it. `alphas` gives a category its own alpha;
     `conditions` the summary's run conditions; `config` extra config keys; `time_factors` sets prompt
     i's speculative time to its baseline time x time_factors[i] (a speedup of 1 / factor); `tag` ends the cell key."""
     rng = np.random.default_rng(seed)
@@ -503,7 +503,7 @@ class FakeApi:
 
 
 def fake_runs(sweep: Path, with_artifacts: bool = True) -> list[FakeRun]:
-    """The sweep's cells as harness.tracking logs them: config + conditions, summary + flat keys, the artifact."""
+    """The sweep's cells as harness.tracking.tracker logs them: config + conditions, summary + flat keys, the artifact."""
     runs = []
     for i, cell_dir in enumerate(sorted(p for p in sweep.iterdir() if (p / "summary.json").exists())):
         summary = json.loads((cell_dir / "summary.json").read_text())
@@ -590,7 +590,7 @@ def test_wandb_sweep_loads_into_the_same_frames_as_the_local_tree(sweep):
 
 def test_wandb_project_with_a_swept_dataset_exactness_checks_and_failed_cells(sweep):
     """A project holds more than finished cells: runs whose swept `dataset` group shows as its
-    name (its fields in `dataset_config`, as harness.tracking logs them under `wandb agent`),
+    name (its fields in `dataset_config`, as harness.tracking.tracker logs them under `wandb agent`),
     exactness checks (k in their summary, alpha their test level) and failed cells (a summary
     with no metric at all). The first load as cells, the second are not cells, the third are noted."""
     runs = fake_runs(sweep)[:-2]
@@ -763,7 +763,7 @@ def test_report_from_wandb_logs_figures_back(sweep, tmp_path, monkeypatch):
 def test_draft_size_from_safetensors_headers_and_config(tiny_pair):
     from transformers import AutoModelForCausalLM
 
-    from harness.models import PLAIN
+    from harness.models.loading import PLAIN
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair["draft"], **PLAIN)
     true = sum(p.numel() for p in model.parameters())

@@ -15,9 +15,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from harness.checks import CONF_DIR, validate, with_default_pair
-from harness.run import cell_key
-from harness.tracking import METRICS
+from harness.config.checks import CONF_DIR, validate, with_default_pair
+from harness.runner.cell import cell_key
+from harness.tracking.tracker import METRICS
 
 ROOT = Path(__file__).parent.parent
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -97,7 +97,7 @@ def test_an_agent_run_logs_the_sweep_and_the_full_config(monkeypatch, tmp_path):
     the resolved Hydra config stays complete even where the sweep shadows a group by its name."""
     from test_tracking import read_run
 
-    from harness import tracking
+    import harness.tracking.tracker as tracking
 
     sweep = yaml.safe_load((ROOT / "sweeps" / "dataset_pair.yaml").read_text())
     values = grid(sweep["parameters"])[0]
@@ -131,7 +131,7 @@ def test_an_agent_run_of_a_complete_cell_logs_the_stored_results(monkeypatch, tm
     import wandb
     from test_tracking import read_run
 
-    from harness.run import run_cell
+    from harness.runner.cell import run_cell
 
     sweep = yaml.safe_load((ROOT / "sweeps" / "pair_k.yaml").read_text())
     values = grid(sweep["parameters"])[0]
@@ -192,7 +192,7 @@ def test_a_cell_whose_run_opened_gets_no_second_run_for_its_failure(monkeypatch,
     import wandb
     from test_tracking import runs_in
 
-    from harness import tracking
+    import harness.tracking.tracker as tracking
 
     for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name))

@@ -23,8 +23,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness import tracking
-from harness.checks import CONF_DIR
+import harness.tracking.tracker as tracking
+from harness.config.checks import CONF_DIR
 from harness.errors import HarnessError
 
 ROOT = Path(__file__).parent.parent
@@ -160,7 +160,7 @@ def tiny(tiny_pair, *extra: str) -> list[str]:
 
 
 def test_offline_run_matches_the_harness_results(tiny_pair, tmp_path, offline):
-    from harness.run import run_cell
+    from harness.runner.cell import run_cell
 
     cfg = composed(tiny(tiny_pair, "k=3", "temperature=0.7", "wandb.tags=[ci,tiny]", "wandb.group=g1"))
     summary = run_cell(cfg, out_dir=tmp_path, quiet=True)
@@ -211,7 +211,7 @@ def test_a_resumed_cell_logs_each_prompt_at_its_place(tmp_path, offline):
 def test_a_cell_that_stops_after_its_prompts_says_so(tiny_pair, tmp_path, offline, monkeypatch, error, status):
     """A failure while summarising (a full disk, say) or a SLURM requeue's SystemExit: the W&B run and
     status.json say failed / interrupted, with the prompts' numbers, rather than a run left open."""
-    from harness import run
+    import harness.runner.cell as run
 
     def stops(*args, **kwargs):
         raise error
@@ -315,7 +315,7 @@ def test_online_without_network_falls_back_to_offline(monkeypatch, offline, tmp_
 
 
 def test_twelve_cells_of_one_pair_load_each_model_once(tiny_pair, tmp_path, monkeypatch):
-    import harness.run as run
+    import harness.runner.cell as run
 
     loads = []
     real = run.load_model
@@ -335,11 +335,11 @@ def test_twelve_cells_of_one_pair_load_each_model_once(tiny_pair, tmp_path, monk
 
 # A real multirun: one W&B run per cell, models loaded once, aggregate, resume.
 
-# Runs the CLI with load_model wrapped to print a line per load (harness.run
+# Runs the CLI with load_model wrapped to print a line per load (harness.runner.cell
 # binds load_model at import, after this patch).
 COUNTING_CLI = """
 import sys
-import harness.models as models
+import harness.models.loading as models
 real = models.load_model
 def counted(spec, device, role="target", *args, **kwargs):
     print(f"[load] {role} {spec.id}", file=sys.stderr, flush=True)
@@ -391,7 +391,7 @@ def test_multirun_logs_one_run_per_cell_loads_once_aggregates_and_resumes(tiny_p
 
 def test_a_reused_sweep_dir_aggregates_only_this_multiruns_jobs(tmp_path):
     """hydra.sweep.dir=multirun/exp twice: the first sweep's jobs 2 and 3 (one failed) are not the second's."""
-    from harness.callbacks import POINTER, AggregateCallback, collect
+    from harness.cli.callbacks import POINTER, AggregateCallback, collect
 
     sweep = tmp_path / "sweep"
 
@@ -411,7 +411,7 @@ def test_a_reused_sweep_dir_aggregates_only_this_multiruns_jobs(tmp_path):
 def test_a_sweep_folder_above_another_sweep_leaves_its_pointers_alone(tmp_path):
     """hydra.sweep.dir=exp/first, then hydra.sweep.dir=exp: the second multirun neither clears nor collects the
     first one's jobs (analysis.report exp reads both); pointers name their sweep folder."""
-    from harness.callbacks import POINTER, AggregateCallback, collect
+    from harness.cli.callbacks import POINTER, AggregateCallback, collect
 
     def job(sweep: Path, n: int, k: int, named: bool = True) -> Path:
         (sweep / str(n)).mkdir(parents=True, exist_ok=True)
@@ -441,7 +441,7 @@ def test_a_sweep_folder_above_another_sweep_leaves_its_pointers_alone(tmp_path):
 
 def test_a_claimed_cell_waits_for_its_holder(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from harness.tracking import claim\n"
+        [sys.executable, "-c", "import sys, time; from harness.tracking.tracker import claim\n"
          "with claim(sys.argv[1]):\n    print('held', flush=True); time.sleep(1.5)", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -459,10 +459,10 @@ def test_two_processes_never_run_one_cell_at_once(tiny_pair, tmp_path, monkeypat
     import inspect
     import threading
 
-    import harness.run as run
+    import harness.runner.cell as run
 
     if "tracking.claim(" not in inspect.getsource(run):
-        pytest.skip("harness.run.run_cell does not hold tracking.claim yet (docs/tracking.md, 'Many GPUs')")
+        pytest.skip("harness.runner.cell.run_cell does not hold tracking.claim yet (docs/tracking.md, 'Many GPUs')")
     monkeypatch.setattr(tracking, "CLAIM_POLL_S", 0.1)
     cfg = composed(tiny(tiny_pair, "k=2", "wandb.mode=disabled"))
     summaries = []
@@ -542,7 +542,7 @@ def test_slurm_launcher_and_aggregate_callback_compose():
 
 
 def test_exactness_check_is_logged_as_its_own_run(tiny_pair, tmp_path, offline):
-    from harness.exactness import run_check
+    from harness.exactness.main import run_check
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="exactness_check", overrides=[
@@ -576,7 +576,7 @@ def test_a_single_tag_is_one_tag_not_one_per_character(tags, expected):
 
 def test_a_jobs_pointer_holds_its_cell_as_an_absolute_path(tmp_path, monkeypatch):
     """out_dir=results is relative to where the sweep ran; the report may run from anywhere."""
-    from harness import callbacks
+    from harness.cli import callbacks
 
     job_dir = tmp_path / "sweep" / "0"
     job_dir.mkdir(parents=True)
@@ -592,7 +592,7 @@ def test_a_jobs_pointer_holds_its_cell_as_an_absolute_path(tmp_path, monkeypatch
 def test_a_multirun_without_benchmark_jobs_prints_no_table(tmp_path, capsys):
     """`python -m harness.exactness -m ...` composes the same config, callback included, and records no cell:
     no '0 cells' table, no aggregate files."""
-    from harness.callbacks import AggregateCallback
+    from harness.cli.callbacks import AggregateCallback
 
     sweep = tmp_path / "sweep"
     (sweep / "0").mkdir(parents=True)

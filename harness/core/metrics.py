@@ -50,7 +50,7 @@ import numpy as np
 from scipy import stats
 
 if TYPE_CHECKING:  # annotations only: the report imports metrics without torch
-    from harness.loop import Cycle
+    from harness.core.loop import Cycle
 
 
 def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
@@ -85,14 +85,15 @@ def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
     }
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
+    """a / b, nan when b is 0 (nothing to divide by: no cycles, no drafts)."""
     return a / b if b else float("nan")
 
 
 def acceptance_rate(counts: dict) -> float:
     """Accepted drafted tokens / drafted tokens, leaving out drafts that followed an accepted EOS
     (they were never going to be kept: a draft equal to the target scores 1)."""
-    return _ratio(counts["accepted"], counts["drafted"] - counts.get("drafted_after_eos", 0))
+    return ratio(counts["accepted"], counts["drafted"] - counts.get("drafted_after_eos", 0))
 
 
 def expected_tokens_per_cycle(alpha: float, k: int) -> float:
@@ -144,7 +145,7 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     hist = np.sum([r["spec"]["accept_hist"] for r in records], axis=0).tolist() if records else [0] * (k + 1)
     reached = np.sum([r["spec"]["position_reached"] for r in records], axis=0) if records else np.zeros(k)
     kept = np.sum([r["spec"]["position_accepted"] for r in records], axis=0) if records else np.zeros(k)
-    alpha = _ratio(total("accepted"), total("tested"))
+    alpha = ratio(total("accepted"), total("tested"))
     c, v = costs["cost_ratio"], costs["verify_cost"][k]  # verify_cost[n - 1] = v(n)
     predicted = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
     summary = {
@@ -152,12 +153,12 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "acceptance_rate": acceptance_rate({"accepted": total("accepted"), "drafted": total("drafted"),
                                             "drafted_after_eos": sum(r["spec"].get("drafted_after_eos", 0) for r in records)}),
         "alpha": alpha,
-        "expected_alpha": _ratio(total("expected_sum"), total("tested")),
-        "position_acceptance": [_ratio(a, b) for a, b in zip(kept.tolist(), reached.tolist())],
+        "expected_alpha": ratio(total("expected_sum"), total("tested")),
+        "position_acceptance": [ratio(a, b) for a, b in zip(kept.tolist(), reached.tolist())],
         "accept_hist": hist,
         "cycles_without_draft": sum((r["spec"].get("drafted_hist") or [0])[0] for r in records),  # in accept_hist[0] too
-        "tokens_per_cycle": _ratio(total("committed"), total("cycles")),
-        "accepted_per_cycle": _ratio(total("accepted"), total("cycles")),
+        "tokens_per_cycle": ratio(total("committed"), total("cycles")),
+        "accepted_per_cycle": ratio(total("accepted"), total("cycles")),
         "theoretical_tokens_per_cycle": expected_tokens_per_cycle(alpha, k) if not math.isnan(alpha) else float("nan"),
         "target_passes": total("cycles"),
         "draft_passes": total("draft_passes"),
@@ -179,10 +180,10 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     else:
         summary.update(speedup=float("nan"), speedup_ci=(float("nan"),) * 2,
                        speedup_geomean=float("nan"), speedup_geomean_ci=(float("nan"),) * 2)
-    summary["decode_speedup"] = _ratio(summary["base_tpot_s"], summary["spec_tpot_s"])
-    summary["efficiency"] = _ratio(summary["decode_speedup"], predicted)
+    summary["decode_speedup"] = ratio(summary["base_tpot_s"], summary["spec_tpot_s"])
+    summary["efficiency"] = ratio(summary["decode_speedup"], predicted)
     summary["predicted_speedup_cycles"] = _predicted_by_cycles(records, k, costs)
-    summary["efficiency_cycles"] = _ratio(summary["decode_speedup"], summary["predicted_speedup_cycles"])
+    summary["efficiency_cycles"] = ratio(summary["decode_speedup"], summary["predicted_speedup_cycles"])
     return summary
 
 
@@ -200,14 +201,14 @@ def _predicted_by_cycles(records: Sequence[dict], k: int, costs: dict) -> float:
             cycles[r["spec"]["first_drafted"]] -= 1
             committed -= r["spec"]["first_committed"]
     cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
-    return _ratio(committed, cost)
+    return ratio(committed, cost)
 
 
 def _tpot(records: Sequence[dict], side: str) -> float:
     """Time per output token after the first yield: (time - TTFT) / (tokens - first yield's tokens)."""
     num = sum(r[side]["time_s"] - r[side]["ttft_s"] for r in records)
     den = sum(r[side]["new_tokens"] - r[side]["first_tokens"] for r in records)
-    return _ratio(num, den)
+    return ratio(num, den)
 
 
 def by_category(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> dict[str, dict]:

@@ -11,7 +11,7 @@ still has its table); at the end of the multirun it prints the table, and
 exits 1 if a cell failed.
 
 Registered in conf/config.yaml under `hydra.callbacks`, or for one command:
-  +hydra.callbacks.aggregate._target_=harness.callbacks.AggregateCallback
+  +hydra.callbacks.aggregate._target_=harness.cli.callbacks.AggregateCallback
 """
 
 from __future__ import annotations

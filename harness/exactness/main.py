@@ -2,7 +2,7 @@
 
 Speculative decoding promises that its committed tokens are distributed
 exactly as if the target had produced them alone. This module tests that
-promise on the loop users run (`harness.loop.speculative_decode`, with the
+promise on the loop users run (`harness.core.loop.speculative_decode`, with the
 configured pair, k, temperature, top-k and top-p), as a statistician would:
 
   draw      N independent speculative continuations of L tokens after a
@@ -83,12 +83,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from scipy import stats
 from scipy.optimize import brentq
 
-from harness import tracking
+import harness.tracking.tracker as tracking
+from harness.config.checks import CONF_DIR
 from harness.errors import HarnessError
-from harness.loop import speculative_decode
-from harness.models import CachedLM
-from harness.rule import verify
-from harness.sampling import Sampling, shape_probs
+from harness.core.loop import speculative_decode
+from harness.models.cached import CachedLM
+from harness.core.rule import verify
+from harness.core.sampling import Sampling, shape_probs
 
 TESTS = ("joint", "first", "bonus")
 MIN_EXPECTED = 20.0  # smallest expected count of a cell: the chi-square approximation holds above it
@@ -733,7 +734,7 @@ def full_precision_for_truncation(cfg: DictConfig, device: torch.device) -> str 
     pinned to half precision may fail the check on rounding at the truncation edge; a draft's
     rounding is harmless (verify uses the very rows it sampled from), but it is named, so that the
     note never claims float32 for a model that is not in it."""
-    from harness.models import resolve_dtype
+    from harness.models.loading import resolve_dtype
 
     if not (cfg.top_k > 0 or cfg.top_p < 1):
         return None
@@ -770,8 +771,8 @@ def full_precision_for_truncation(cfg: DictConfig, device: torch.device) -> str 
 
 def chosen_prompts(cfg: DictConfig) -> list[dict]:
     """The first `exactness.num_prompts` prompts of the configured dataset, as `python -m harness` chooses them."""
-    from harness.datasets import load_prompts
-    from harness.prompts import select
+    from harness.data.datasets import load_prompts
+    from harness.data.prompts import select
 
     return select(load_prompts(cfg.dataset), cfg.exactness.num_prompts, cfg.seed, cfg.prompts.shuffle)
 
@@ -779,7 +780,7 @@ def chosen_prompts(cfg: DictConfig) -> list[dict]:
 def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict]) -> list[tuple[str, torch.Tensor]]:
     """The chosen prompts (chosen_prompts), as `python -m harness` encodes them, within the context left by
     `length` tokens of continuation: cut (prompts.overlong=truncate) or left out (skip)."""
-    from harness.prompts import as_tensor, encode_within
+    from harness.data.prompts import as_tensor, encode_within
 
     budget = pair.prompt_budget(length)
     if budget < 1:
@@ -798,8 +799,8 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     """Load the configured pair, run the check on its first prompts, write
     exactness.json into the run directory and return the report. A run
     directory that already holds a report is not redone unless force=true."""
-    from harness.checks import validate, with_default_pair
-    from harness.run import cell_key, conditions, load_pair, measure_costs, resolve_device, _write_json_atomic
+    from harness.config.checks import validate, with_default_pair
+    from harness.runner.cell import cell_key, conditions, load_pair, measure_costs, resolve_device, _write_json_atomic
 
     cfg = with_default_pair(cfg)
     OmegaConf.set_struct(cfg, False)
@@ -876,7 +877,7 @@ def _end(code: int) -> None:
     and let the next job run."""
     from hydra.core.hydra_config import HydraConfig
 
-    from harness.callbacks import in_multirun
+    from harness.cli.callbacks import in_multirun
 
     in_process = in_multirun() and HydraConfig.get().launcher._target_.endswith("BasicLauncher")
     if code and not in_process:
@@ -884,7 +885,7 @@ def _end(code: int) -> None:
     EXIT_CODES.append(code)
 
 
-@hydra.main(config_path="../conf", config_name="exactness_check", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="exactness_check", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from transformers.utils import logging as hf_logging
 
@@ -909,8 +910,9 @@ def main(cfg: DictConfig) -> None:
     _end(0 if report["passed"] else 1)
 
 
-if __name__ == "__main__":
-    from harness.checks import check_choices
+def cli() -> None:
+    """`python -m harness.exactness`: exits 1 when a check rejects the law, 2 on bad input."""
+    from harness.config.checks import check_choices
 
     check_choices(sys.argv[1:], extra={"exactness": DEFAULTS})
     main()

@@ -37,14 +37,16 @@ READS_TO_HOST = frozenset({
 })  # `if t.any():` reads through __bool__; t.any() alone stays on the device
 _FROM_HOST = frozenset({torch.tensor, torch.as_tensor, _T.new_tensor})  # Python data copied to a device: the host waits
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
+_PACKAGE = Path(__file__).resolve().parents[1]  # harness/
 
 
 def _caller() -> str:
     """file:line of the innermost frame outside torch (the code that asked for the value)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__:
-            parts = Path(frame.filename).parts
-            short = "/".join(parts[-2:]) if len(parts) > 1 else frame.filename
+            path = Path(frame.filename)
+            inside = path.is_relative_to(_PACKAGE)  # ours: harness/core/loop.py; a library's: its last two parts
+            short = f"harness/{path.relative_to(_PACKAGE).as_posix()}" if inside else "/".join(path.parts[-2:])
             return f"{short}:{frame.lineno}"
     return "?"
 
@@ -104,7 +106,7 @@ def _is_read(func, args, kwargs) -> bool:
 
 class HostReads(TorchFunctionMode):
     """Counts host reads of tensor values by call site while active:
-    `with HostReads() as reads: ...; reads.sites` -> Counter({"harness/rule.py:72": 40, ...})."""
+    `with HostReads() as reads: ...; reads.sites` -> Counter({"harness/core/rule.py:72": 40, ...})."""
 
     def __init__(self):
         super().__init__()

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from harness.sampling import sample
+from harness.core.sampling import sample
 
 
 class Verdict(NamedTuple):

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from harness import cpu_linear
+from harness.models import cpu_linear
 from harness.errors import HarnessError
 
 
@@ -39,7 +39,7 @@ class SubsetHead(nn.Module):
         self.register_buffer("token_ids", token_ids, persistent=False)  # [S]
         self.weight = nn.Parameter(weight[token_ids].clone(), requires_grad=weight.requires_grad)  # [S, H]
         self.vocab_size = vocab_size
-        self.rows_to: tuple[int, ...] | None = None  # harness.cpu_linear's plan where W @ x.T is the faster product
+        self.rows_to: tuple[int, ...] | None = None  # harness.models.cpu_linear's plan where W @ x.T is the faster product
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V]
         if self.rows_to:

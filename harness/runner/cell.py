@@ -35,15 +35,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from harness import cpu_linear, metrics, tracking
-from harness.checks import PROMPT_SEED_STRIDE, validate, with_default_pair
-from harness.datasets import file_sha256, load_prompts
-from harness.drafters import Drafter, ModelDrafter, NgramDrafter
+from harness.models import cpu_linear
+from harness.core import metrics
+import harness.tracking.tracker as tracking
+from harness.config.checks import PROMPT_SEED_STRIDE, validate, with_default_pair
+from harness.data.datasets import file_sha256, load_prompts
+from harness.core.drafters import Drafter, ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
-from harness.loop import autoregressive_decode, speculative_decode
-from harness.models import CachedLM, ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device, resolve_dtype
-from harness.prompts import as_tensor, encode, encode_within, select, set_pair_template
-from harness.sampling import Sampling
+from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_device, resolve_dtype
+from harness.models.cached import CachedLM
+from harness.data.prompts import as_tensor, encode, encode_within, select, set_pair_template
+from harness.core.sampling import Sampling
 
 # Keys that do not change a cell's results: they stay out of its key.
 NOT_IN_KEY = ("out_dir", "force", "wandb", "default_pair")
@@ -57,7 +60,7 @@ class Pair:
     tokenizer: Any
     eos_ids: set[int]
     device: torch.device
-    linear: dict = field(default_factory=dict)  # harness.cpu_linear.choose: the product the linear layers use, and why
+    linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the product the linear layers use, and why
     linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
 
     @property
@@ -71,7 +74,7 @@ class Pair:
         """The longest prompt that leaves room in the pair's context for new_tokens, the same at
         every k (so every k of a sweep runs the same prompts): the loop and the baseline never
         hold more than prompt + new_tokens - 1 positions, since a cycle drafts at most the
-        tokens it can still keep (harness.loop)."""
+        tokens it can still keep (harness.core.loop)."""
         return self.context - new_tokens + 1
 
     def reserve(self, longest_prompt: int, new_tokens: int, k: int) -> None:
@@ -194,7 +197,7 @@ def _linear_plan(record: dict) -> tuple[int, ...] | None:
 def load_pair(pair_cfg: DictConfig, device: torch.device, cache: str = "dynamic", compile: bool = False,
               linear: str = "auto", forward: str = "hf") -> Pair:
     """Load (or reuse) a pair. `cache` is dynamic or static; `compile` wraps both forwards;
-    `linear` is the cpu_linear mode (harness.cpu_linear); `forward` hf or lean (harness.lean)."""
+    `linear` is the cpu_linear mode (harness.models.cpu_linear); `forward` hf or lean (harness.models.lean)."""
     key = json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + f"{device}{cache}{compile}{linear}{forward}"
     if key in _loaded:
         return _loaded[key]
@@ -425,7 +428,7 @@ def process_peak_rss_mb() -> float:
 
 
 @functools.cache
-def harness_commit(root: Path = Path(__file__).resolve().parent.parent) -> str | None:
+def harness_commit(root: Path = Path(__file__).resolve().parents[2]) -> str | None:
     """The git commit of the harness's checkout (with -dirty for uncommitted changes), if it is one; else
     SPECBENCH_COMMIT, which a copy of the tree without .git may set (scripts/gpu_check.sh, from its payload)."""
     if not (root / ".git").exists():

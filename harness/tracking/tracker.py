@@ -41,8 +41,8 @@ from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import metrics
-from harness.checks import WANDB_MODES as MODES
+from harness.core import metrics
+from harness.config.checks import WANDB_MODES as MODES
 from harness.errors import HarnessError
 
 
@@ -102,7 +102,7 @@ class WandbTracker:
                 "prompt/n": record["index"] + 1,  # the prompt's place in the cell, also when a resumed run logs from prompt 3 on
                 "prompt/speedup": record["speedup"],
                 "prompt/acceptance_rate": metrics.acceptance_rate(spec),
-                "prompt/tokens_per_cycle": _ratio(spec["committed"], spec["cycles"]),
+                "prompt/tokens_per_cycle": metrics.ratio(spec["committed"], spec["cycles"]),
                 "prompt/new_tokens": spec["new_tokens"],
             })
         except Exception as err:  # noqa: BLE001 - tracking must never stop a benchmark
@@ -290,7 +290,7 @@ def media(summary: dict, records: list[dict]) -> dict:
     columns = ["index", "id", "category", "prompt_tokens", "new_tokens", "base_new_tokens", "acceptance_rate",
                "tokens_per_cycle", "speedup", "spec_time_s", "base_time_s"]
     rows = [[r["index"], r["id"], r["category"], r["prompt_tokens"], r["spec"]["new_tokens"], r["base"]["new_tokens"],
-             metrics.acceptance_rate(r["spec"]), _ratio(r["spec"]["committed"], r["spec"]["cycles"]),
+             metrics.acceptance_rate(r["spec"]), metrics.ratio(r["spec"]["committed"], r["spec"]["cycles"]),
              r["speedup"], r["spec"]["time_s"], r["base"]["time_s"]] for r in records]
     logged = {"tables/prompts": wandb.Table(columns=columns, data=rows)}
     categories = summary.get("categories") or {}
@@ -352,10 +352,6 @@ def results_artifact(cell_dir: Path, summary: dict, status: str):
     for file in files:
         artifact.add_file(str(file))
     return artifact
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan
 
 
 def _first_line(err: BaseException) -> str:

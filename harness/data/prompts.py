@@ -15,7 +15,7 @@ import torch
 
 from harness.errors import HarnessError
 
-BUILTIN = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
+BUILTIN = Path(__file__).parent / "builtin_prompts.jsonl"
 
 
 def load_builtin() -> list[dict]:

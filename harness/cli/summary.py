@@ -9,8 +9,8 @@ def _f(x, fmt=".3f") -> str:
 
 def format_summary(s: dict) -> str:
     c = s["conditions"]
-    linear = ", linear W @ x.T" if (c.get("linear") or {}).get("product") == "transposed" else ""  # harness.cpu_linear
-    lean = ", lean forward" if c.get("forward") == "lean" else ""  # harness.lean (forward=auto's choice on the CPU)
+    linear = ", linear W @ x.T" if (c.get("linear") or {}).get("product") == "transposed" else ""  # harness.models.cpu_linear
+    lean = ", lean forward" if c.get("forward") == "lean" else ""  # harness.models.lean (forward=auto's choice on the CPU)
     lo, hi = s["speedup_ci"]
     glo, ghi = s["speedup_geomean_ci"]
     lines = [

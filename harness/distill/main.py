@@ -2,7 +2,7 @@
 
     python -m harness.distill --out harness/assets/smollm2_draft --layers 4 --head-tokens 8192 --seed 0
 
-The draft (see harness.draft_model) is a few Llama layers on top of the
+The draft (see harness.models.shared_draft) is a few Llama layers on top of the
 target's own embedding table, with an LM head restricted to S tokens whose
 rows are copies of the target's (tied) embedding rows. Only the layers and
 the final norm are trained; the embedding and the head rows stay frozen, so
@@ -73,11 +73,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from harness.draft_model import build_shared_draft, save_shared_draft
-from harness.embedded import cache_root, embedded_model_dir
+from harness.models.shared_draft import build_shared_draft, save_shared_draft
+from harness.models.embedded import cache_root, embedded_model_dir
 
 SPECIAL_TOKENS = ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]
-BUILTIN_PROMPTS = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
+BUILTIN_PROMPTS = Path(__file__).parents[1] / "data" / "builtin_prompts.jsonl"
 DATA_FORMAT = 1  # bump when the cached data layout or its generation changes
 
 
@@ -897,7 +897,7 @@ def main(argv=None) -> None:
     started = time.time()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from harness.models import PLAIN
+    from harness.models.loading import PLAIN
 
     model_dir = embedded_model_dir(args.target)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -973,5 +973,6 @@ def main(argv=None) -> None:
     print(f"[distill] saved {args.out} ({size / 1e6:.1f} MB weights) in {meta['total_time_s']:.0f}s total", flush=True)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m harness.distill`."""
     main()

@@ -20,7 +20,7 @@ branch on: the number of accepted tokens (in the rule: it decides the
 rollback lengths) and the committed token ids (below: EOS and the token
 budget decide whether to stop). The baseline reads back each token for the
 same stop check. tests/test_host_syncs.py holds the loop to this on any
-device (harness.host_syncs.HostReads); `python -m harness.bench` reports the
+device (harness.core.host_syncs.HostReads); `python -m harness.bench` reports the
 reads per cycle by source line, and on CUDA the device's own count too.
 """
 
@@ -31,10 +31,10 @@ from typing import Iterator
 
 import torch
 
-from harness.drafters import Drafter
-from harness.models import CachedLM
-from harness.rule import Verdict, verify, verify_greedy
-from harness.sampling import Sampling, sample, shape_probs
+from harness.core.drafters import Drafter
+from harness.models.cached import CachedLM
+from harness.core.rule import Verdict, verify, verify_greedy
+from harness.core.sampling import Sampling, sample, shape_probs
 
 
 @dataclass

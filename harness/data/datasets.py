@@ -21,7 +21,7 @@ A row becomes a prompt like this:
 Templates are only ever formatted with the row (format_map), never evaluated.
 
 Choosing which prompts run (seeded, balanced over categories) is
-harness.prompts.select's job; this module only reads rows, and never
+harness.data.prompts.select's job; this module only reads rows, and never
 tokenizes, so a large split costs no more than the rows it reads.
 """
 
@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 
 from harness.errors import HarnessError
 
-BUILTIN = Path(__file__).parent / "data" / "builtin_prompts.jsonl"
+BUILTIN = Path(__file__).parent / "builtin_prompts.jsonl"
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # extension -> datasets builder
 # A template field: a row field, optionally indexed ({translation[de]}); no attribute access.
 FIELD = re.compile(r"^([A-Za-z_]\w*)((?:\[[^\[\]]+\])*)$")
@@ -192,7 +192,7 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None, Any]
 
 
 def file_sha256(path: Path) -> str:
-    """The SHA-256 of a prompt file: its cell key's part (harness.run.dataset_sha256) and its cache's name."""
+    """The SHA-256 of a prompt file: its cell key's part (harness.runner.cell.dataset_sha256) and its cache's name."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -293,7 +293,7 @@ def _offline_reason() -> str | None:
     """
     import datasets as hf_datasets
 
-    from harness.models import hub_reachable
+    from harness.models.loading import hub_reachable
 
     if hf_datasets.config.HF_HUB_OFFLINE:
         return "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"

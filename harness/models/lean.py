@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import cpu_linear
+from harness.models import cpu_linear
 from harness.errors import HarnessError
 
 ROOM = 256  # the KV storage grows in multiples of this many positions
@@ -73,7 +73,7 @@ def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> torch.Tensor:
-    """F.linear with the product harness.cpu_linear planned for the layer `like` (read at each call: a plan may change)."""
+    """F.linear with the product harness.models.cpu_linear planned for the layer `like` (read at each call: a plan may change)."""
     rows_to = getattr(like, "rows_to", None)
     if rows_to and type(like) is cpu_linear.TransposedLinear:
         return cpu_linear.transposed_linear(x, weight, bias, rows_to)

@@ -3,11 +3,11 @@
 A mistyped setting or a value out of range is the most common way a run ends, and it
 should end in a second with one `error:` line, not after the ten seconds torch and
 transformers take to import. So this module needs only Hydra and OmegaConf: the values
-a setting may take live here, and the modules that use them (harness.cpu_linear,
-harness.tracking, harness.drafters, harness.models) read them from here.
+a setting may take live here, and the modules that use them (harness.models.cpu_linear,
+harness.tracking.tracker, harness.core.drafters, harness.models.loading) read them from here.
 
 `check_choices(argv)` reads the command line before Hydra composes; `validate(cfg)`
-reads the composed config (harness.run.run_cell calls it again, for callers that skip
+reads the composed config (harness.runner.cell.run_cell calls it again, for callers that skip
 the entry point).
 """
 
@@ -27,15 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.errors import HarnessError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 # The values a setting may take (each module named reads its own from here).
-CPU_LINEAR_MODES = ("auto", "transposed", "torch")  # harness.cpu_linear
-FORWARDS = ("auto", "hf", "lean")  # harness.lean: the models' own modules, or ours; auto: ours where it runs (CachedLM)
+CPU_LINEAR_MODES = ("auto", "transposed", "torch")  # harness.models.cpu_linear
+FORWARDS = ("auto", "hf", "lean")  # harness.models.lean: the models' own modules, or ours; auto: ours where it runs (CachedLM)
 LEAN_EAGER_ONLY = "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"
-WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking
-LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.drafters.NgramDrafter)
-COMPILED_MAX_TOKENS = 16  # harness.models.CachedLM compiles steps of up to this many positions: k + 1 for any k a sweep uses
+WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
+LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.core.drafters.NgramDrafter)
+COMPILED_MAX_TOKENS = 16  # harness.models.cached.CachedLM compiles steps of up to this many positions: k + 1 for any k a sweep uses
 
 
 def check_lookup_length(length: str) -> None:

@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
-from harness.checks import check_lookup_length
-from harness.models import CachedLM
-from harness.sampling import Sampling, sample, shape_probs
+from harness.config.checks import check_lookup_length
+from harness.models.cached import CachedLM
+from harness.core.sampling import Sampling, sample, shape_probs
 
 
 class Drafter(Protocol):

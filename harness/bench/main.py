@@ -63,19 +63,21 @@ from transformers import CompileConfig
 from transformers import __version__ as transformers_version
 from transformers.utils import logging as hf_logging
 
-from harness import loop, metrics
-from harness.metrics import _ratio
-from harness.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
-from harness.datasets import load_prompts
-from harness.drafters import ModelDrafter, NgramDrafter
+from harness.core import loop
+from harness.core import metrics
+from harness.core.metrics import ratio
+from harness.config.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
+from harness.data.datasets import load_prompts
+from harness.core.drafters import ModelDrafter, NgramDrafter
 from harness.errors import HarnessError
-from harness.loop import autoregressive_decode, speculative_decode
-from harness.models import CachedLM, resolve_device
-from harness.prompts import as_tensor, encode_within, select
-from harness.run import (
+from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.models.loading import resolve_device
+from harness.models.cached import CachedLM
+from harness.data.prompts import as_tensor, encode_within, select
+from harness.runner.cell import (
     _current_rss_mb, _peak_rss_mb, _reset_peak_rss, _sync, _write_json_atomic, conditions, load_pair, measure_costs, process_peak_rss_mb, run_prompt,
 )
-from harness.sampling import Sampling
+from harness.core.sampling import Sampling
 
 GREEDY = Sampling(0.0)
 
@@ -435,7 +437,7 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     finally:
         loop.verify_greedy, loop._apply_stops = saved
     spec_tokens, spec_s, base_tokens, base_s = (sum(column) for column in zip(*per_rep))
-    speedups = [_ratio(_ratio(st, ss), _ratio(bt, bs)) for st, ss, bt, bs in per_rep]
+    speedups = [ratio(ratio(st, ss), ratio(bt, bs)) for st, ss, bt, bs in per_rep]
     instrumented = {}
     if device.type == "cuda":
         # The breakdown above synchronises after every forward, which on a GPU serialises the
@@ -449,20 +451,20 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     # Cycle accounting: each cycle costs k' draft steps and one verify of k'+1 positions,
     # in units of one target step; the baseline costs one step per token.
     cycle_cost = sum(cy.num_drafted * c + v[cy.num_drafted] for cy in decode_cycles)
-    by_cycles = _ratio(spec_tokens, cycle_cost)
+    by_cycles = ratio(spec_tokens, cycle_cost)
     # The same prediction from what the forwards cost inside the loop: on a CPU the two
     # models evict each other's weights from the caches, so a step costs more in the
     # loop than in measure_costs' isolated repetitions.
-    step_in_loop = _ratio(spent["base_forward"], spent["base_forwards"])
+    step_in_loop = ratio(spent["base_forward"], spent["base_forwards"])
     drafted = sum(cy.num_drafted for cy in decode_cycles)
-    c_loop = _ratio(_ratio(spent["forward_1"], spent["forwards_1"]), step_in_loop)  # nan: nothing drafted (every run ended early)
+    c_loop = ratio(ratio(spent["forward_1"], spent["forwards_1"]), step_in_loop)  # nan: nothing drafted (every run ended early)
     # v(n) in the loop, from its verify passes over n positions (every decode-phase target forward
     # is one; cycles near the token budget verify fewer than k + 1, and are kept apart).
     v_loop_n = {n: spent[f"forward_0@{n}"] / spent[f"forwards_0@{n}"] / step_in_loop
                 for n in range(1, k + 2) if spent.get(f"forwards_0@{n}")}
-    v_loop = v_loop_n.get(k + 1, _ratio(_ratio(spent["forward_0"], spent["forwards_0"]), step_in_loop))
+    v_loop = v_loop_n.get(k + 1, ratio(ratio(spent["forward_0"], spent["forwards_0"]), step_in_loop))
     by_formula_loop = metrics.predicted_speedup(alpha, k, c_loop, v_loop)
-    by_cycles_loop = _ratio(spec_tokens, sum(cy.num_drafted * c_loop + v_loop_n[cy.num_drafted + 1] for cy in decode_cycles))
+    by_cycles_loop = ratio(spec_tokens, sum(cy.num_drafted * c_loop + v_loop_n[cy.num_drafted + 1] for cy in decode_cycles))
     outside = {"rule": spent["rule"], "rollback": spent["rollback"], "stops": spent["stops"]}
     outside["rest (tensor glue, python)"] = spec_s - spent["forward"] - sum(outside.values())
     return {
@@ -478,9 +480,9 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
                     "predicted_speedup": by_formula_loop, "efficiency": measured / by_formula_loop,
                     "predicted_speedup_cycles": by_cycles_loop, "efficiency_cycles": measured / by_cycles_loop},
         "spec_decode_s": spec_s, "base_decode_s": base_s, "spec_decode_tokens": spec_tokens, "base_decode_tokens": base_tokens,
-        "overhead_fraction": 1 - _ratio(spent["forward"], spec_s),
+        "overhead_fraction": 1 - ratio(spent["forward"], spec_s),
         "overhead_s": outside,
-        "overhead_per_cycle_ms": 1000 * _ratio(spec_s - spent["forward"], len(decode_cycles)),
+        "overhead_per_cycle_ms": 1000 * ratio(spec_s - spent["forward"], len(decode_cycles)),
         "decode_cycles": len(decode_cycles),
         **instrumented,
     }
@@ -501,7 +503,7 @@ def _plain_decode_speedup(pair, encoded, k: int, n: int, device, rep: int) -> fl
                 run = _decode_phase(autoregressive_decode(pair.target, ids, GREEDY, n, pair.eos_ids, None), device, [], Stopwatch(device))
                 totals[2] += len(run["items"]) - 1
                 totals[3] += run["decode_s"]
-    return _ratio(_ratio(totals[0], totals[1]), _ratio(totals[2], totals[3]))
+    return ratio(ratio(totals[0], totals[1]), ratio(totals[2], totals[3]))
 
 
 def memory(pair, cfg, prompts, encoded, args, device) -> dict:
@@ -544,7 +546,7 @@ def sync_audit(pair, ids, k: int, n: int, device) -> dict:
     import warnings
     from collections import Counter
 
-    from harness.host_syncs import HostReads
+    from harness.core.host_syncs import HostReads
 
     cuda = device.type == "cuda"
     out = {}
@@ -771,7 +773,8 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m harness.bench`."""
     try:
         main()
     except HarnessError as err:

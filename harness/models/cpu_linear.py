@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.checks import CPU_LINEAR_MODES as MODES
+from harness.config.checks import CPU_LINEAR_MODES as MODES
 from harness.errors import HarnessError
 
 FEW_ROWS = 17  # k + 1 for k up to 16 (analysis' MAX_K); more rows (a prompt's pass): torch's own product
