@@ -3,7 +3,7 @@ each returns the path it wrote, or None when the results cannot show it
 (e.g. a single k, or no per-prompt rows). A draft keeps its colour in every figure.
 
 A line, point or row is one *series*: a draft on one target under one set of
-run conditions (analysis.load.names: the label, followed by the target and
+run conditions (analysis.names.names: the label, followed by the target and
 the conditions where the cells have more than one), so cells of two targets
 or two devices are never averaged into one line.
 """
@@ -21,15 +21,16 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from analysis.load import names  # noqa: E402
+from analysis.names import names  # noqa: E402
 from harness.core.metrics import expected_tokens_per_cycle  # noqa: E402
 
 DPI = 110
 STYLES = ["-", "--", ":", "-."]  # one per sampling setting where a panel mixes them
 
 
-def make_figures(cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame, curves: pd.DataFrame,
-                 out_dir: Path) -> dict[str, Path]:
+def make_figures(
+    cells: pd.DataFrame, prompts: pd.DataFrame, fits: pd.DataFrame, curves: pd.DataFrame, out_dir: Path
+) -> dict[str, Path]:
     """Write every figure into out_dir; {name: path} of those written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sns.set_theme(style="whitegrid", context="notebook", font_scale=0.9)
@@ -53,7 +54,8 @@ def _with_series(frame: pd.DataFrame, series: pd.DataFrame) -> pd.DataFrame:
     return frame if frame.empty else frame.merge(series, on=["target", "setup", "label"], how="left")
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Write a figure as PNG and close it; its path."""
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -90,15 +92,19 @@ def speedup_vs_k(cells: pd.DataFrame, curves: pd.DataFrame, palette: dict, path:
             name = f"{series} · {dataset}" if many_datasets else series
             sns.lineplot(data=g, x="k", y="speedup", marker="o", color=palette[series], label=name, ax=ax)
             ax.fill_between(g["k"], g["speedup_ci_low"], g["speedup_ci_high"], color=palette[series], alpha=0.2, linewidth=0)
-            fitted = curves[(curves["series"] == series) & (curves["dataset"] == dataset) & (curves["sampling"] == sampling)
-                            & (curves["k"] <= g["k"].max())]
+            fitted = curves[
+                (curves["series"] == series)
+                & (curves["dataset"] == dataset)
+                & (curves["sampling"] == sampling)
+                & (curves["k"] <= g["k"].max())
+            ]
             ax.plot(fitted["k"], fitted["predicted"], "--", color=palette[series], linewidth=1, alpha=0.8)
         ax.axhline(1, color="black", linewidth=0.8)
         ax.set(title=sampling, xlabel="k (drafted tokens per cycle)", ylabel="speedup (×)")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     _legend_outside(fig, axes)
     fig.suptitle("Speedup against k (bands: 95% paired bootstrap; dashed: fitted model)", y=1.02)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def acceptance_by_sampling(fits: pd.DataFrame, path: Path) -> Path | None:
@@ -126,7 +132,7 @@ def _heatmap(grid: pd.DataFrame, title: str, xlabel: str, path: Path) -> Path:
     sns.heatmap(grid, annot=True, fmt=".2f", vmin=0, vmax=1, cmap="viridis", linewidths=0.5, cbar_kws={"label": "α"}, ax=ax)
     ax.set(title=title, xlabel=xlabel, ylabel="")
     ax.tick_params(axis="x", rotation=30)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def position_acceptance(cells: pd.DataFrame, fits: pd.DataFrame, palette: dict, path: Path) -> Path:
@@ -147,7 +153,7 @@ def position_acceptance(cells: pd.DataFrame, fits: pd.DataFrame, palette: dict, 
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     _legend_outside(fig, axes)
     fig.suptitle("Per-position acceptance (dotted: pooled α; flat means i.i.d. acceptance holds)", y=1.02)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _sum_ragged(lists) -> np.ndarray:
@@ -161,50 +167,59 @@ def _sum_ragged(lists) -> np.ndarray:
 def tokens_per_cycle(cells: pd.DataFrame, fits: pd.DataFrame, palette: dict, path: Path) -> Path:
     """Measured tokens per cycle against (1 - α^(k+1)) / (1 - α): per cell, and against k with the fitted α."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    sns.scatterplot(data=cells, x="theoretical_tokens_per_cycle", y="tokens_per_cycle", hue="series", style="sampling",
-                    palette=palette, s=60, ax=left)
+    sns.scatterplot(
+        data=cells,
+        x="theoretical_tokens_per_cycle",
+        y="tokens_per_cycle",
+        hue="series",
+        style="sampling",
+        palette=palette,
+        s=60,
+        ax=left,
+    )
     top = float(np.nanmax(cells[["theoretical_tokens_per_cycle", "tokens_per_cycle"]].to_numpy())) * 1.05
     left.plot([1, top], [1, top], color="grey", linestyle="--", linewidth=1)
     left.set(xlabel="theoretical, cell's own α", ylabel="measured tokens per cycle", title="each cell")
-    sns.scatterplot(data=cells, x="k", y="tokens_per_cycle", hue="series", style="sampling", palette=palette, s=60,
-                    ax=right, legend=False)
+    sns.scatterplot(
+        data=cells, x="k", y="tokens_per_cycle", hue="series", style="sampling", palette=palette, s=60, ax=right, legend=False
+    )
     ks = np.arange(1, int(cells["k"].max()) + 1)
     style = _styles(fits)
     for _, f in fits.iterrows():
-        right.plot(ks, [expected_tokens_per_cycle(f["alpha"], k) for k in ks], color=palette[f["series"]], linewidth=1,
-                   linestyle=style[f["sampling"]])
+        right.plot(
+            ks,
+            [expected_tokens_per_cycle(f["alpha"], k) for k in ks],
+            color=palette[f["series"]],
+            linewidth=1,
+            linestyle=style[f["sampling"]],
+        )
     right.set(xlabel="k", ylabel="tokens per cycle", title="against k (lines: fitted α)")
     right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     _legend_outside(fig, [left, right])
     fig.suptitle("Tokens per cycle: measured against (1 − α^(k+1)) / (1 − α)", y=1.02)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _styles(frame: pd.DataFrame) -> dict[str, str]:
     return {s: STYLES[i % len(STYLES)] for i, s in enumerate(sorted(frame["sampling"].unique()))}
 
 
-def decode_speedup(cells: pd.DataFrame) -> pd.Series:
-    """The measured speedup after the first token (TPOT ratio), which is what the predicted speedup
-    prices; the whole-run speedup for results that predate it."""
-    if "decode_speedup" not in cells:
-        return cells["speedup"]
-    return cells["decode_speedup"].where(cells["decode_speedup"].notna(), cells["speedup"])
-
-
 def measured_vs_predicted(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
     """Each cell's measured decode speedup against its predicted speedup (both after the first token)."""
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    cells = cells.assign(measured=decode_speedup(cells))
+    cells = cells.assign(measured=cells["decode_speedup"])
     sns.scatterplot(data=cells, x="predicted_speedup", y="measured", hue="series", style="sampling", palette=palette, s=60, ax=ax)
     values = cells[["predicted_speedup", "measured"]].to_numpy(dtype=float)
     lo, hi = np.nanmin(values) * 0.95, np.nanmax(values) * 1.05
     ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", linewidth=1, label="measured = predicted")
     ax.axhline(1, color="black", linewidth=0.8)
-    ax.set(xlabel="predicted speedup (Leviathan et al., measured c and v)", ylabel="measured speedup after the first token",
-           title="Measured against predicted speedup")
+    ax.set(
+        xlabel="predicted speedup (the cycles run, measured c and v)",
+        ylabel="measured speedup after the first token",
+        title="Measured against predicted speedup",
+    )
     _legend_outside(fig, [ax])
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def pareto_front(size: np.ndarray, speedup: np.ndarray) -> np.ndarray:
@@ -220,7 +235,7 @@ def pareto_front(size: np.ndarray, speedup: np.ndarray) -> np.ndarray:
 def size_points(cells: pd.DataFrame) -> pd.DataFrame:
     """Each draft's best measured k, one row per draft, sampling and dataset: a speedup on one prompt
     set is never set against another's (a draft's best over two datasets would mix them). Cells
-    without a speedup (NaN: a W&B summary that lacks it) are no point."""
+    without a speedup (NaN) are no point."""
     measured = cells[np.isfinite(cells["speedup"].astype(float))]
     return measured.loc[measured.groupby(["series", "sampling", "dataset"])["speedup"].idxmax()].copy()
 
@@ -235,23 +250,47 @@ def speedup_vs_size(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
     best["memory_mb"] = best["draft_bytes"] / 2**20
     known = best[best["draft_params"].notna()]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, column, xlabel in ((axes[0], "draft_params", "draft parameters"), (axes[1], "memory_mb", "draft weight memory (MiB)")):
+    for ax, column, xlabel in (
+        (axes[0], "draft_params", "draft parameters"),
+        (axes[1], "memory_mb", "draft weight memory (MiB)"),
+    ):
         if known.empty:
             ax.text(0.5, 0.5, "draft sizes unknown", ha="center", va="center", transform=ax.transAxes)
             continue
         for series, g in known.groupby("series"):
-            ax.errorbar(g[column], g["speedup"], yerr=[g["speedup"] - g["speedup_ci_low"], g["speedup_ci_high"] - g["speedup"]],
-                        fmt="none", ecolor=palette[series], alpha=0.5)
+            ax.errorbar(
+                g[column],
+                g["speedup"],
+                yerr=[g["speedup"] - g["speedup_ci_low"], g["speedup_ci_high"] - g["speedup"]],
+                fmt="none",
+                ecolor=palette[series],
+                alpha=0.5,
+            )
         sns.scatterplot(data=known, x=column, y="speedup", hue="series", style="sampling", palette=palette, s=70, ax=ax, zorder=3)
-        for i, (_, g) in enumerate(known.groupby(["target", "setup", "sampling", "dataset"])):  # one front per context and prompt set
+        for i, (_, g) in enumerate(
+            known.groupby(["target", "setup", "sampling", "dataset"])
+        ):  # one front per context and prompt set
             mask = pareto_front(g[column].to_numpy(dtype=float), g["speedup"].to_numpy(dtype=float))
             front = g[mask].sort_values(column)
             ax.step(front[column], front["speedup"], where="post", color="black", linewidth=1, alpha=0.6)
-            ax.scatter(front[column], front["speedup"], s=160, facecolors="none", edgecolors="black", linewidths=1.2, zorder=4,
-                       label="Pareto front" if i == 0 else None)
+            ax.scatter(
+                front[column],
+                front["speedup"],
+                s=160,
+                facecolors="none",
+                edgecolors="black",
+                linewidths=1.2,
+                zorder=4,
+                label="Pareto front" if i == 0 else None,
+            )
         for _, r in known.iterrows():
-            ax.annotate(f"k={r['k']}" + (f", {r['dataset']}" if several else ""), (r[column], r["speedup"]),
-                        textcoords="offset points", xytext=(5, 5), fontsize=7)
+            ax.annotate(
+                f"k={r['k']}" + (f", {r['dataset']}" if several else ""),
+                (r[column], r["speedup"]),
+                textcoords="offset points",
+                xytext=(5, 5),
+                fontsize=7,
+            )
         _size_axis(ax, known[column].to_numpy(dtype=float), column == "draft_params")
         ax.axhline(1, color="black", linewidth=0.8)
         ax.set(xlabel=xlabel + " (0: prompt lookup)", ylabel="speedup at best k")
@@ -259,7 +298,7 @@ def speedup_vs_size(cells: pd.DataFrame, palette: dict, path: Path) -> Path:
     unknown = sorted(set(best["series"]) - set(known["series"]))
     note = f" (size unknown, not shown: {', '.join(unknown)})" if unknown else ""
     fig.suptitle(f"Speedup against draft size; ringed: Pareto front{note}", y=1.02)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _size_axis(ax, values: np.ndarray, count: bool) -> None:
@@ -296,8 +335,10 @@ def fitted_model(cells: pd.DataFrame, fits: pd.DataFrame, curves: pd.DataFrame, 
         left.plot(c["k"], c["predicted"], color=color, linestyle=style[f["sampling"]], label=name)
         left.fill_between(c["k"], c["low"], c["high"], color=color, alpha=0.2, linewidth=0)
         left.scatter([f["best_k"]], [f["predicted_best"]], marker="*", s=120, color=color, zorder=3)
-        measured = cells[(cells["series"] == f["series"]) & (cells["dataset"] == f["dataset"]) & (cells["sampling"] == f["sampling"])]
-        left.scatter(measured["k"], decode_speedup(measured), color=color, edgecolors="black", zorder=3)
+        measured = cells[
+            (cells["series"] == f["series"]) & (cells["dataset"] == f["dataset"]) & (cells["sampling"] == f["sampling"])
+        ]
+        left.scatter(measured["k"], measured["decode_speedup"], color=color, edgecolors="black", zorder=3)
         ns = np.arange(1, max_k + 2)  # v(k + 1) for k = 1..max_k
         right.plot(ns, 1 + f["verify_slope"] * (ns - 1), color=color, linewidth=1, linestyle=style[f["sampling"]])
     for series, g in cells.groupby("series"):
@@ -305,9 +346,12 @@ def fitted_model(cells: pd.DataFrame, fits: pd.DataFrame, curves: pd.DataFrame, 
         sns.scatterplot(data=points, x="n", y="v", color=palette[series], ax=right, s=30)
     left.axhline(1, color="black", linewidth=0.8)
     left.set(xlabel="k", ylabel="predicted speedup (×)", title=f"Fitted S(k), k ≤ {max_k} (★ best k, ● measured)")
-    right.set(xlabel="n positions scored in one pass", ylabel="v(n) = T(n) / T(1)",
-              title="Verify cost: measured (dots), fitted 1 + b(n − 1)")
+    right.set(
+        xlabel="n positions scored in one pass",
+        ylabel="v(n) = T(n) / T(1)",
+        title="Verify cost: measured (dots), fitted 1 + b(n − 1)",
+    )
     for ax in (left, right):
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     _legend_outside(fig, [left, right])
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -1,6 +1,6 @@
 """The fitted model behind a sweep: alpha, c and v(n) per (target, run setup, draft, dataset, sampling).
 
-The run setup (analysis.load.CONDITION_KEYS: device, dtype, max_new_tokens,
+The run setup (analysis.names.CONDITION_KEYS: device, dtype, max_new_tokens,
 cache, compile) is part of a fit's key: c and v are the machine's, and
 pooling an A100's cells with an H100's would fit neither.
 
@@ -91,8 +91,9 @@ class Interval:
     method: str
 
 
-def alpha_interval(accepted: np.ndarray, tested: np.ndarray, confidence: float = 0.95,
-                   n_resamples: int = 2000, seed: int = 0) -> Interval:
+def alpha_interval(
+    accepted: np.ndarray, tested: np.ndarray, confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0
+) -> Interval:
     """Pooled alpha = sum accepted / sum tested over clusters (prompts), with a cluster-bootstrap interval.
 
     Clusters that tested no position (prompt lookup never matched) add nothing to alpha and are left
@@ -110,10 +111,22 @@ def alpha_interval(accepted: np.ndarray, tested: np.ndarray, confidence: float =
     def pooled(a, t, axis=-1):
         return a.sum(axis) / t.sum(axis)
 
-    res = stats.bootstrap((accepted, tested), pooled, paired=True, vectorized=True, n_resamples=n_resamples,
-                          confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed))
-    return Interval(alpha, float(res.confidence_interval.low), float(res.confidence_interval.high),
-                    f"cluster bootstrap over {len(tested)} prompts" + (f" ({idle} that tested nothing left out)" if idle else ""))
+    res = stats.bootstrap(
+        (accepted, tested),
+        pooled,
+        paired=True,
+        vectorized=True,
+        n_resamples=n_resamples,
+        confidence_level=confidence,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    return Interval(
+        alpha,
+        float(res.confidence_interval.low),
+        float(res.confidence_interval.high),
+        f"cluster bootstrap over {len(tested)} prompts" + (f" ({idle} that tested nothing left out)" if idle else ""),
+    )
 
 
 def binomial_interval(accepted: float, tested: float, confidence: float = 0.95) -> Interval:
@@ -134,6 +147,7 @@ def break_even_cost_ratio(alpha: float, verify_slope: float, max_k: int = MAX_K)
 
 def break_even_alpha(cost_ratio: float, verify_slope: float, max_k: int = MAX_K) -> float:
     """The smallest alpha at which some k <= max_k gives S(k) >= 1 (NaN: none does, even at alpha -> 1)."""
+
     def gap(a: float) -> float:
         return best_k(a, cost_ratio, verify_slope, max_k)[1] - 1
 
@@ -145,8 +159,14 @@ def break_even_alpha(cost_ratio: float, verify_slope: float, max_k: int = MAX_K)
     return float(optimize.brentq(gap, 0.0, hi, xtol=1e-6))
 
 
-def fit(cells: pd.DataFrame, prompts: pd.DataFrame, confidence: float = 0.95, n_resamples: int = 2000,
-        seed: int = 0, max_k: int = MAX_K) -> tuple[pd.DataFrame, pd.DataFrame]:
+def fit(
+    cells: pd.DataFrame,
+    prompts: pd.DataFrame,
+    confidence: float = 0.95,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    max_k: int = MAX_K,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(fits: one row per group, curves: one row per group x k = 1..max_k)."""
     fits, curves = [], []
     for key, group in cells.groupby(FIT_KEYS, sort=True):
@@ -158,28 +178,44 @@ def fit(cells: pd.DataFrame, prompts: pd.DataFrame, confidence: float = 0.95, n_
         k_best, s_best = best_k(alpha.value, c, b, max_k)
         measured = group.loc[group["speedup"].idxmax()] if group["speedup"].notna().any() else None
         row.update(
-            draft_kind=group["draft_kind"].iloc[0], temperature=float(group["temperature"].iloc[0]),
-            cells=len(group), ks=" ".join(str(k) for k in sorted(group["k"])),
+            draft_kind=group["draft_kind"].iloc[0],
+            temperature=float(group["temperature"].iloc[0]),
+            cells=len(group),
+            ks=" ".join(str(k) for k in sorted(group["k"])),
             prompts=int(group["num_prompts"].max()) if group["num_prompts"].notna().any() else 0,
-            alpha=alpha.value, alpha_low=alpha.low, alpha_high=alpha.high, alpha_method=alpha.method,
-            cost_ratio=c, target_step_s=float(group["target_step_s"].median()), draft_step_s=float(group["draft_step_s"].median()),
-            verify_slope=b, verify_max_n=max((n for n, _ in points), default=0),
-            best_k=k_best, predicted_best=s_best,
+            alpha=alpha.value,
+            alpha_low=alpha.low,
+            alpha_high=alpha.high,
+            alpha_method=alpha.method,
+            cost_ratio=c,
+            target_step_s=float(group["target_step_s"].median()),
+            draft_step_s=float(group["draft_step_s"].median()),
+            verify_slope=b,
+            verify_max_n=max((n for n, _ in points), default=0),
+            best_k=k_best,
+            predicted_best=s_best,
             predicted_best_low=predicted_speedup(alpha.low, k_best, c, b) if k_best else math.nan,
             predicted_best_high=predicted_speedup(alpha.high, k_best, c, b) if k_best else math.nan,
             measured_best_k=int(measured["k"]) if measured is not None else 0,
             measured_best_speedup=float(measured["speedup"]) if measured is not None else math.nan,
             efficiency=float(group["efficiency"].median()),
             break_even_cost_ratio=break_even_cost_ratio(alpha.value, b, max_k),
-            break_even_alpha=break_even_alpha(c, b, max_k), max_k=max_k,
-            draft_params=float(group["draft_params"].iloc[0]), draft_bytes=float(group["draft_bytes"].iloc[0]),
+            break_even_alpha=break_even_alpha(c, b, max_k),
+            max_k=max_k,
+            draft_params=float(group["draft_params"].iloc[0]),
+            draft_bytes=float(group["draft_bytes"].iloc[0]),
         )
         fits.append(row)
         for k in range(1, max_k + 1):
-            curves.append({**dict(zip(FIT_KEYS, key)), "k": k,
-                           "predicted": predicted_speedup(alpha.value, k, c, b),
-                           "low": predicted_speedup(alpha.low, k, c, b),
-                           "high": predicted_speedup(alpha.high, k, c, b)})
+            curves.append(
+                {
+                    **dict(zip(FIT_KEYS, key)),
+                    "k": k,
+                    "predicted": predicted_speedup(alpha.value, k, c, b),
+                    "low": predicted_speedup(alpha.low, k, c, b),
+                    "high": predicted_speedup(alpha.high, k, c, b),
+                }
+            )
     return pd.DataFrame(fits), pd.DataFrame(curves)
 
 
@@ -188,8 +224,9 @@ def _group_alpha(group: pd.DataFrame, prompts: pd.DataFrame, confidence: float, 
     if group["has_prompts"].all() and not prompts.empty:
         rows = prompts[prompts["cell"].isin(group["cell"])]
         clusters = rows.groupby("prompt_key")[["spec_accepted", "spec_tested"]].sum()
-        return alpha_interval(clusters["spec_accepted"].to_numpy(), clusters["spec_tested"].to_numpy(),
-                              confidence, n_resamples, seed)
+        return alpha_interval(
+            clusters["spec_accepted"].to_numpy(), clusters["spec_tested"].to_numpy(), confidence, n_resamples, seed
+        )
     return binomial_interval(group["accepted_total"].sum(), group["tested_total"].sum(), confidence)
 
 
@@ -238,9 +275,20 @@ def whatif(fits: pd.DataFrame, spec: WhatIf, max_k: int = MAX_K) -> pd.DataFrame
         c, source = spec.cost_for(f)
         b = f["verify_slope"] if spec.verify_slope is None else float(spec.verify_slope)
         k, s = best_k(f["alpha"], c, b, max_k)
-        rows.append({**{key: f[key] for key in FIT_KEYS}, "machine": spec.name, "alpha": f["alpha"],
-                     "cost_ratio": c, "cost_source": source, "verify_slope": b, "best_k": k, "predicted": s,
-                     "predicted_low": predicted_speedup(f["alpha_low"], k, c, b) if k else math.nan,
-                     "predicted_high": predicted_speedup(f["alpha_high"], k, c, b) if k else math.nan,
-                     "here_best_k": f["best_k"], "here_predicted": f["predicted_best"]})
+        rows.append(
+            {
+                **{key: f[key] for key in FIT_KEYS},
+                "machine": spec.name,
+                "alpha": f["alpha"],
+                "cost_ratio": c,
+                "cost_source": source,
+                "verify_slope": b,
+                "best_k": k,
+                "predicted": s,
+                "predicted_low": predicted_speedup(f["alpha_low"], k, c, b) if k else math.nan,
+                "predicted_high": predicted_speedup(f["alpha_high"], k, c, b) if k else math.nan,
+                "here_best_k": f["best_k"],
+                "here_predicted": f["predicted_best"],
+            }
+        )
     return pd.DataFrame(rows)

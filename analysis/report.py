@@ -34,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from analysis import decide as decide_mod
 from analysis import fit as fit_mod
 from analysis.figures import make_figures
-from analysis.load import CELL_CONFIDENCE, WANDB_PATH, Results, load, names
+from analysis.load import WANDB_PATH, load
+from analysis.markdown import markdown
 from harness.errors import HarnessError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "report.yaml"
@@ -44,34 +45,12 @@ DEFAULTS = {
     "n_resamples": 2000,
     "seed": 0,
     "max_k": fit_mod.MAX_K,
-    "whatif": {"name": "other hardware", "cost_ratio": None, "target_step_ms": None, "draft_step_ms": None,
-               "verify_slope": None},
+    "whatif": {"name": "other hardware", "cost_ratio": None, "target_step_ms": None, "draft_step_ms": None, "verify_slope": None},
     "wandb_log": True,
 }
 # Maps that a settings file replaces whole when it defines them (other keys merge).
 REPLACED = ("weights", "whatif.cost_ratio", "whatif.draft_step_ms")
 _ABSENT = object()  # OmegaConf.select's answer for a key the file does not define
-CAPTIONS = {
-    "speedup_vs_k": "Measured speedup against k for each draft, one panel per sampling setting. Bands: "
-                    f"{100 * CELL_CONFIDENCE:g}% paired bootstrap interval of each cell (the harness's); dashed: the "
-                    "fitted model, which prices the decode phase only (the measured speedup includes each "
-                    "prompt's prefill, so long prompts sit further from it).",
-    "acceptance_by_sampling": "α (accepted / tested positions) per draft and sampling setting, pooled over k.",
-    "acceptance_by_category": "α per draft and prompt category, pooled over k.",
-    "position_acceptance": "P(drafted position i accepted | positions before it accepted), pooled over each draft's "
-                           "cells. A flat curve at α is the i.i.d. acceptance the formulas assume.",
-    "tokens_per_cycle": "Measured tokens per cycle (bonus included) against (1 − α^(k+1)) / (1 − α). Measured sits "
-                        "slightly below where max_new_tokens or EOS cut a last cycle short.",
-    "measured_vs_predicted": "Measured speedup after the first token (TPOT ratio; results that predate it: the "
-                             "whole-run speedup) against the speedup predicted from the cell's own α, c and v(k+1), "
-                             "which prices decode steps only. Below the diagonal: overhead the model does not count "
-                             "(sampling, bookkeeping, cache rollback).",
-    "speedup_vs_size": "Each draft at its best measured k against its size (parameters; weight memory at the run's "
-                       "dtype), one point per dataset. Ringed: the Pareto front of each dataset (no smaller draft is "
-                       "faster on it).",
-    "fitted_model": "Left: predicted speedup for k = 1..{max_k} from the fitted α (band: α's interval), c and v; ★ best "
-                    "k, ● measured after the first token. Right: the verify cost v(n) measured (dots) and fitted (lines).",
-}
 
 
 # Settings
@@ -121,7 +100,9 @@ def settings(args: argparse.Namespace) -> dict:
     try:
         out["weights"] = decide_mod.check_weights(out["weights"])
     except (TypeError, ValueError, AttributeError):
-        raise HarnessError(f"weights={out['weights']} must map categories to numbers, e.g. --weights conversation=0.5,code=0.3") from None
+        raise HarnessError(
+            f"weights={out['weights']} must map categories to numbers, e.g. --weights conversation=0.5,code=0.3"
+        ) from None
     if not all(math.isfinite(w) for w in out["weights"].values()):
         raise HarnessError(f"weights={out['weights']} must be finite numbers, e.g. --weights conversation=0.5,code=0.3")
     if out["weights"] and not sum(out["weights"].values()) > 0:
@@ -142,33 +123,48 @@ def _settings_file(path: Path):
     if "whatif" in layer and layer.whatif is None:
         del layer["whatif"]  # as if not given
     if "whatif" in layer and not isinstance(layer.whatif, DictConfig):
-        raise HarnessError(f"--config {path}: whatif must be a mapping (name, cost_ratio, target_step_ms, draft_step_ms, verify_slope)")
+        raise HarnessError(
+            f"--config {path}: whatif must be a mapping (name, cost_ratio, target_step_ms, draft_step_ms, verify_slope)"
+        )
     unknown = [key for key in layer if key not in DEFAULTS]
     unknown += [f"whatif.{key}" for key in (layer.get("whatif") or {}) if key not in DEFAULTS["whatif"]]
     if unknown:
-        raise HarnessError(f"--config {path}: unknown setting {unknown[0]}; known are {', '.join(DEFAULTS)} "
-                           f"and whatif.{', whatif.'.join(DEFAULTS['whatif'])}")
+        raise HarnessError(
+            f"--config {path}: unknown setting {unknown[0]}; known are {', '.join(DEFAULTS)} "
+            f"and whatif.{', whatif.'.join(DEFAULTS['whatif'])}"
+        )
     return layer
 
 
 def _check_whatif(w: dict) -> None:
     """Costs another machine could have: c and b at least 0, step times above 0, and a draft step
     time only with the target's (or with c given for those drafts), which it would otherwise be unused."""
+
     def numbers(value) -> list:
         return list(value.values()) if isinstance(value, dict) else [] if value is None else [value]
 
-    for key, low, strict in (("cost_ratio", 0.0, False), ("draft_step_ms", 0.0, True), ("target_step_ms", 0.0, True),
-                             ("verify_slope", 0.0, False)):
+    for key, low, strict in (
+        ("cost_ratio", 0.0, False),
+        ("draft_step_ms", 0.0, True),
+        ("target_step_ms", 0.0, True),
+        ("verify_slope", 0.0, False),
+    ):
         for value in numbers(w.get(key)):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > low if strict else value >= low)
             if not ok or value != value or value == float("inf"):
-                raise HarnessError(f"whatif.{key}={w.get(key)} must be {'above' if strict else 'at least'} 0 "
-                                   f"(a finite number{' per draft' if isinstance(w.get(key), dict) else ''})")
+                raise HarnessError(
+                    f"whatif.{key}={w.get(key)} must be {'above' if strict else 'at least'} 0 "
+                    f"(a finite number{' per draft' if isinstance(w.get(key), dict) else ''})"
+                )
     draft_ms, given_c = w.get("draft_step_ms"), w.get("cost_ratio")
-    c_covers = isinstance(given_c, (int, float)) or (isinstance(draft_ms, dict) and isinstance(given_c, dict) and set(draft_ms) <= set(given_c))
+    c_covers = isinstance(given_c, (int, float)) or (
+        isinstance(draft_ms, dict) and isinstance(given_c, dict) and set(draft_ms) <= set(given_c)
+    )
     if draft_ms not in (None, {}) and not w.get("target_step_ms") and not c_covers:
-        raise HarnessError("a what-if draft step time needs the target's step time on that machine too: add --target-step-ms MS "
-                           "(or give the cost ratio itself with --cost-ratio)")
+        raise HarnessError(
+            "a what-if draft step time needs the target's step time on that machine too: add --target-step-ms MS "
+            "(or give the cost ratio itself with --cost-ratio)"
+        )
 
 
 def _check_whatif_labels(w: dict, labels: list[str]) -> None:
@@ -176,8 +172,10 @@ def _check_whatif_labels(w: dict, labels: list[str]) -> None:
     for key in ("cost_ratio", "draft_step_ms"):
         unknown = sorted(set(w.get(key) or {}) - set(labels)) if isinstance(w.get(key), dict) else []
         if unknown:
-            raise HarnessError(f"whatif.{key} names {', '.join(unknown)}, which is no draft in these results; "
-                               f"the drafts are: {', '.join(labels) or 'none'}")
+            raise HarnessError(
+                f"whatif.{key} names {', '.join(unknown)}, which is no draft in these results; "
+                f"the drafts are: {', '.join(labels) or 'none'}"
+            )
 
 
 def parse_assignments(items: list[str], flag: str, example: str = "conversation=0.5,code=0.3") -> dict[str, float]:
@@ -214,14 +212,19 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
     cfg = {**DEFAULTS, **(cfg or {})}
     results = load(source, api)
     _check_whatif_labels(cfg["whatif"], sorted(set(results.cells["label"])) if not results.cells.empty else [])
-    out = Path(out).expanduser() if out else (Path(source).expanduser() / "report" if results.kind == "local" else Path("report") / _slug(source))
+    out = (
+        Path(out).expanduser()
+        if out
+        else (Path(source).expanduser() / "report" if results.kind == "local" else Path("report") / _slug(source))
+    )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise HarnessError(f"cannot write the report to {out}: {err.strerror}; give --out a folder that can be made") from None
     fits, curves = fit_mod.fit(results.cells, results.prompts, cfg["confidence"], cfg["n_resamples"], cfg["seed"], cfg["max_k"])
-    decisions = decide_mod.decide(results.cells, results.prompts, fits, cfg["weights"], cfg["confidence"],
-                                  cfg["n_resamples"], cfg["seed"])
+    decisions = decide_mod.decide(
+        results.cells, results.prompts, fits, cfg["weights"], cfg["confidence"], cfg["n_resamples"], cfg["seed"]
+    )
     whatif_spec = fit_mod.WhatIf(**{k: v for k, v in cfg["whatif"].items() if k in fit_mod.WhatIf.__dataclass_fields__})
     whatif = fit_mod.whatif(fits, whatif_spec, cfg["max_k"]) if whatif_spec.given() else pd.DataFrame()
     figures = make_figures(results.cells, results.prompts, fits, curves, out / "figures")
@@ -231,8 +234,13 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
     if not whatif.empty:
         _csv(whatif, out / "whatif.csv")
     document = {
-        "source": str(source), "kind": results.kind, "generated": dt.datetime.now().isoformat(timespec="seconds"),
-        "report_dir": str(out), "settings": cfg, "decisions": decisions, "notes": results.notes,
+        "source": str(source),
+        "kind": results.kind,
+        "generated": dt.datetime.now().isoformat(timespec="seconds"),
+        "report_dir": str(out),
+        "settings": cfg,
+        "decisions": decisions,
+        "notes": results.notes,
     }
     (out / "decision.json").write_text(json.dumps(_jsonable(document), indent=2, allow_nan=False) + "\n")
     (out / "report.md").write_text(markdown(results, fits, decisions, whatif, figures, cfg))
@@ -268,214 +276,6 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-# Markdown
-
-
-def _f(x: Any, fmt: str = ".3f") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    return format(x, fmt) if fmt else str(x)
-
-
-def _ci(low: Any, high: Any, fmt: str = ".3f") -> str:
-    if low is None or high is None or low != low or high != high:
-        return "–"
-    return f"[{_f(low, fmt)}, {_f(high, fmt)}]"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _count(x: float) -> str:
-    if x != x:
-        return "unknown"
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= size:
-            return f"{x / size:.1f}{unit}"
-    return f"{x:.0f}"
-
-
-def markdown(results: Results, fits: pd.DataFrame, decisions: list[dict], whatif: pd.DataFrame,
-             figures: dict[str, Path], cfg: dict) -> str:
-    cells = results.cells
-    pct = f"{100 * cfg['confidence']:g}%"
-    where = names(cells)
-    out = [
-        "# Which draft to ship",
-        "",
-        f"Source: `{results.source}` ({'W&B' if results.kind == 'wandb' else 'local results'}): {len(cells)} cells; "
-        f"targets {', '.join(sorted(cells['target'].unique()))}; "
-        f"drafts {', '.join(sorted(cells['label'].unique()))}; k {', '.join(map(str, sorted(cells['k'].unique())))}; "
-        f"{', '.join(sorted(cells['sampling'].unique()))}; datasets {', '.join(sorted(cells['dataset'].unique()))}.  ",
-        f"Run conditions: {'; '.join(sorted(cells['setup'].unique()))}.  ",
-        f"Generated {dt.datetime.now():%Y-%m-%d %H:%M} by `python -m analysis.report`; intervals are {pct}, "
-        f"{cfg['n_resamples']} bootstrap resamples, except each cell's own ({100 * CELL_CONFIDENCE:g}%, the harness's).",
-        "",
-        "## Decision",
-        "",
-    ]
-    for d in decisions:
-        out += _decision_section(d)
-    out += _fits_section(_named(fits, where), pct, cfg["max_k"])
-    out += _whatif_section(_named(whatif, where), pct, cfg)
-    out += _cells_section(_named(cells, where))
-    out += ["## Figures", ""]
-    for name, path in figures.items():
-        caption = CAPTIONS.get(name, "").format(max_k=cfg["max_k"])
-        out += [f"### {name.replace('_', ' ').capitalize()}", "", f"![{name}](figures/{path.name})", "", caption, ""]
-    out += _sizes_section(cells)
-    out += _methods_section(pct)
-    if results.notes:
-        out += ["## Left out", ""] + [f"- {n}" for n in results.notes] + [""]
-    return "\n".join(out)
-
-
-def _named(frame: pd.DataFrame, where: pd.DataFrame) -> pd.DataFrame:
-    """The frame with `where` (its target and run conditions where the report has several, else '')."""
-    if frame.empty:
-        return frame
-    return frame.merge(where[["target", "setup", "label", "where"]], on=["target", "setup", "label"], how="left")
-
-
-def _where_column(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
-    """(header, cells) of a "target / conditions" column, only when the rows differ in them."""
-    if frame.empty or not frame["where"].astype(bool).any():
-        return [], [[] for _ in range(len(frame))]
-    return ["target / conditions"], [[w] for w in frame["where"]]
-
-
-def _decision_section(d: dict) -> list[str]:
-    mix = d["mix"]
-    pct = f"{100 * d['confidence']:g}%"  # the cells' own intervals' level when decided from summaries
-    weights = ", ".join(f"{g} {100 * w:.0f}%" for g, w in d["weights"].items()) or "none (cell-level data)"
-    out = [f"### {d['context']}", "", f"**{mix['verdict']}**", "", f"Run conditions: {d['setup']}.", "",
-           f"Traffic mix (share of generated tokens): {weights}. {d['prompts']} prompts, "
-           f"{len(d['candidates'])} candidates (draft × k).", ""]
-    rows = []
-    for scope, choice in [("**mix**", mix), *d["per_category"].items()]:
-        b, r, c = choice["best"], choice["runner_up"], choice["comparison"]
-        ship = choice["ship"] if choice["k"] is None else f"{choice['ship']} (k={choice['k']})"
-        rows.append([scope, ship, f"{b['label']} k={b['k']}", _f(b["speedup"]), _ci(b["low"], b["high"]),
-                     f"{r['label']} k={r['k']}" if r else "–", _f(c["ratio"]) if c else "–",
-                     _ci(c["low"], c["high"]) if c else "–", _f(c["wilcoxon_p"], ".3g") if c else "–"])
-    out += [_table(["scope", "ship", "best", "speedup ↑", f"{pct} CI", "runner-up (other draft)", "ratio best/runner-up",
-                    f"{pct} CI", "Wilcoxon p"], rows), ""]
-    if mix["what_would_change"]:
-        out += ["What would change it:", ""] + [f"- {line}" for line in mix["what_would_change"]] + [""]
-    categories = list(d["categories"])
-    rows = [[c["label"], c["k"], _f(c["speedup"]), _ci(c["low"], c["high"]),
-             *[_f(c["categories"][g]["speedup"]) for g in categories]] for c in d["candidates"]]
-    out += ["Every candidate (mix speedup, then per category):", "",
-            _table(["draft", "k", "mix ↑", f"{pct} CI", *[f"{g} ↑" for g in categories]], rows), ""]
-    if d["notes"]:
-        out += ["Notes:", ""] + [f"- {n}" for n in d["notes"]] + [""]
-    return out
-
-
-def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
-    where_header, where_cells = _where_column(fits)
-    rows = [[*w, f.label, f.dataset, f.sampling, f.ks, _f(f.alpha), _ci(f.alpha_low, f.alpha_high), _f(f.cost_ratio, ".4f"),
-             _f(f.verify_slope, ".4f"), f.verify_max_n, f.best_k, _f(f.predicted_best), _ci(f.predicted_best_low, f.predicted_best_high),
-             f"{_f(f.measured_best_speedup)} (k={f.measured_best_k})", _f(f.efficiency, ".2f"),
-             _f(f.break_even_cost_ratio) if f.break_even_cost_ratio > 0 or f.alpha != f.alpha else "none"]
-            for w, f in zip(where_cells, fits.itertuples())]
-    return [
-        "## Fitted model", "",
-        "Per target, run conditions, draft, dataset and sampling setting: α pooled over k with a cluster bootstrap "
-        "over prompts; c the median measured cost ratio; v(n) = 1 + b(n − 1), b the median slope of the measured "
-        "verify costs (measured up to "
-        "n = `v measured to`, extrapolated beyond); the "
-        f"predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ {max_k}, its interval from α's.", "",
-        _table([*where_header, "draft", "dataset", "sampling", "k run", "α ↑", f"{pct} CI", "c ↓", "b ↓", "v measured to", "best k",
-                "predicted ↑", f"{pct} CI", "measured best ↑", "efficiency", "break-even c"], rows), "",
-        "`measured best`: the whole-run speedup (prefill included) of the best k run. `efficiency`: measured "
-        "speedup after the first token (TPOT ratio) / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
-        f"which some k ≤ {max_k} still predicts a speedup above 1 at this α (none: not even a free draft).", "",
-    ]
-
-
-def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
-    out = ["## What-if: other hardware", ""]
-    if whatif.empty:
-        return out + [
-            "α does not depend on the hardware; c and v do. Give another machine's costs to predict the best k and "
-            "speedup there: `--cost-ratio 0.05` (every model draft) or `--cost-ratio DRAFT=0.05`, or step times "
-            "`--target-step-ms 25 --draft-step-ms 3`, optionally `--verify-slope 0.01` (or `whatif:` in "
-            "conf/report.yaml).", ""]
-    name = whatif["machine"].iloc[0]
-    where_header, where_cells = _where_column(whatif)
-    rows = [[*where, w.label, w.dataset, w.sampling, _f(w.alpha), _f(w.cost_ratio, ".4f"), w.cost_source, _f(w.verify_slope, ".4f"),
-             w.best_k, _f(w.predicted), _ci(w.predicted_low, w.predicted_high), f"{_f(w.here_predicted)} (k={w.here_best_k})"]
-            for where, w in zip(where_cells, whatif.itertuples())]
-    return out + [f"Predicted on **{name}** with this sweep's α and the costs given:", "",
-                  _table([*where_header, "draft", "dataset", "sampling", "α", "c there", "c from", "b there", "best k there",
-                          "predicted there ↑", f"{pct} CI", "predicted here (best k)"], rows), ""]
-
-
-def _cells_section(cells: pd.DataFrame) -> list[str]:
-    """Every cell; its interval is the harness's own (CELL_CONFIDENCE), whatever the report's confidence."""
-    where_header, where_cells = _where_column(cells)
-    rows = [[*w, c.label, c.dataset, c.sampling, c.k, int(c.num_prompts) if c.num_prompts == c.num_prompts else "–",
-             _f(c.alpha), _f(c.tokens_per_cycle, ".2f"), _f(c.theoretical_tokens_per_cycle, ".2f"), _f(c.speedup),
-             _ci(c.speedup_ci_low, c.speedup_ci_high), _f(c.predicted_speedup), _f(c.efficiency, ".2f"),
-             _f(c.cost_ratio, ".4f"), _f(c.verify_cost, ".3f")] for w, c in zip(where_cells, cells.itertuples())]
-    return ["## Cells", "",
-            _table([*where_header, "draft", "dataset", "sampling", "k", "prompts", "α ↑", "tok/cycle ↑", "theory", "speedup ↑",
-                    f"{100 * CELL_CONFIDENCE:g}% CI",
-                    "predicted", "efficiency", "c ↓", "v(k+1) ↓"], rows), ""]
-
-
-def _sizes_section(cells: pd.DataFrame) -> list[str]:
-    sizes = cells.drop_duplicates("label")
-    rows = [[s.label, s.draft, _count(s.draft_params), _f(s.draft_bytes / 2**20, ".1f"), s.draft_size_source] for s in sizes.itertuples()]
-    return ["## Draft sizes", "",
-            _table(["draft", "id", "parameters", "memory MiB", "from"], rows), "",
-            "`from`: run (recorded by the harness), weights (safetensors headers of a local copy), config (a rough "
-            "count from config.json), ngram (prompt lookup: no weights), unknown (no local copy). Memory is "
-            "parameters × the run's bytes per element.", ""]
-
-
-def _methods_section(pct: str) -> list[str]:
-    return [
-        "## Definitions and methods", "",
-        "- **Speedup** of a candidate (a draft at one k) on a set of prompts: (spec tokens / spec time) / (baseline "
-        "tokens / baseline time), totals over the prompts; each cell times its own baseline back to back.",
-        "- **Mix speedup**. With w_g the share of generated tokens in category g and τ_g the seconds per token there, "
-        "serving the mix takes Σ_g w_g τ_g per token, so S_mix = Σ_g w_g τ_base,g / Σ_g w_g τ_spec,g: a weighted "
-        "harmonic mean of the per-category speedups S_g, each weighted by its share of the baseline's time "
-        "(w_g τ_base,g / Σ_h w_h τ_base,h). Weights are normalised over the measured categories.",
-        f"- **Intervals** ({pct}): a paired, stratified bootstrap over prompts: every replicate resamples the prompts "
-        "of each category with replacement and applies the same resample to every candidate; percentile intervals. "
-        "A category with one prompt has no interval. Each cell's own interval (Cells table, figures) is the "
-        f"harness's {100 * CELL_CONFIDENCE:g}%.",
-        "- **Context**: one decision per target, sampling setting (at temperature 0, greedy, top-k and top-p are "
-        "ignored) and run conditions (device, dtype, max_new_tokens, cache, compile). With per-prompt rows, a candidate's "
-        "cells are combined prompt by prompt, candidates are paired on the prompts they all ran, and a candidate with fewer "
-        "than half the prompts of the lower median candidate is left out (listed in the notes): of two candidates, neither. "
-        "From summaries alone, each candidate is one cell on the prompt set most candidates ran, and one with fewer than "
-        "half the prompts of the median candidate is left out.",
-        "- **Ship rule**: candidates are ranked by point estimate; the best one whose interval's lower bound is above 1 "
-        "ships (when a higher one is uncertain, the verdict names it); if none, *ship no speculation*. Choosing the "
-        "best of many candidates favours a lucky one, so its interval is slightly optimistic.",
-        "- **Best two drafts**: the shipped candidate against the best candidate of another draft: the bootstrap interval "
-        "of the ratio of their speedups (significant when it excludes 1) and a Wilcoxon signed-rank test of the "
-        "per-prompt log speedup differences (unweighted).",
-        "- **α**: accepted / tested positions, a cycle testing positions up to its first rejection, pooled over prompts "
-        "and k; interval: cluster bootstrap over prompts (scipy.stats.bootstrap), since positions within a prompt are "
-        "correlated. Without per-prompt rows: Wilson, positions taken as independent (too narrow).",
-        "- **Cost model** (per target, run conditions, draft, dataset and sampling): c = draft step / target step "
-        "(median over cells); v(n) = T(n positions) / T(1) fitted as 1 + b(n − 1) through v(1) = 1, b the median of "
-        "the measured points' slopes; S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) (Leviathan et al., with the "
-        "measured verify cost). The interval of S carries α's uncertainty only.",
-        "- **What-if**: α carries over to other hardware, c and v do not; a prompt-lookup draft keeps its measured "
-        "lookup time (it runs on the host) when only a target step time is given.",
-        "",
-    ]
-
-
 # W&B
 
 
@@ -490,9 +290,17 @@ def log_to_wandb(source: str, out: Path, figures: dict[str, Path], decisions: li
         mode = resolve_mode("auto")
         if mode == "disabled":
             return
-        run = wandb.init(project=project, entity=entity, group=sweep_id, job_type="report", mode=mode,
-                         name=f"report-{sweep_id or project}", dir=str(out), config={"source": source},
-                         settings=wandb.Settings(silent=True))
+        run = wandb.init(
+            project=project,
+            entity=entity,
+            group=sweep_id,
+            job_type="report",
+            mode=mode,
+            name=f"report-{sweep_id or project}",
+            dir=str(out),
+            config={"source": source},
+            settings=wandb.Settings(silent=True),
+        )
         logged: dict[str, Any] = {f"report/{name}": wandb.Image(str(path)) for name, path in figures.items()}
         logged["report/decision"] = wandb.Table(dataframe=decide_mod.decisions_frame(decisions))
         logged["report/fits"] = wandb.Table(dataframe=fits.astype({c: str for c in ("ks", "alpha_method")}))
@@ -512,8 +320,11 @@ def log_to_wandb(source: str, out: Path, figures: dict[str, Path], decisions: li
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m analysis.report",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("results", help="results directory, Hydra (multi)run directory, or W&B entity/project[/sweep_id]")
     p.add_argument("--out", type=Path, help="report folder (default: <results>/report, or report/<path> for W&B)")
     p.add_argument("--config", type=Path, help="a YAML like conf/report.yaml (default: conf/report.yaml)")

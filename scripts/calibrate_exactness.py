@@ -30,10 +30,11 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from harness.core.drafters import ModelDrafter  # noqa: E402
-from harness.exactness.main import TESTS, check  # noqa: E402
-from harness.core.sampling import Sampling  # noqa: E402
 from markov import markov_pair  # noqa: E402
+
+from harness.core.drafters import ModelDrafter  # noqa: E402
+from harness.core.sampling import Sampling  # noqa: E402
+from harness.exactness.check import TESTS, check  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,14 +68,27 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{seed + 1}/{args.seeds} seeds, {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
     summary = {
-        "setting": {"pair": "tests/markov.py trigram pair, V=6, seed 0", "k": args.k, "temperature": args.temperature,
-                    "top_p": args.top_p, "length": length, "samples": args.samples, "seeds": args.seeds},
-        "ks": {}, "family_rejection_rate": {}, "time_s": time.perf_counter() - started,
+        "setting": {
+            "pair": "tests/markov.py trigram pair, V=6, seed 0",
+            "k": args.k,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "length": length,
+            "samples": args.samples,
+            "seeds": args.seeds,
+        },
+        "ks": {},
+        "family_rejection_rate": {},
+        "time_s": time.perf_counter() - started,
     }
     for test, values in p_values.items():
         ks = stats.kstest(values, "uniform")
-        summary["ks"][test] = {"checks": len(values), "statistic": float(ks.statistic), "p_value": float(ks.pvalue),
-                               "mean_p": float(np.mean(values))}
+        summary["ks"][test] = {
+            "checks": len(values),
+            "statistic": float(ks.statistic),
+            "p_value": float(ks.pvalue),
+            "mean_p": float(np.mean(values)),
+        }
     family = np.array(family)
     for level in (0.1, 0.05, 0.01, 0.001):
         summary["family_rejection_rate"][str(level)] = float((family < level).mean())
@@ -84,7 +98,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'test':<8}{'checks':>8}{'KS D':>9}{'KS p':>9}{'mean p':>9}")
     for test, ks in summary["ks"].items():
         print(f"{test:<8}{ks['checks']:>8}{ks['statistic']:>9.4f}{ks['p_value']:>9.3f}{ks['mean_p']:>9.3f}")
-    print("family (Holm) rejection rate: " + ", ".join(f"{r:.3f} at {l}" for l, r in summary["family_rejection_rate"].items()))
+    print(
+        "family (Holm) rejection rate: "
+        + ", ".join(f"{rate:.3f} at {level}" for level, rate in summary["family_rejection_rate"].items())
+    )
     print(json.dumps(summary))
     return summary
 

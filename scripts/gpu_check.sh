@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The performance check on one GPU, in one command (under 10 minutes on one H200):
+# The performance check on a machine with a GPU, in one command (under 10 minutes on one H200):
 #   bash scripts/gpu_check.sh            # writes results/bench/gpu_*.json ($OUT/ when set) and prints the figures
 # Runs harness.bench on the embedded default pair (offline: no hub access needed)
 #   1. eager (HF's forward), dynamic cache: ours vs HF generate / assisted / prompt lookup, efficiency,
 #      overhead, memory over 100 prompts, and the host syncs per cycle;
 #   2. static cache + torch.compile of both models, against HF generate's own compiled
 #      path (static cache + compile_config): throughput, efficiency and overhead;
-#   3. eager with forward=lean (harness/lean.py) at k=4, in the time that is left.
+#   3. eager with forward=lean (harness/models/lean.py) at k=4, in the time that is left.
 #
-# On a lent machine with no network (see scripts/gpu_payload.sh, which packs what it lacks):
+# On a GPU machine without network access that receives at most 64 MiB of files per command
+# (scripts/gpu_payload.sh packs what it lacks into parts of that size):
 #   bash scripts/gpu_check.sh --stash .gpu/1          # keep a payload part on the machine
 #   bash scripts/gpu_check.sh --stash .gpu/N --run    # the last part: install, assemble, run
 # --rehearse runs the same steps on the CPU with tiny sizes, to test this script without a GPU.
+# PYTHON names the interpreter (default python3); every bench part runs as $PYTHON -m harness.bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -28,7 +30,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$seconds" in
-    ''|*[!0-9]*) echo "error: --seconds $seconds: give a whole number of seconds (570 fits one 10-minute device call)" >&2; exit 2 ;;
+    ''|*[!0-9]*) echo "error: --seconds $seconds: give a whole number of seconds (570 fits a 10-minute limit per command)" >&2; exit 2 ;;
 esac
 seconds=$((10#$seconds))  # decimal, also with a leading zero (bash reads 0300 as octal)
 if [ "$seconds" -lt 180 ]; then
@@ -68,7 +70,7 @@ if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble 
         mkdir -p "$SPECBENCH_CACHE/gguf"
         name=$(awk '{print $2}' "$STASH/SHA256SUMS")
         cat "$STASH/$name".part-* > "$SPECBENCH_CACHE/gguf/$name" 2>/dev/null || true  # a missing part: the check below says so
-        (cd "$SPECBENCH_CACHE/gguf" && sha256sum -c --quiet "$STASH/SHA256SUMS") || { echo "error: $name is incomplete: stash every .gpu/N part first (the machine keeps them only while warm)" >&2; exit 1; }
+        (cd "$SPECBENCH_CACHE/gguf" && sha256sum -c --quiet "$STASH/SHA256SUMS") || { echo "error: $name is incomplete: stash every .gpu/N part first, on the same machine" >&2; exit 1; }
     fi
 fi
 
@@ -78,17 +80,17 @@ if [ "$rehearse" = 1 ]; then
     compiled=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
     lean=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
 else
-    # Within one 10-minute call of the device tool, set-up included (SECONDS counts from this script's
-    # start), with 30 s left to bring $OUT back: of the default 570 s the eager part runs until 330 s
+    # Within a 10-minute limit per command, set-up included (SECONDS counts from this script's
+    # start), with 30 s left to copy $OUT back: of the default 570 s the eager part runs until 330 s
     # at most, the compiled part until 480 s, the lean part until the end (time a part leaves goes to the
-    # next). --seconds S scales the three, for a device with less time left.
+    # next). --seconds S scales the three, for a machine with less time left.
     device=cuda end=$seconds t1=$((seconds * 330 / 570)) t2=$((seconds * 480 / 570))
     $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path (--rehearse runs it on the CPU)')"
-    eager=(--reps 5 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/bench/cpu-*.json
+    eager=(--reps 5 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/results/bench/*cpu*.json
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 0)
     lean=(--reps 3 --prompts 6 --ks 4 --max-new-tokens 32 --memory-prompts 0)  # the extra: last, in what is left
 fi
-dir=${OUT:-results/bench}  # on the device tool, straight into $OUT: a call cut short still brings back what was written
+dir=${OUT:-results/bench}  # straight into $OUT when set: a command cut short still leaves what was written there
 mkdir -p "$dir"
 if [ "$rehearse" = 0 ]; then  # the GPU's driver and clocks, kept beside the JSON files
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# Packs what scripts/gpu_check.sh needs on a lent GPU machine that has no network:
+# Packs what scripts/gpu_check.sh needs on a GPU machine without network access:
 #   bash scripts/gpu_payload.sh        # on a machine with PyPI access; writes .gpu/1, .gpu/2, ...
 #
-# That machine has CUDA torch and transformers (5.17, which runs assisted
+# Such a machine may have CUDA torch and transformers (5.17, say, which runs assisted
 # generation only with a dynamic cache: we carry the transformers we test with)
 # but not hydra-core, omegaconf, antlr4, gguf, datasets, dill or multiprocess,
-# nor the embedded model, and a
-# call to it carries at most 64 MiB with the repository included. So the pure
-# Python wheels and the 98 MB GGUF file are cut into parts that each fit
-# beside the tracked tree, one folder per call. Each call but the last stashes
-# its folder on the machine; the last one assembles, installs and runs:
-#   call i < n:  carry [".gpu/i"]  command: bash scripts/gpu_check.sh --stash .gpu/i
-#   call n:      carry [".gpu/n"]  command: bash scripts/gpu_check.sh --stash .gpu/n --run
-# The machine keeps its files only while it stays warm (about 30 s after a call),
-# so make the calls back to back.
+# nor the embedded model, and receive at most 64 MiB of files per command,
+# the repository included. So the pure Python wheels and the 98 MB GGUF file
+# are cut into parts that each fit beside the tracked tree, one folder per
+# command. Each command but the last stashes its folder on the machine; the
+# last one assembles, installs and runs:
+#   command i < n:  with .gpu/i copied over: bash scripts/gpu_check.sh --stash .gpu/i
+#   command n:      with .gpu/n copied over: bash scripts/gpu_check.sh --stash .gpu/n --run
+# The stash lives in /tmp on the machine, so run the commands one after another on the same machine.
+# PYTHON names the interpreter (default python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 LIMIT=$((64 * 1024 * 1024))
-MARGIN=$((3 * 1000 * 1000))  # the tree may grow a little before the calls are made
+MARGIN=$((3 * 1000 * 1000))  # the tree may grow a little before the commands are run
 
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 untracked=$(git ls-files -z --others --exclude-standard | xargs -0 -r du -cb | tail -1 | cut -f1)
-part=${PART_BYTES:-$((LIMIT - tree - ${untracked:-0} - MARGIN))}  # PART_BYTES: a smaller part, if a call is refused as too large
-[ "$part" -gt $((8 * 1000 * 1000)) ] || { echo "error: the tracked tree ($tree bytes) leaves no room for a payload in a 64 MiB call" >&2; exit 1; }
+part=${PART_BYTES:-$((LIMIT - tree - ${untracked:-0} - MARGIN))}  # PART_BYTES: a smaller part, if a command's files are refused as too large
+[ "$part" -gt $((8 * 1000 * 1000)) ] || { echo "error: the tracked tree ($tree bytes) leaves no room for a payload in 64 MiB" >&2; exit 1; }
 
 rm -rf .gpu && mkdir -p .gpu/stage/wheels
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
@@ -40,9 +40,9 @@ name=$(basename "$gguf")
 (cd "$(dirname "$gguf")" && sha256sum "$name") > .gpu/stage/SHA256SUMS
 split -b $((part - 2 * 1000 * 1000)) -d -a 2 "$gguf" ".gpu/stage/$name.part-"  # room beside a part for the checksum and small wheels
 
-# Fill the call folders in order, each up to `part` bytes.
+# Fill the part folders in order, each up to `part` bytes.
 n=1; used=0; mkdir -p .gpu/1
-for f in .gpu/stage/SHA256SUMS .gpu/stage/*.part-* .gpu/stage/wheels/*.whl; do  # the checksum first: the last call checks that every part came
+for f in .gpu/stage/SHA256SUMS .gpu/stage/*.part-* .gpu/stage/wheels/*.whl; do  # the checksum first: the last command checks that every part came
     size=$(stat -c %s "$f")
     if [ $((used + size)) -gt "$part" ]; then n=$((n + 1)); used=0; mkdir -p ".gpu/$n"; fi
     case "$f" in *.whl) mkdir -p ".gpu/$n/wheels"; mv "$f" ".gpu/$n/wheels/" ;; *) mv "$f" ".gpu/$n/" ;; esac
@@ -51,11 +51,11 @@ done
 rm -rf .gpu/stage
 git describe --always --dirty --abbrev=12 > ".gpu/$n/COMMIT"  # the machine gets the tree without .git: the figures name their code
 
-echo "payload: $n calls, each the tracked tree ($tree bytes) plus at most $part bytes:"
+echo "payload: $n parts, each copied over beside the tracked tree ($tree bytes), at most $part bytes:"
 du -sb .gpu/* | sed 's/^/  /'
 for i in $(seq 1 "$n"); do
     if [ "$i" -lt "$n" ]; then run=""; else run=" --run"; fi
-    echo "  call $i: carry [\".gpu/$i\"]  command: bash scripts/gpu_check.sh --stash .gpu/$i$run"
+    echo "  command $i, with .gpu/$i copied over: bash scripts/gpu_check.sh --stash .gpu/$i$run"
 done
-echo "  make them back to back; the last with timeout_s 600. If the device has under 11 minutes left by then,"
-echo "  add --seconds S to the last call, S = its seconds left minus 60 (the check writes each part as it finishes)."
+echo "  run them one after another on the same machine, the last with 10 minutes to spare. With less time left,"
+echo "  add --seconds S to the last command, S = its seconds left minus 60 (the check writes each part as it finishes)."

@@ -17,9 +17,9 @@ verify's law; tests/test_exactness.py checks that too.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -168,31 +168,64 @@ def _off_by_one(tokens, q, p, generator):
 
 
 VARIANTS = [
-    Variant("accept_all", False, "accept every draft token",
-            lambda t, d: (t, d, rule_with(acceptance=lambda p_x, q_x: torch.ones_like(p_x)))),
-    Variant("resample_from_p", False, "recover from p instead of the residual",
-            lambda t, d: (t, d, rule_with(residual=lambda p, q: p))),
-    Variant("ratio_q_over_p", False, "accept with min(1, q/p) instead of min(1, p/q)",
-            lambda t, d: (t, d, rule_with(acceptance=lambda p_x, q_x: (q_x / p_x).nan_to_num(posinf=1.0).clamp(max=1.0)))),
-    Variant("residual_abs", False, "residual |p - q| instead of max(0, p - q)",
-            lambda t, d: (t, d, rule_with(residual=lambda p, q: (p - q).abs()))),
-    Variant("unshaped_draft_q", False, "q from the unshaped draft distribution (draft sampled shaped)",
-            lambda t, d: (t, UnshapedQDrafter(d.lm), None), shaped=True),
-    Variant("target_without_top_p", False, "target p without the top-k / top-p the draft used",
-            patches=((harness.core.loop, "shape_probs", _target_unshaped),), truncating=True, shaped=True),
+    Variant(
+        "accept_all",
+        False,
+        "accept every draft token",
+        lambda t, d: (t, d, rule_with(acceptance=lambda p_x, q_x: torch.ones_like(p_x))),
+    ),
+    Variant(
+        "resample_from_p",
+        False,
+        "recover from p instead of the residual",
+        lambda t, d: (t, d, rule_with(residual=lambda p, q: p)),
+    ),
+    Variant(
+        "ratio_q_over_p",
+        False,
+        "accept with min(1, q/p) instead of min(1, p/q)",
+        lambda t, d: (t, d, rule_with(acceptance=lambda p_x, q_x: (q_x / p_x).nan_to_num(posinf=1.0).clamp(max=1.0))),
+    ),
+    Variant(
+        "residual_abs",
+        False,
+        "residual |p - q| instead of max(0, p - q)",
+        lambda t, d: (t, d, rule_with(residual=lambda p, q: (p - q).abs())),
+    ),
+    Variant(
+        "unshaped_draft_q",
+        False,
+        "q from the unshaped draft distribution (draft sampled shaped)",
+        lambda t, d: (t, UnshapedQDrafter(d.lm), None),
+        shaped=True,
+    ),
+    Variant(
+        "target_without_top_p",
+        False,
+        "target p without the top-k / top-p the draft used",
+        patches=((harness.core.loop, "shape_probs", _target_unshaped),),
+        truncating=True,
+        shaped=True,
+    ),
     Variant("bonus_from_draft", False, "bonus token sampled from the draft's next row", _bonus_from_draft),
-    Variant("bonus_wrong_row", False, "bonus token from row k-1 instead of row k",
-            lambda t, d: (t, d, rule_with(bonus=lambda p, tokens: p[tokens.shape[0] - 1]))),
-    Variant("target_row_off_by_one", False, "x_i tested against the target row after it",
-            lambda t, d: (t, d, _off_by_one)),
-    Variant("no_rollback", False, "target cache not rolled back after a rejection",
-            lambda t, d: (NoRollback(t), d, None)),
-    Variant("no_bonus", True, "lossless: never commit a bonus token",
-            lambda t, d: (t, d, rule_with(bonus=None))),
-    Variant("draft_is_target", True, "lossless: the draft is the target itself",
-            lambda t, d: (t, ModelDrafter(copy.copy(t)), None)),
-    Variant("prompt_lookup", True, "lossless: a model-free n-gram drafter (q a point mass)",
-            lambda t, d: (t, NgramDrafter(t.vocab_size), None)),
+    Variant(
+        "bonus_wrong_row",
+        False,
+        "bonus token from row k-1 instead of row k",
+        lambda t, d: (t, d, rule_with(bonus=lambda p, tokens: p[tokens.shape[0] - 1])),
+    ),
+    Variant("target_row_off_by_one", False, "x_i tested against the target row after it", lambda t, d: (t, d, _off_by_one)),
+    Variant("no_rollback", False, "target cache not rolled back after a rejection", lambda t, d: (NoRollback(t), d, None)),
+    Variant("no_bonus", True, "lossless: never commit a bonus token", lambda t, d: (t, d, rule_with(bonus=None))),
+    Variant(
+        "draft_is_target", True, "lossless: the draft is the target itself", lambda t, d: (t, ModelDrafter(copy.copy(t)), None)
+    ),
+    Variant(
+        "prompt_lookup",
+        True,
+        "lossless: a model-free n-gram drafter (q a point mass)",
+        lambda t, d: (t, NgramDrafter(t.vocab_size), None),
+    ),
 ]
 BROKEN = [v for v in VARIANTS if not v.lossless]
 LOSSLESS = [v for v in VARIANTS if v.lossless]
@@ -214,6 +247,9 @@ def plugged(variant: Variant, target, drafter):
 def variant_table(rows: list[tuple[str, float, str]]) -> str:
     """rows of (variant, p-value, verdict) as the table the check prints."""
     lines = [f"{'variant':<24}{'p-value':>12}  verdict", "-" * 50]
-    shown = lambda p: "< 1e-300" if p == 0 else f"{p:.3g}"  # 0: below the smallest double
+
+    def shown(p):  # 0: below the smallest double
+        return "< 1e-300" if p == 0 else f"{p:.3g}"
+
     lines += [f"{name:<24}{shown(p):>12}  {verdict}" for name, p, verdict in rows]
     return "\n".join(lines)

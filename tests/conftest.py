@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import string
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# CPU linear plans (harness.models.cpu_linear) stored per test process, never in the user's cache.
+os.environ.setdefault("SPECBENCH_PLANS", tempfile.mkdtemp(prefix="specbench-plans-"))
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
@@ -36,9 +39,17 @@ def make_tokenizer(chars: str = string.printable[:95]) -> PreTrainedTokenizerFas
 def make_model(vocab_size: int, seed: int, layers: int = 2, scale: float = 20.0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 import subprocess
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,23 +14,51 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import harness.bench.contenders as contenders
+import harness.bench.goals as bench_goals
 import harness.bench.main as bench
-import harness.runner.cell as run
-from harness.errors import HarnessError
+import harness.bench.parts as parts
+import harness.runner.costs as runner_costs
+import harness.runner.provenance as provenance
 from harness.core.loop import autoregressive_decode
-from harness.models.loading import ModelSpec, load_model
-from harness.models.cached import CachedLM
 from harness.core.sampling import Sampling
+from harness.errors import HarnessError
+from harness.models.cached import CachedLM
+from harness.models.loading import ModelSpec, load_model
+from harness.runner.pair import load_pair
+from harness.runner.store import SCHEMA_VERSION
 
 
 def run_bench(tiny_pair, tmp_path, *extra: str) -> dict:
     out = tmp_path / "bench.json"
-    args = ["--reps", "2", "--prompts", "2", "--ks", "1", "2", "--max-new-tokens", "12",
-            "--memory-prompts", "4", "--memory-new-tokens", "4", "--out", str(out),
-            "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
-            "wandb.mode=disabled", *extra]
+    args = [
+        "--reps",
+        "2",
+        "--prompts",
+        "2",
+        "--ks",
+        "1",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--memory-prompts",
+        "4",
+        "--memory-new-tokens",
+        "4",
+        "--out",
+        str(out),
+        "+pair=llama_7b_68m",
+        f"pair.target.id={tiny_pair['target']}",
+        f"pair.draft.id={tiny_pair['draft']}",
+        "wandb.mode=disabled",
+        *extra,
+    ]
     result = bench.main(args)
-    assert json.loads(out.read_text())["tokens_per_s"] == result["tokens_per_s"]  # what it printed is what it wrote
+    written = json.loads(out.read_text())
+    assert written["tokens_per_s"] == result["tokens_per_s"]  # what it printed is what it wrote
+    assert written["schema_version"] == SCHEMA_VERSION and written["machine"] == result["machine"]
+    started = datetime.fromisoformat(written["started_utc"])
+    assert started.utcoffset() == timedelta(0) and abs(datetime.now(timezone.utc) - started) < timedelta(hours=1)
     return result
 
 
@@ -48,18 +76,26 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
         assert result["ratios"][name] == statistics.median(per_rep)
         ours, theirs = name.split(" / ")
         assert result["ratio_of_medians"][name] == statistics.median(reps[ours]) / statistics.median(reps[theirs])
-    for name, parts in result["ratio_parts"].items():  # the lead = fewer passes x cheaper passes
-        assert parts["fewer_target_passes"] * parts["cheaper_time_per_pass"] == pytest.approx(result["ratios"][name])
+    for name, split in result["ratio_parts"].items():  # the lead = fewer passes x cheaper passes
+        assert split["fewer_target_passes"] * split["cheaper_time_per_pass"] == pytest.approx(result["ratios"][name])
     tokens = result["tokens_per_rep"]
     assert result["ratio_parts"]["ours_base / hf_base"]["fewer_target_passes"] == 1.0
     assert result["ratio_parts"]["ours_ngram_k2 / hf_lookup_k2"]["fewer_target_passes"] == pytest.approx(
-        (forwards["hf_lookup_k2"] / tokens["hf_lookup_k2"]) / (forwards["ours_ngram_k2"] / tokens["ours_ngram_k2"]))
+        (forwards["hf_lookup_k2"] / tokens["hf_lookup_k2"]) / (forwards["ours_ngram_k2"] / tokens["ours_ngram_k2"])
+    )
     assert result["greedy_ties"] == [] and set(result["same_output_as_hf"].values()) == {1.0}  # float32: no ties
-    assert set(result["same_output_as_hf"]) == {"ours_base / hf_base", *(f"ours_{a}_k{k} / hf_{b}_k{k}" for k in (1, 2)
-                                                 for a, b in (("spec", "assisted"), ("ngram", "lookup"), ("ngram_cost_aware", "lookup")))}
+    assert set(result["same_output_as_hf"]) == {
+        "ours_base / hf_base",
+        *(
+            f"ours_{a}_k{k} / hf_{b}_k{k}"
+            for k in (1, 2)
+            for a, b in (("spec", "assisted"), ("ngram", "lookup"), ("ngram_cost_aware", "lookup"))
+        ),
+    }
     for limit in (result["limits"][1], result["limits"][2]):
         assert len(limit["measured_speedup_per_rep"]) == 2 and limit["measured_speedup"] == pytest.approx(
-            sum(limit["measured_speedup_per_rep"]) / 2)  # the median of two
+            sum(limit["measured_speedup_per_rep"]) / 2
+        )  # the median of two
         assert 0 < limit["alpha"] <= 1 and limit["efficiency"] > 0 and 0 <= limit["overhead_fraction"] < 1
     for k, limit in result["limits"].items():  # in-loop v(n) from the verify passes over n positions; v(k + 1) in the formula
         in_loop = limit["in_loop"]
@@ -76,8 +112,9 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert goals["ours / HF prompt lookup"]["value"] == min(result["ratios"][f"ours_ngram_k{k} / hf_lookup_k{k}"] for k in (1, 2))
     assert goals["time outside forward passes"]["value"] == max(lim["overhead_fraction"] for lim in result["limits"].values())
     assert all(g["met"] == (g["value"] >= g["goal"] if g["side"] == "min" else g["value"] <= g["goal"]) for g in goals.values())
-    assert len(goals) == len(bench.GOALS)
+    assert len(goals) == len(bench_goals.GOALS)
     assert result["setup"]["cache"] == "dynamic" and result["conditions"]["device"] == "cpu"
+    assert result["machine"]["cores"] >= 1 and result["machine"]["gpus"] == torch.cuda.device_count()
     assert result["conditions"]["linear"]["mode"] == "auto" and "probe" in result["conditions"]["linear"]
     for audit in result["sync_audit"].values():  # on a CPU too: host reads, 2 per cycle, none per drafted token
         assert audit["drafted"] > audit["cycles"] and audit["host_reads_per_cycle"] == 2.0 and "syncs" not in audit
@@ -87,7 +124,7 @@ def test_a_run_cut_short_keeps_the_parts_it_finished(tiny_pair, tmp_path, monkey
     def killed(*args, **kwargs):  # as the GPU check's timeout would, during the last part
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bench, "memory", killed)
+    monkeypatch.setattr(bench, "memory", killed)  # main() runs the parts it imported
     with pytest.raises(KeyboardInterrupt):
         run_bench(tiny_pair, tmp_path)
     kept = json.loads((tmp_path / "bench.json").read_text())
@@ -99,9 +136,12 @@ def test_bench_with_compile_gives_hf_its_compiled_path(tiny_pair, tmp_path, monk
     """cache=static compile=true: HF's contenders run generate() with a static cache and
     compile_config too, and their outputs still match ours token for token."""
     asked, lengths = [], []
-    real = bench._hf_generate
-    monkeypatch.setattr(bench, "_hf_generate", lambda model, ids, *a, **kw: asked.append(kw) or lengths.append(len(ids))
-                        or real(model, ids, *a, **kw))
+    real = contenders.hf_generate
+    monkeypatch.setattr(
+        contenders,
+        "hf_generate",
+        lambda model, ids, *a, **kw: asked.append(kw) or lengths.append(len(ids)) or real(model, ids, *a, **kw),
+    )
     try:
         result = run_bench(tiny_pair, tmp_path, "cache=static", "compile=true")
     except HarnessError as err:
@@ -122,36 +162,58 @@ def test_hf_prompt_lookup_has_room_in_the_static_cache_it_is_given(tiny_pair, k)
     n = 32
     model = load_model(ModelSpec(str(tiny_pair["target"])), torch.device("cpu"))
     lm = CachedLM(model, model.config.vocab_size, "static")
-    prompt = torch.tensor([6, 30, 25, 11] * 64)[: 257 - n]  # prompt + n - 1 = 256 positions; a repeating prompt: lookup always matches
-    lm.reserve(prompt.shape[0] + bench.lookup_room(n, k) - 1)  # as Pair.reserve sizes it
-    tokens = bench._hf_generate(model, prompt, n, [10**6], prompt_lookup_num_tokens=k, max_matching_ngram_size=3,
-                                cache_implementation="static", max_cache_len=lm.capacity)
+    prompt = torch.tensor([6, 30, 25, 11] * 64)[
+        : 257 - n
+    ]  # prompt + n - 1 = 256 positions; a repeating prompt: lookup always matches
+    lm.reserve(prompt.shape[0] + contenders.lookup_room(n, k) - 1)  # as Pair.reserve sizes it
+    tokens = contenders.hf_generate(
+        model,
+        prompt,
+        n,
+        [10**6],
+        prompt_lookup_num_tokens=k,
+        max_matching_ngram_size=3,
+        cache_implementation="static",
+        max_cache_len=lm.capacity,
+    )
     assert len(tokens) == n
 
 
-@pytest.mark.parametrize("args, message", [
-    (["compile=true"], "compile=true needs fixed shapes: add cache=static"),
-    (["cache=statik"], "cache=statik must be dynamic or static"),
-    (["prompts.template=chatml"], "prompts.template=chatml must be auto, chat or raw"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compile=true"], "compile=true needs fixed shapes: add cache=static"),
+        (["cache=statik"], "cache=statik must be dynamic or static"),
+        (["prompts.template=chatml"], "prompts.template=chatml must be auto, chat or raw"),
+    ],
+)
 def test_the_bench_checks_its_config_as_the_harness_does(tiny_pair, tmp_path, args, message):
     with pytest.raises(HarnessError, match=message):
         run_bench(tiny_pair, tmp_path, *args)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--ks", "1", "0"], "--ks 1 0: each must be at least 1"),
-    (["--reps", "0"], "--reps 0: each must be at least 1"),
-    (["--prompts", "-1"], "--prompts -1: each must be at least 1"),
-    (["--max-new-tokens", "1"], "--max-new-tokens 1: each must be at least 2"),
-    (["k=2"], "k=2: the bench sets this with --ks"),
-    (["dataset.num_prompts=3"], "dataset.num_prompts=3: the bench sets this with --prompts"),
-    (["--ks", "1", "+pair=smollm2_ngram"], "'+pair=smollm2_ngram' is an override, not a k: put overrides before --ks"),
-    (["--out", "/etc/passwd/x.json"], "--out /etc/passwd/x.json: /etc/passwd is a file, not a folder"),
-    (["--out", "/tmp"], "--out /tmp: is a folder"),
-    (["--ks", "1", "9", "--max-new-tokens", "8"], "--ks 1 9: each must be at most --max-new-tokens 8 (a cycle drafts at most 7)"),
-    (["cache=static", "compile=true", "--ks", "1", "16"], "--ks 1 16: k=16 with compile=true: compiled steps take at most 16 positions"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ks", "1", "0"], "--ks 1 0: each must be at least 1"),
+        (["--reps", "0"], "--reps 0: each must be at least 1"),
+        (["--prompts", "-1"], "--prompts -1: each must be at least 1"),
+        (["--max-new-tokens", "1"], "--max-new-tokens 1: each must be at least 2"),
+        (["k=2"], "k=2: the bench sets this with --ks"),
+        (["dataset.num_prompts=3"], "dataset.num_prompts=3: the bench sets this with --prompts"),
+        (["--ks", "1", "+pair=smollm2_ngram"], "'+pair=smollm2_ngram' is an override, not a k: put overrides before --ks"),
+        (["--out", "/etc/passwd/x.json"], "--out /etc/passwd/x.json: /etc/passwd is a file, not a folder"),
+        (["--out", "/tmp"], "--out /tmp: is a folder"),
+        (
+            ["--ks", "1", "9", "--max-new-tokens", "8"],
+            "--ks 1 9: each must be at most --max-new-tokens 8 (a cycle drafts at most 7)",
+        ),
+        (
+            ["cache=static", "compile=true", "--ks", "1", "16"],
+            "--ks 1 16: k=16 with compile=true: compiled steps take at most 16 positions",
+        ),
+    ],
+)
 def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, monkeypatch):
     monkeypatch.setattr(bench, "load_pair", lambda *a, **k: pytest.fail("loaded a pair"))
     with pytest.raises(SystemExit) as stop:
@@ -162,8 +224,10 @@ def test_bench_sizes_are_checked_before_anything_loads(flags, message, capsys, m
 def test_each_repetition_is_written_as_it_ends(tiny_pair, tmp_path, monkeypatch):
     """The GPU check's compiled part may be cut off by its time limit: what it measured must be on disk."""
     written = []
-    real = bench._write
-    monkeypatch.setattr(bench, "_write", lambda path, result: real(path, result) or written.append(json.loads(path.read_text())))
+    real = bench.write_result
+    monkeypatch.setattr(
+        bench, "write_result", lambda path, result: real(path, result) or written.append(json.loads(path.read_text()))
+    )
     result = run_bench(tiny_pair, tmp_path)
     first = written[0]
     assert first["reps_done"] == 1 and first["partial"].startswith("throughput over 1 of 2 repetitions")
@@ -172,7 +236,7 @@ def test_each_repetition_is_written_as_it_ends(tiny_pair, tmp_path, monkeypatch)
 
 
 def test_a_k_given_twice_runs_once():
-    """--ks 2 2 ran k=2's parts twice and summed its lookup floor twice (HF's lookup then looked 2x off the floor)."""
+    """--ks 2 2 would run k=2's parts twice and sum its lookup floor twice (HF's lookup would look 2x off the floor)."""
     _, args = bench.parse_args(["--ks", "2", "1", "2", "--max-new-tokens", "8"])
     assert args.ks == [2, 1]
 
@@ -190,9 +254,26 @@ def test_the_limit_part_survives_a_decode_phase_without_drafts(tiny_pair, tmp_pa
             pair.eos_ids = eos  # the pair is cached for later tests
 
     monkeypatch.setattr(bench, "limit", ends_early)
-    result = bench.main(["--reps", "1", "--prompts", "2", "--ks", "1", "--max-new-tokens", "6", "--memory-prompts", "0",
-                         "--skip-throughput", "--out", str(tmp_path / "b.json"), "+pair=llama_7b_68m",
-                         f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}"])
+    result = bench.main(
+        [
+            "--reps",
+            "1",
+            "--prompts",
+            "2",
+            "--ks",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--memory-prompts",
+            "0",
+            "--skip-throughput",
+            "--out",
+            str(tmp_path / "b.json"),
+            "+pair=llama_7b_68m",
+            f"pair.target.id={tiny_pair['target']}",
+            f"pair.draft.id={tiny_pair['draft']}",
+        ]
+    )
     (lim,) = result["limits"].values()
     assert lim["decode_cycles"] == 0 and math.isnan(lim["in_loop"]["cost_ratio"]) and math.isnan(lim["measured_speedup"])
 
@@ -206,26 +287,29 @@ def test_hf_refusing_the_static_cache_is_one_clear_error():
 
     ids = torch.tensor([1, 2, 3])
     with pytest.raises(HarnessError, match="refuses the static cache that compile=true gives it"):
-        bench._hf_generate(Refuses(), ids, 4, [0], cache_implementation="static", assistant_model=object())
+        contenders.hf_generate(Refuses(), ids, 4, [0], cache_implementation="static", assistant_model=object())
     with pytest.raises(ValueError):  # any other ValueError is not ours to rephrase
-        bench._hf_generate(Refuses(), ids, 4, [0])
+        contenders.hf_generate(Refuses(), ids, 4, [0])
 
 
 def test_hf_generates_in_the_grad_mode_our_loop_runs_in():
     """A mode that costs HF more per step (its own no_grad) would be credited to our loop."""
+
     class Records:
         def generate(self, ids, **kwargs):
             self.mode = torch.is_inference_mode_enabled()
             return torch.cat([ids, ids], -1)
 
     model = Records()
-    assert bench._hf_generate(model, torch.tensor([1, 2, 3]), 3, [0]) == [1, 2, 3] and model.mode
+    assert contenders.hf_generate(model, torch.tensor([1, 2, 3]), 3, [0]) == [1, 2, 3] and model.mode
 
 
 def test_the_efficiency_goal_takes_the_lower_of_both_predictions():
-    limits = {"1": {"efficiency": 1.02, "in_loop": {"efficiency": 0.96}, "overhead_fraction": 0.01},
-              "4": {"efficiency": 1.07, "in_loop": {"efficiency": 0.94}, "overhead_fraction": 0.01}}
-    goal = bench.goals({"limits": limits})["efficiency (measured / predicted speedup)"]
+    limits = {
+        "1": {"efficiency": 1.02, "in_loop": {"efficiency": 0.96}, "overhead_fraction": 0.01},
+        "4": {"efficiency": 1.07, "in_loop": {"efficiency": 0.94}, "overhead_fraction": 0.01},
+    }
+    goal = bench_goals.goals({"limits": limits})["efficiency (measured / predicted speedup)"]
     assert goal["value"] == 0.94 and not goal["met"]
 
 
@@ -234,20 +318,71 @@ def test_gpu_scripts_parse():
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
 
 
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+# A stand-in for the interpreter the GPU scripts run (they take it from $PYTHON): it records each
+# command line, with the commit the environment names, in $CALLS; answers the two questions the
+# payload script asks; and makes a wheel where pip would download or build one.
+FAKE_PYTHON = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["CALLS"], "a") as calls:
+    calls.write(json.dumps({{"argv": args, "commit": os.environ.get("SPECBENCH_COMMIT")}}) + "\\n")
+if args[:1] == ["-c"] and "transformers.__version__" in args[1]:
+    print("5.25.0")
+elif args[:1] == ["-c"] and "find_gguf" in args[1]:
+    print(os.environ["FAKE_GGUF"])
+elif args[:3] in (["-m", "pip", "download"], ["-m", "pip", "wheel"]):
+    folder = args[args.index("-d" if "-d" in args else "-w") + 1]
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, args[2] + "-0-py3-none-any.whl"), "w").write("wheel")
+"""
+
+
+def run_script(script: Path, tmp_path: Path, *args: str, **env: str) -> list[dict]:
+    """Run a GPU script with the recording interpreter; every interpreter call it made, in order."""
+    import os
+    import sys
+
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.jsonl"
+    calls.unlink(missing_ok=True)
+    environ = {
+        **os.environ,
+        "PYTHON": str(fake),
+        "CALLS": str(calls),
+        "OUT": str(tmp_path / "out"),
+        "SPECBENCH_PAYLOAD": str(tmp_path / "stash"),
+        "SPECBENCH_CACHE": str(tmp_path / "cache"),
+        **env,
+    }
+    environ.pop("SPECBENCH_COMMIT", None)
+    done = subprocess.run(["bash", str(script), *args], env=environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [json.loads(line) for line in calls.read_text().splitlines()]
+
+
+def bench_calls(calls: list[dict]) -> list[list[str]]:
+    return [c["argv"][2:] for c in calls if c["argv"][:2] == ["-m", "harness.bench"]]
+
+
 class Parsed(Exception):
     pass
 
 
-def test_the_gpu_check_gives_the_bench_sizes_it_accepts(monkeypatch):
-    """Every argument list in scripts/gpu_check.sh (the GPU's and the rehearsal's) passes the bench's own
-    checks: a refused one would stop that part on the lent machine, where it cannot be rerun."""
-    script = (Path(__file__).parents[1] / "scripts" / "gpu_check.sh").read_text()
-    lists = re.findall(r"^\s*(?:eager|compiled|lean)=\(([^)]*)\)", script, flags=re.M)
-    assert len(lists) == 6
+def test_the_gpu_check_gives_the_bench_sizes_it_accepts(tmp_path, monkeypatch):
+    """Every bench command scripts/gpu_check.sh runs (on the GPU and in its rehearsal) passes the bench's
+    own checks: a refused one would stop that part on the GPU machine, where it cannot be rerun."""
+    gpu = bench_calls(run_script(SCRIPTS / "gpu_check.sh", tmp_path))
+    rehearsal = bench_calls(run_script(SCRIPTS / "gpu_check.sh", tmp_path, "--rehearse"))
+    assert len(gpu) == len(rehearsal) == 3  # eager, compiled, lean
+    assert all("device=cuda" in args for args in gpu) and all("device=cpu" in args for args in rehearsal)
     monkeypatch.setattr(bench, "check_choices", lambda *a, **k: (_ for _ in ()).throw(Parsed()))
-    for args in lists:
+    for args in gpu + rehearsal:
         with pytest.raises(Parsed):
-            bench.main(args.split())
+            bench.main(args)
 
 
 def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
@@ -256,7 +391,7 @@ def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     target = CachedLM(load_model(ModelSpec(str(tiny_pair["target"])), torch.device("cpu")), 98)
     ids = torch.tensor([5, 17, 42, 8, 3])
     reference = list(autoregressive_decode(target, ids, Sampling(0.0), 12, set(), None))
-    assert bench.same_greedy_output(target, ids, reference, list(reference), "same", 0) is None
+    assert contenders.same_greedy_output(target, ids, reference, list(reference), "same", 0) is None
     target.reset()
     logits = target.prefill(torch.cat([ids, torch.tensor(reference[:6])]))
     runner_up = int(logits.topk(2).indices[1])
@@ -264,22 +399,29 @@ def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     gap = float(logits[reference[6]] - logits[runner_up])
     assert gap > 1e-3  # a real preference in float32: not a tie, an error
     with pytest.raises(HarnessError, match="at token 6: the target prefers"):
-        bench.same_greedy_output(target, ids, reference, parted, "parted", 0)
+        contenders.same_greedy_output(target, ids, reference, parted, "parted", 0)
     with pytest.raises(HarnessError, match="stopped after 8 tokens"):
-        bench.same_greedy_output(target, ids, reference, reference[:8], "short", 0)
-    monkeypatch.setitem(bench.TIE_LOGIT_GAP, torch.float32, gap * 1.01)  # the same gap, now within the tie gap
+        contenders.same_greedy_output(target, ids, reference, reference[:8], "short", 0)
+    monkeypatch.setitem(contenders.TIE_LOGIT_GAP, torch.float32, gap * 1.01)  # the same gap, now within the tie gap
     with pytest.raises(HarnessError, match="at token 7: the target prefers"):  # a tie at 6, but token 7 on is the old context's
-        bench.same_greedy_output(target, ids, reference, parted, "parted", 0)
-    continued = reference[:6] + [runner_up] + list(autoregressive_decode(
-        target, torch.cat([ids, torch.tensor(reference[:6] + [runner_up])]), Sampling(0.0), 5, set(), None))
-    tie = bench.same_greedy_output(target, ids, reference, continued, "parted", 3)
+        contenders.same_greedy_output(target, ids, reference, parted, "parted", 0)
+    continued = (
+        reference[:6]
+        + [runner_up]
+        + list(
+            autoregressive_decode(
+                target, torch.cat([ids, torch.tensor(reference[:6] + [runner_up])]), Sampling(0.0), 5, set(), None
+            )
+        )
+    )
+    tie = contenders.same_greedy_output(target, ids, reference, continued, "parted", 3)
     assert tie == {"contender": "parted", "prompt": 3, "position": 6, "logit_gap": pytest.approx(gap, rel=1e-4), "later_ties": 0}
     # After the tie, a later token that is not the target's greedy choice on its own context is no tie.
     target.reset()
     later = target.prefill(torch.cat([ids, torch.tensor(continued[:9])]))
     wrong = continued[:9] + [int(later.topk(2).indices[1])] + continued[10:]
     with pytest.raises(HarnessError, match="at token 9: the target prefers"):
-        bench.same_greedy_output(target, ids, reference, wrong, "parted", 3)
+        contenders.same_greedy_output(target, ids, reference, wrong, "parted", 3)
 
 
 class DriftingClock:
@@ -296,13 +438,17 @@ class DriftingClock:
 
 def test_costs_are_measured_interleaved_so_drift_cancels(monkeypatch):
     clock = DriftingClock()
-    target = SimpleNamespace(reset=lambda: None, prefill=lambda ids: None, forward=lambda ids, num_logits: clock.spend(ids.shape[0]),
-                             rollback=lambda n: setattr(clock, "now", clock.now + 0.5))  # a decode step has none: not timed
+    target = SimpleNamespace(
+        reset=lambda: None,
+        prefill=lambda ids: None,
+        forward=lambda ids, num_logits: clock.spend(ids.shape[0]),
+        rollback=lambda n: setattr(clock, "now", clock.now + 0.5),
+    )  # a decode step has none: not timed
     drafter = SimpleNamespace(start=lambda ids: None, propose=lambda ids, k, s, g: [clock.spend(0.2) for _ in range(k)])
     pair = SimpleNamespace(target=target, drafter=drafter, device=torch.device("cpu"), context=512)
-    monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
-    costs = run.measure_costs(pair, torch.arange(8), 3, Sampling(0.0))
-    # Timed one block per n instead (the previous measure_costs), v(4) read 4.93 here.
+    monkeypatch.setattr(runner_costs.time, "perf_counter", lambda: clock.now)
+    costs = runner_costs.measure_costs(pair, torch.arange(8), 3, Sampling(0.0))
+    # Timed one block per n instead, v(4) would read 4.93 here.
     assert costs["verify_cost"][0] == 1.0
     assert costs["verify_cost"][3] == pytest.approx(4.0, rel=0.05)
     assert costs["cost_ratio"] == pytest.approx(0.2, rel=0.1)
@@ -310,11 +456,12 @@ def test_costs_are_measured_interleaved_so_drift_cancels(monkeypatch):
 
 def test_the_gpu_measured_speedup_pass_runs(tiny_pair):
     """On CUDA, `limit` takes its measured speedup from uninstrumented passes; the pass runs anywhere."""
-    pair_cfg = OmegaConf.create({"name": "tiny", "target": {"id": str(tiny_pair["target"])},
-                                 "draft": {"kind": "model", "id": str(tiny_pair["draft"])}})
-    pair = run.load_pair(pair_cfg, torch.device("cpu"))
+    pair_cfg = OmegaConf.create(
+        {"name": "tiny", "target": {"id": str(tiny_pair["target"])}, "draft": {"kind": "model", "id": str(tiny_pair["draft"])}}
+    )
+    pair = load_pair(pair_cfg, torch.device("cpu"))
     encoded = [torch.tensor([5, 17, 42, 8, 3]), torch.tensor([9, 9, 30, 31])]
-    speedup = bench._plain_decode_speedup(pair, encoded, 2, 12, torch.device("cpu"), rep=1)
+    speedup = parts.plain_decode_speedup(pair, encoded, 2, 12, torch.device("cpu"), rep=1)
     assert 0 < speedup < float("inf")
 
 
@@ -348,7 +495,7 @@ def _latest_match_passes(prompt: list[int], output: list[int], k: int) -> int:
     """Passes of the loop's default lookup (latest match, n from 3 down to 1), by hand."""
     seq, committed, passes = prompt + output, len(prompt), 0
     while committed < len(seq):
-        k_cycle, context, proposal = min(k, len(seq) - committed - 1), seq[: committed], []
+        k_cycle, context, proposal = min(k, len(seq) - committed - 1), seq[:committed], []
         for n in range(min(3, committed - 1), 0, -1):
             hits = [i for i in range(committed - n) if context[i : i + n] == context[-n:]]
             if hits:
@@ -366,7 +513,7 @@ def test_fewest_lookup_passes_is_the_minimum_over_lookup_choices(k):
     for _ in range(30):  # a vocabulary of 3: many matches, and many that disagree
         prompt = torch.randint(0, 3, (5,), generator=gen).tolist()
         output = torch.randint(0, 3, (8,), generator=gen).tolist()
-        fewest = bench.fewest_lookup_passes(prompt, output, k)
+        fewest = contenders.fewest_lookup_passes(prompt, output, k)
         assert fewest == _lookup_passes_brute_force(prompt, output, k)
         latest = _latest_match_passes(prompt, output, k)
         assert fewest <= latest
@@ -378,8 +525,8 @@ def test_fewest_lookup_passes_on_a_copied_prompt():
     # The output copies the prompt: after its first token (no earlier match of the prompt's
     # last token), every cycle accepts k drafts and adds the target's own token.
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
-    assert bench.fewest_lookup_passes(prompt, prompt, 3) == 1 + 2  # 1 token, then 4 + 3 (the last cycle drafts 2)
-    assert bench.fewest_lookup_passes(prompt, prompt, 1) == 1 + 4
+    assert contenders.fewest_lookup_passes(prompt, prompt, 3) == 1 + 2  # 1 token, then 4 + 3 (the last cycle drafts 2)
+    assert contenders.fewest_lookup_passes(prompt, prompt, 1) == 1 + 4
 
 
 def test_the_memory_part_reports_its_own_peak_not_the_loading(monkeypatch):
@@ -387,29 +534,46 @@ def test_the_memory_part_reports_its_own_peak_not_the_loading(monkeypatch):
     peak is over its own prompts. Here 400 MB touched and freed before it must not show in it."""
     import numpy as np
 
-    if not run._reset_peak_rss():
+    if not provenance.reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs: the peak cannot be reset here")
     block = np.ones(400 * 2**20 // 8)  # touched: resident
     del block
-    before, _ = run._peak_rss_mb(True)
-    monkeypatch.setattr(bench, "run_prompt", lambda *a, **k: None)
+    before, _ = provenance.peak_rss_mb(True)
+    monkeypatch.setattr(parts, "run_prompt", lambda *a, **k: None)
     cfg = OmegaConf.create({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 8})
     args = SimpleNamespace(memory_prompts=4, memory_new_tokens=4)
-    out = bench.memory(None, cfg, [{"id": "p"}], [torch.tensor([1])], args, torch.device("cpu"))
+    out = parts.memory(None, cfg, [{"id": "p"}], [torch.tensor([1])], args, torch.device("cpu"))
     assert out["peak_rss_over"] == "cell"
     assert out["peak_rss_mb"] < before - 300
     assert out["peak_rss_mb"] == pytest.approx(out["rss_max_mb"], abs=50)
 
 
 def test_a_tree_without_git_names_its_commit_from_the_payload(tmp_path, monkeypatch):
-    """The GPU machine gets the working tree without .git: gpu_check.sh exports the commit the payload was packed at."""
-    from harness.runner.cell import harness_commit
+    """The GPU machine gets the working tree without .git: the payload carries the commit it was packed
+    at, gpu_check.sh exports it to every bench part, and harness_commit reads it from there."""
+    from harness.runner.provenance import harness_commit
 
     monkeypatch.delenv("SPECBENCH_COMMIT", raising=False)
     assert harness_commit(tmp_path) is None
     monkeypatch.setenv("SPECBENCH_COMMIT", "0123456789ab")
     harness_commit.cache_clear()  # memoised: the environment is read once per process
     assert harness_commit(tmp_path) == "0123456789ab"
-    script = (Path(__file__).parents[1] / "scripts" / "gpu_check.sh").read_text()
-    assert 'export SPECBENCH_COMMIT=$(cat "$STASH/COMMIT")' in script
-    assert '> ".gpu/$n/COMMIT"' in (Path(__file__).parents[1] / "scripts" / "gpu_payload.sh").read_text()
+
+    tree, machine = tmp_path / "tree", tmp_path / "machine"
+    for root in (tree, machine):
+        (root / "scripts").mkdir(parents=True)
+        for script in ("gpu_check.sh", "gpu_payload.sh"):
+            (root / "scripts" / script).write_text((SCRIPTS / script).read_text())
+    git = ["git", "-C", str(tree), "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "tree"]):
+        subprocess.run(git + command, check=True, capture_output=True)
+    commit = subprocess.run(
+        git + ["describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True
+    ).stdout.strip()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(bytes(range(256)) * 40)
+    run_script(tree / "scripts" / "gpu_payload.sh", tmp_path, FAKE_GGUF=str(gguf))
+    (last,) = (tree / ".gpu").iterdir()  # a small payload: one part
+    calls = run_script(machine / "scripts" / "gpu_check.sh", tmp_path, "--stash", str(last), "--run", "--rehearse")
+    assert len(commit) == 12 and [c["commit"] for c in calls if c["argv"][:2] == ["-m", "harness.bench"]] == [commit] * 3
+    assert (tmp_path / "cache" / "gguf" / "model.gguf").read_bytes() == gguf.read_bytes()  # the parts assembled, checked

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
-import platform
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from harness.config.settings import CPU_LINEAR_MODES
+
 ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.cli  # every test here starts `python -m harness`
 
 
 def harness(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -21,8 +24,13 @@ def harness(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 def tiny_args(tiny_pair, out: Path, *extra: str) -> list[str]:
     return [
-        "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
-        "dataset.num_prompts=12", "max_new_tokens=20", f"out_dir={out}", *extra,
+        "+pair=llama_7b_68m",
+        f"pair.target.id={tiny_pair['target']}",
+        f"pair.draft.id={tiny_pair['draft']}",
+        "dataset.num_prompts=12",
+        "max_new_tokens=20",
+        f"out_dir={out}",
+        *extra,
     ]
 
 
@@ -45,7 +53,9 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     assert summary["acceptance_rate"] == last["acceptance_rate"]
     assert summary["conditions"]["torch"] and summary["conditions"]["threads"] >= 1
     assert summary["conditions"]["linear"] == {"mode": "transposed", "product": "transposed", "rows_to": [0, 2, *range(2, 18)]}
-    assert summary["conditions"]["forward"] == summary["conditions"]["draft_forward"] == "lean"  # forward=auto, Llama models on the CPU
+    assert (
+        summary["conditions"]["forward"] == summary["conditions"]["draft_forward"] == "lean"
+    )  # forward=auto, Llama models on the CPU
     assert "threads, linear W @ x.T, lean forward, torch" in out.stdout  # the conditions line of the table
     assert {r["linear"] for r in records} == {"transposed"}  # each prompt's record names its product
     assert len(summary["categories"]) == 6
@@ -60,8 +70,18 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     lines = (cell / "prompts.jsonl").read_text().splitlines()
     (cell / "prompts.jsonl").write_text("\n".join(lines[:2]) + "\n")
     # Two prompts from another process on another host (its memory, its machine), then a line cut by a kill mid-write.
-    doctored = [json.dumps({**json.loads(line), "rss_mb": 1e6, "host": "node-07", "harness_commit": "0123abc",
-                            "libraries": "torch 2.6.0, transformers 5.24.0"}) for line in lines[2:4]]
+    doctored = [
+        json.dumps(
+            {
+                **json.loads(line),
+                "rss_mb": 1e6,
+                "host": "node-07",
+                "harness_commit": "0123abc",
+                "libraries": "torch 2.6.0, transformers 5.24.0",
+            }
+        )
+        for line in lines[2:4]
+    ]
     with (cell / "prompts.jsonl").open("a") as out:
         out.write("\n".join(doctored) + "\n" + lines[4][:100])
     (cell / "summary.json").unlink()
@@ -70,7 +90,10 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert "rss_first_mb" not in summary  # 2 prompts ran in this process: too few to fit a growth
     assert json.loads((cell / "summary.json").read_text()).get("rss_last_mb", 0) < 1e6
-    assert summary["conditions"]["hostnames"] == sorted({"node-07", platform.node()}) and "ran under several host names" in second.stderr
+    assert (
+        summary["conditions"]["hostnames"] == sorted({"node-07", platform.node()})
+        and "ran under several host names" in second.stderr
+    )
     now = summary["conditions"]["harness_commit"] or "unknown"
     assert summary["conditions"]["harness_commits"] == sorted({"0123abc", now})  # and the first two prompts' (this code's)
     assert "measured by several harness versions" in second.stderr
@@ -98,8 +121,11 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("temperature=1e39", "temperature=1e+39 must be a number from 0 (greedy) to 3.4e+38 (float32's largest)"),
         ("k=21", "k=21 is more than max_new_tokens=20, and a cycle drafts at most 19: lower k or raise max_new_tokens"),
         ("pair.name=../x", "pair.name=../x must be a plain name"),
-        ("wandb=disabled", "wandb is a section, not a setting: set one of its keys (dir, entity, group, job_type, mode, "
-                           "name, project, tags), e.g. wandb.mode=disabled"),
+        (
+            "wandb=disabled",
+            "wandb is a section, not a setting: set one of its keys (dir, entity, group, job_type, mode, "
+            "name, project, tags), e.g. wandb.mode=disabled",
+        ),
         ("pair.target=foo", "pair.target is a section, not a setting"),
         ("temperature=1e-46", "is greedy in all but name"),
         ("top_p=1.5", "must be in (0, 1]"),
@@ -107,7 +133,7 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("max_new_tokens=0", "must be a positive integer"),
         ("device=cuda", "CUDA is not available"),
         ("compile=true", "compile=true needs fixed shapes: add cache=static"),
-        ("cpu_linear=fast", "cpu_linear=fast must be one of auto, transposed, torch"),
+        ("cpu_linear=fast", f"cpu_linear=fast must be one of {', '.join(CPU_LINEAR_MODES)}"),
         ("+pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
         ("+pair.draft.length=cost_aware", "pair.draft.length is a prompt-lookup setting and this pair's draft is a model"),
         ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
@@ -121,18 +147,24 @@ def test_bad_input_is_one_line_and_nonzero(tiny_pair, tmp_path, override, messag
     assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
-
-@pytest.mark.parametrize("override", ["tempreature=1.0", "k=0", "compile=true", "+pair=smollm3"])
+@pytest.mark.parametrize("override", ["tempreature=1.0", "k=0", "compile=true", "+pair=smollm3", "k=abc", "force=maybe"])
 def test_a_setting_refused_is_reported_before_torch_loads(tmp_path, override):
-    """The command line's checks and validate() run before torch and transformers are imported (about
-    10 s on a 2-core machine), so a typo costs a second; -X importtime lists every module imported."""
+    """Hydra's composition of the command line and validate() run before torch and transformers are
+    imported (about 10 s on a 2-core machine), so a typo costs a second; -X importtime lists every module imported."""
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "harness", override, f"out_dir={tmp_path}"],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "harness", override, f"out_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "hydra" in imported and not imported & {"torch", "transformers", "scipy", "wandb", "datasets"}
+
 
 def test_missing_model_path_and_unavailable_hub_id(tiny_pair, tmp_path):
     out = harness("+pair=llama_7b_68m", f"pair.target.id={tmp_path / 'nope'}", f"out_dir={tmp_path}")

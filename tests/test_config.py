@@ -1,4 +1,5 @@
-"""Every config in conf/ composes, and the card's command line works as written."""
+"""Every config in conf/ composes against the schema, the documented command line works as written, and a
+setting refused is one line: by Hydra's composition (its type) or by validate (its range)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness.config.checks import CONF_DIR, validate, with_default_pair
-from harness.runner.cell import cell_key
+from harness.config.checks import CONF_DIR, check_command_line, validate, with_default_pair
+from harness.errors import HarnessError
+from harness.runner.store import cell_key
 
 PAIRS = sorted(p.stem for p in (CONF_DIR / "pair").glob("*.yaml"))
 PUBLISHED = {
@@ -27,6 +29,16 @@ PUBLISHED = {
 def composed(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
+
+
+def refusal(overrides: list[str]) -> str:
+    """The one line a command line is refused with: by Hydra's composition against the schema (a
+    type, a name), else by validate (a range)."""
+    with pytest.raises(HarnessError) as err:
+        check_command_line(overrides)
+        validate(with_default_pair(composed(overrides)))
+    assert "\n" not in str(err.value)
+    return str(err.value)
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -63,13 +75,15 @@ def test_no_pair_means_the_embedded_default():
     assert cfg.pair.name == "smollm2" and cfg.pair.target.id == "embedded:smollm2"
 
 
-def test_card_command_composes():
+def test_documented_command_composes():
     cfg = composed(["+pair=llama_7b_68m", "k=4"])
     assert cfg.k == 4 and cfg.pair.target.id == "meta-llama/Llama-2-7b-hf"
 
 
 def test_sampling_overrides_compose():
-    cfg = composed(["k=8", "temperature=0.7", "top_k=50", "top_p=0.9", "max_new_tokens=16", "seed=3", "device=cpu", "dtype=float32"])
+    cfg = composed(
+        ["k=8", "temperature=0.7", "top_k=50", "top_p=0.9", "max_new_tokens=16", "seed=3", "device=cpu", "dtype=float32"]
+    )
     validate(with_default_pair(cfg))
     assert (cfg.k, cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens, cfg.seed) == (8, 0.7, 50, 0.9, 16, 3)
     assert cfg.pair.target.dtype == "float32"  # the pair follows the top-level dtype
@@ -107,8 +121,12 @@ def test_cell_key_hashes_the_device_and_dtype_as_they_resolve(monkeypatch):
     on_gpu = cell_key(auto, torch.device("cuda"))
     assert on_gpu != cell_key(auto, cpu)
     assert on_gpu == cell_key(with_default_pair(composed(["device=cuda:1", "dtype=bfloat16"])), torch.device("cuda:1"))
-    assert on_gpu != cell_key(with_default_pair(composed(["+pair=smollm2", "pair.target.dtype=float16"])), torch.device("cuda"))  # a pinned dtype
-    assert on_gpu == cell_key(with_default_pair(composed(["cpu_linear=torch"])), torch.device("cuda"))  # CPU only: not keyed on a GPU
+    assert on_gpu != cell_key(
+        with_default_pair(composed(["+pair=smollm2", "pair.target.dtype=float16"])), torch.device("cuda")
+    )  # a pinned dtype
+    assert on_gpu == cell_key(
+        with_default_pair(composed(["cpu_linear=torch"])), torch.device("cuda")
+    )  # CPU only: not keyed on a GPU
     assert cell_key(auto, cpu) != cell_key(with_default_pair(composed(["cpu_linear=torch"])), cpu)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert cell_key(auto, torch.device("cuda")) != on_gpu  # another GPU model: another cell
@@ -119,7 +137,7 @@ def test_cell_key_hashes_the_cpu_model_and_threads(monkeypatch):
     measured on one CPU or thread count is not taken as done on another."""
     import torch
 
-    import harness.runner.cell as run
+    import harness.runner.provenance as run
 
     cfg, cpu = with_default_pair(composed(["device=cpu"])), torch.device("cpu")
     monkeypatch.setattr(run, "device_name", lambda device: "Intel(R) Xeon(R) Processor")
@@ -135,26 +153,47 @@ def test_cell_key_hashes_the_cpu_model_and_threads(monkeypatch):
     assert len({intel, amd, more_threads}) == 3 and cell_key(cfg, cpu) == amd
 
 
-@pytest.mark.parametrize("override, message", [
-    ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
-    ("dataset.max_rows=0", "dataset.max_rows=0 must be a positive integer or null"),
-    ("dataset.max_rows=true", "dataset.max_rows=True must be a positive integer or null"),
-    ("dataset.streaming=maybe", "dataset.streaming=maybe must be true or false"),
-    ("dataset.streaming=1", "dataset.streaming=1 must be true or false"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
+        ("dataset.max_rows=0", "dataset.max_rows=0 must be a positive integer or null"),
+        ("dataset.max_rows=true", "dataset.max_rows=True must be a positive integer or null"),
+        ("dataset.streaming=maybe", "dataset.streaming=maybe must be true or false"),
+        ("dataset.streaming=1.5", "dataset.streaming=1.5 must be true or false"),
+    ],
+)
 def test_dataset_rows_and_streaming_are_validated(override, message):
-    from harness.errors import HarnessError
-
-    with pytest.raises(HarnessError, match=re.escape(message)):
-        validate(with_default_pair(composed([override])))
+    assert message in refusal([override])
     for fine in (["dataset.max_rows=null", "dataset.streaming=true"], ["dataset.max_rows=100"]):
+        check_command_line(fine)
         validate(with_default_pair(composed(fine)))
 
 
+@pytest.mark.parametrize(
+    "override, value",
+    [
+        ("dataset.streaming=no", False),
+        ("dataset.streaming=1", True),
+        ("force=off", False),
+        ("prompts.shuffle=yes", True),
+        ("compile=0", False),
+    ],
+)
+def test_a_switch_written_as_a_word_or_a_number_is_a_bool(override, value):
+    """The schema types each switch: Hydra's string `off` (truthy) would have redone every cell."""
+    key = override.partition("=")[0]
+    assert OmegaConf.select(composed([override]), key) is value
+
+
+@pytest.mark.cli
 def test_cfg_job_prints_both_model_ids():
     out = subprocess.run(
         [sys.executable, "-m", "harness", "+pair=llama_7b_68m", "k=4", "--cfg", "job"],
-        capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "meta-llama/Llama-2-7b-hf" in out.stdout and "JackFram/llama-68m" in out.stdout
@@ -174,28 +213,85 @@ def test_prompt_selection_is_balanced_and_seeded():
     assert len(select(prompts, None, 0, False)) == len(prompts)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("top_k=true", "top_k=True must be an integer >= 0"),  # a bool is an int to Python: it would sample top-1
-    ("temperature=true", "temperature=True must be a number from 0"),
-    ("top_p=true", "top_p=True must be in (0, 1]"),
-    ("seed=20000000000000", "seed=20000000000000 must be an integer from 0 to 18446688732643"),  # crashed after loading
-    ("k=abc", "k=abc must be a positive integer"),  # messages are made before the checks: they crashed on it
-    ("k=null", "k=None must be a positive integer"),
-    ("max_new_tokens=abc", "max_new_tokens=abc must be a positive integer"),
-    ("device=0", "device=0 must be auto, cpu, cuda or cuda:N"),  # resolve_device crashed on a number
-    ("device=null", "device=None must be auto, cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("top_k=true", "top_k=True must be an integer >= 0"),  # a bool is an int to Python: it would sample top-1
+        ("top_k=1.5", "top_k=1.5 must be an integer >= 0"),
+        ("temperature=true", "temperature=True must be a number from 0"),
+        ("top_p=true", "top_p=True must be in (0, 1]"),
+        ("top_p=2", "top_p=2.0 must be in (0, 1]"),
+        ("seed=20000000000000", "seed=20000000000000 must be an integer from 0 to 18446688732643"),  # crashed after loading
+        ("k=abc", "k=abc must be a positive integer"),
+        ("k=null", "k=None must be a positive integer"),
+        ("max_new_tokens=abc", "max_new_tokens=abc must be a positive integer"),
+        ("device=0", "device=0 must be auto, cpu, cuda or cuda:N"),  # resolve_device crashed on a number
+        ("device=null", "device=None must be auto, cpu, cuda or cuda:N"),
+        ("force=maybe", "force=maybe must be true or false"),
+        ("pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
+    ],
+)
 def test_bools_and_overflowing_seeds_are_refused_before_loading(override, message):
-    from harness.errors import HarnessError
+    overrides = ["+pair=smollm2_ngram", override] if override.startswith("pair.") else [override]
+    assert message in refusal(overrides)
 
-    with pytest.raises(HarnessError, match=re.escape(message)):
-        validate(with_default_pair(composed([override])))
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["temprature=1"], "unknown setting 'temprature': did you mean temperature?"),
+        (["+pair=smolm2"], "unknown pair 'smolm2': did you mean +pair=smollm2?"),
+        (["dataset=nope"], "unknown dataset 'nope': available: builtin, cnn_dailymail, gsm8k,"),
+        (["-m", "k=1,x"], "k=x must be a positive integer"),  # each swept value is composed
+        (["-m", "+pair=smollm2_ngram", "pair.draft.max_ngram=2,x"], "pair.draft.max_ngram=x must be an integer"),
+        (["exactness.samples=10"], "unknown setting 'exactness.samples'"),  # another entry point's section
+        (["wandb.tags=x"], "wandb.tags=x"),
+    ],
+)
+def test_hydra_decides_and_the_check_says_it_in_one_line(argv, message):
+    assert message in refusal(argv)
+
+
+def test_the_exactness_config_extends_the_schema_with_its_section():
+    import harness.exactness.main  # noqa: F401 - registers exactness_check
+
+    check_command_line(["exactness.samples=40", "exactness.alpha=0.01"], config_name="exactness_check")
+    with pytest.raises(HarnessError, match=r"exactness.samples=abc must be an integer"):
+        check_command_line(["exactness.samples=abc"], config_name="exactness_check")
+    with pytest.raises(
+        HarnessError, match=r"did you mean exactness.num_prompts\? exactness has alpha, detect_tv, length, max_cells"
+    ):
+        check_command_line(["exactness.num_promts=1"], config_name="exactness_check")
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF_DIR / "dataset").glob("*.yaml")))
+def test_every_prompt_set_is_typed_by_the_schema(option):
+    from harness.config.settings import HubPromptSet, LocalPromptSet, PromptSet
+
+    schema = OmegaConf.get_type(composed([f"dataset={option}"]).dataset)
+    assert schema is {"builtin": PromptSet, "local": LocalPromptSet}.get(option, HubPromptSet)
+
+
+def test_the_default_pair_is_typed_as_a_chosen_one():
+    from harness.config.settings import EmbeddedPair, LookupPair
+
+    assert OmegaConf.get_type(with_default_pair(composed([])).pair) is EmbeddedPair
+    assert OmegaConf.get_type(composed(["+pair=smollm2_ngram"]).pair) is LookupPair
+    with pytest.raises(HarnessError, match="default_pair=nope has no conf/pair/nope.yaml"):
+        with_default_pair(composed(["default_pair=nope"]))
+
+
+def test_prompt_lookup_refuses_a_length_it_does_not_know():
+    from harness.core.drafters import NgramDrafter
+
+    with pytest.raises(ValueError, match="length=longest must be match or cost_aware"):
+        NgramDrafter(100, length="longest")
 
 
 def test_the_largest_seed_seeds_every_prompt():
     import torch
 
-    from harness.config.checks import MAX_SEED, PROMPT_SEED_STRIDE
+    from harness.config.settings import MAX_SEED, PROMPT_SEED_STRIDE
 
     validate(with_default_pair(composed([f"seed={MAX_SEED}"])))
     torch.Generator().manual_seed(MAX_SEED * PROMPT_SEED_STRIDE + 10**9)
@@ -204,12 +300,16 @@ def test_the_largest_seed_seeds_every_prompt():
 def test_compile_refuses_a_k_whose_verify_would_run_eagerly():
     """CachedLM compiles steps of up to COMPILED_MAX_TOKENS positions and runs longer ones eagerly: a
     compiled run at k=16 timed its full verifies eager while its cell said compile=true."""
-    from harness.errors import HarnessError
     from harness.models.cached import CachedLM
 
     top = CachedLM.COMPILED_MAX_TOKENS - 1
     validate(with_default_pair(composed(["cache=static", "compile=true", f"k={top}"])))
     validate(with_default_pair(composed(["cache=static", f"k={top + 1}"])))  # eager: any k
-    with pytest.raises(HarnessError, match=re.escape(f"k={top + 1} with compile=true: compiled steps take at most {top + 1} "
-                                                     f"positions and a verify takes k + 1 = {top + 2}, which would run eagerly")):
+    with pytest.raises(
+        HarnessError,
+        match=re.escape(
+            f"k={top + 1} with compile=true: compiled steps take at most {top + 1} "
+            f"positions and a verify takes k + 1 = {top + 2}, which would run eagerly"
+        ),
+    ):
         validate(with_default_pair(composed(["cache=static", "compile=true", f"k={top + 1}"])))

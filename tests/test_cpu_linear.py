@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.models import cpu_linear
-from harness.models.cpu_linear import TransposedLinear, choose, transposed_linear
-from harness.models.shared_draft import build_shared_draft
 from harness.core.drafters import ModelDrafter
-from harness.errors import HarnessError
 from harness.core.loop import autoregressive_decode, speculative_decode
-from harness.models.loading import ModelSpec, load_model
-from harness.models.cached import CachedLM
 from harness.core.sampling import Sampling
+from harness.errors import HarnessError
+from harness.models import cpu_linear
+from harness.models.cached import CachedLM
+from harness.models.cpu_linear import TransposedLinear, choose, transposed_linear
+from harness.models.loading import ModelSpec, load_model
+from harness.models.shared_draft import build_shared_draft
 
 CPU = torch.device("cpu")
 GREEDY = Sampling(0.0)
@@ -31,8 +31,19 @@ def linear_types(model) -> set[type]:
     return {type(m) for m in model.modules() if isinstance(m, nn.Linear)}
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (1, 5, 48), (3, 5, 48), (48,), (0, 48),
-                                   (1, cpu_linear.FEW_ROWS, 48), (1, cpu_linear.FEW_ROWS + 1, 48)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 1, 48),
+        (1, 2, 48),
+        (1, 5, 48),
+        (3, 5, 48),
+        (48,),
+        (0, 48),
+        (1, cpu_linear.FEW_ROWS, 48),
+        (1, cpu_linear.FEW_ROWS + 1, 48),
+    ],
+)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_transposed_product_is_torch_s_up_to_rounding(shape, bias, dtype):
@@ -76,7 +87,10 @@ def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins(
     found = {"rows": list(range(1, cpu_linear.FEW_ROWS + 1)), "torch_ms": ms({}), "transposed_ms": ms(transposed)}
     rows_to = cpu_linear.plan(found)
     assert rows_to[1:] == (1, 2, 4, 4, 5, 6, 7, 8, 12, 12, 12, 12, 0, 0, 0, 0, 0)
-    assert cpu_linear.describe(rows_to) == "W @ x.T, rows padded 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
+    assert (
+        cpu_linear.describe(rows_to)
+        == "W @ x.T, rows padded 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
+    )
     equal = cpu_linear.plan({**found, "transposed_ms": ms({m: 0.5 for m in range(1, 18)})})
     assert equal == cpu_linear.AS_IS  # among equal times, the fewest rows: no padding
     assert cpu_linear.plan({**found, "transposed_ms": ms({m: 0.95 for m in range(1, 18)})}) is None  # torch's everywhere
@@ -96,7 +110,9 @@ def test_the_layers_really_take_the_transposed_product(tiny_pair, monkeypatch):
     draft = build_shared_draft(target, 1, torch.arange(60))
     calls = []
     real = cpu_linear.transposed_linear
-    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda x, w, b=None, plan=cpu_linear.ONE_AS_TWO: calls.append(w) or real(x, w, b, plan))
+    monkeypatch.setattr(
+        cpu_linear, "transposed_linear", lambda x, w, b=None, plan=cpu_linear.ONE_AS_TWO: calls.append(w) or real(x, w, b, plan)
+    )
     ids = torch.arange(5, 9)[None]  # [1, 4]
     choose("transposed", [target, draft], CPU)
     target(ids), draft(ids)
@@ -113,8 +129,11 @@ def test_choosing_a_product_sets_every_linear_layer_and_keeps_the_logits(tiny_pa
     draft = build_shared_draft(target, 1, torch.arange(60))  # its subset head is not an nn.Linear: it has a plan
     ids = torch.arange(5, 17)[None]  # [1, 12]
     before = [m(ids).logits for m in (target, draft)]
-    assert choose("transposed", [target, draft], CPU) == {"mode": "transposed", "product": "transposed",
-                                                          "rows_to": list(cpu_linear.ONE_AS_TWO)}
+    assert choose("transposed", [target, draft], CPU) == {
+        "mode": "transposed",
+        "product": "transposed",
+        "rows_to": list(cpu_linear.ONE_AS_TWO),
+    }
     assert linear_types(target) == {TransposedLinear} and draft.lm_head.rows_to == cpu_linear.ONE_AS_TWO
     for model, logits in zip((target, draft), before):
         torch.testing.assert_close(model(ids).logits, logits, rtol=1e-4, atol=1e-3)
@@ -131,8 +150,9 @@ def test_greedy_speculation_with_the_transposed_product_is_the_target_s_greedy(t
 
     def tokens():
         base = list(autoregressive_decode(CachedLM(target, 98), prompt, GREEDY, 30, set(), torch.Generator()))
-        cycles = speculative_decode(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), prompt, 4, GREEDY, 30, set(),
-                                    torch.Generator())
+        cycles = speculative_decode(
+            CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), prompt, 4, GREEDY, 30, set(), torch.Generator()
+        )
         return base, [t for c in cycles for t in c.tokens]
 
     torch_base, torch_spec = tokens()
@@ -164,8 +184,10 @@ def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, m
     found = cpu_linear.probe([target])
     rows = list(range(1, cpu_linear.FEW_ROWS + 1))  # every row count a step can have
     assert found["rows"] == rows and found["torch_ms"] == found["transposed_ms"] == [1.0] * len(rows)
-    assert sorted(id(w) for w in calls) == sorted(list(size) * len(rows) * 3)  # every weight, once a pass, 3 sweeps
-    assert [m for i, m in enumerate(order) if i == 0 or order[i - 1] != m] == rows * 3  # sweeps over the row counts
+    assert sorted(id(w) for w in calls) == sorted(
+        list(size) * len(rows) * cpu_linear.REPS
+    )  # every weight, once a pass, each sweep
+    assert [m for i, m in enumerate(order) if i == 0 or order[i - 1] != m] == rows * cpu_linear.REPS  # sweeps over the row counts
     assert plans == {cpu_linear.AS_IS}  # the transposed product timed unpadded at each row count
     outlier = iter([50.0] + [1.0] * 1000)  # a disturbance in the first sweep's first pass
     monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(outlier))
@@ -181,11 +203,11 @@ def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, m
     monkeypatch.undo()
 
 
-
 @pytest.mark.parametrize("transposed_ms, product", [(0.5, "transposed"), (0.95, "torch"), (2.0, "torch")])
-def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, monkeypatch, transposed_ms, product):
+def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, tmp_path, monkeypatch, transposed_ms, product):
     """torch's product timed at 1 ms a pass, the transposed one at `transposed_ms`: auto takes the
     transposed product under MARGIN (0.9) of torch's time, and torch's otherwise."""
+    monkeypatch.setenv("SPECBENCH_PLANS", str(tmp_path))  # no plan stored for these shapes yet: auto probes
     target = fresh(tiny_pair)
     used = set()
     real = cpu_linear.transposed_linear
@@ -216,7 +238,7 @@ def test_what_choose_leaves_alone_and_refuses(tiny_pair):
     choose("transposed", [target], CPU)
     assert type(hooked) is nn.Linear and hooked not in cpu_linear._linears([target])
     assert choose("auto", [nn.Sequential(nn.ReLU())], CPU) == {"mode": "auto", "product": "torch"}  # nothing to time
-    with pytest.raises(HarnessError, match="cpu_linear=fast must be one of auto, transposed, torch"):
+    with pytest.raises(HarnessError, match="cpu_linear=fast must be one of auto, probe, transposed, torch"):
         choose("fast", [target], CPU)  # harness.bench does not run validate(): choose checks for itself
 
 
@@ -225,11 +247,14 @@ def plan_of(model_layers) -> set:
     return {None if type(layer) is nn.Linear else layer.rows_to for layer in model_layers}
 
 
-@pytest.mark.parametrize("earlier, plan", [
-    ({"linear": "torch"}, None),
-    ({"linear": "transposed", "linear_rows_to": list(cpu_linear.AS_IS)}, cpu_linear.AS_IS),  # another process's plan
-    ({"linear": "transposed"}, cpu_linear.ONE_AS_TWO),  # a record from before plans
-], ids=["torch", "another-plan", "before-plans"])
+@pytest.mark.parametrize(
+    "earlier, plan",
+    [
+        ({"linear": "torch"}, None),
+        ({"linear": "transposed", "linear_rows_to": list(cpu_linear.AS_IS)}, cpu_linear.AS_IS),  # another process's plan
+    ],
+    ids=["torch", "another-plan"],
+)
 def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, tmp_path, monkeypatch, earlier, plan):
     """cpu_linear=auto times the products in each process; where they are close a resumed cell
     could switch and mix two timing regimes. It follows its earlier prompts' plan instead.
@@ -242,13 +267,21 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
 
     import harness.runner.cell as run
     from harness.config.checks import CONF_DIR
+    from harness.runner.pair import loaded_pairs
 
     rows = list(range(1, cpu_linear.FEW_ROWS + 1))
     found = {"rows": rows, "torch_ms": ms({}), "transposed_ms": ms({m: 0.5 for m in rows} | {3: 0.7}), "seconds": 0.0}
     monkeypatch.setattr(cpu_linear, "probe", lambda models: found)
-    run._loaded.clear()  # a pair loaded by another test was probed for real
-    overrides = ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
-                 "dataset.num_prompts=3", "max_new_tokens=8", "wandb.mode=disabled"]
+    monkeypatch.setenv("SPECBENCH_PLANS", str(tmp_path / "plans"))  # no stored plan: the load probes (the fake above)
+    loaded_pairs.clear()  # a pair loaded by another test was probed for real
+    overrides = [
+        "+pair=llama_7b_68m",
+        f"pair.target.id={tiny_pair['target']}",
+        f"pair.draft.id={tiny_pair['draft']}",
+        "dataset.num_prompts=3",
+        "max_new_tokens=8",
+        "wandb.mode=disabled",
+    ]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = run.with_default_pair(compose(config_name="config", overrides=overrides))
     try:
@@ -264,7 +297,7 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
         linear = second["conditions"]["linear"]
         assert linear["product"] == earlier["linear"] and "resumed" in linear["why"]
         assert linear.get("rows_to") == (list(plan) if plan else None)  # not the load's plan
-        pair = next(iter(run._loaded.values()))
+        pair = next(iter(loaded_pairs.values()))
         assert plan_of(cpu_linear._linears(pair.models())) == {plan}
         last = json.loads((cell / "prompts.jsonl").read_text().splitlines()[-1])
         assert last["linear"] == earlier["linear"] and last.get("linear_rows_to") == linear.get("rows_to")
@@ -273,13 +306,13 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
         assert third["conditions"]["linear"] == first["conditions"]["linear"]
         assert plan_of(cpu_linear._linears(pair.models())) == {cpu_linear.plan(found)}
     finally:
-        run._loaded.clear()  # the cached pair now has the other product: later tests load their own
+        loaded_pairs.clear()  # the cached pair now has the other product: later tests load their own
 
 
 def test_a_probe_whose_sweeps_disagree_says_so(monkeypatch):
     """Another process on the cores makes the probe's sweeps disagree (measured here: slowest / fastest
     1.02-1.05 quiet, 2.0-3.8 beside one busy process, with plans that then took torch's product for one
-    row): the run warns rather than trusting the plan silently."""
+    row): the run warns rather than trusting the plan without a word."""
     layers = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
     sweeps = iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0])  # the second sweep three times slower
     monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(sweeps))

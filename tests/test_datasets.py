@@ -21,13 +21,13 @@ from pathlib import Path
 import datasets
 import pandas as pd
 import pytest
+from conftest import make_tokenizer
 from hydra import compose, initialize_config_dir
 
-from conftest import make_tokenizer
 from harness.config.checks import CONF_DIR, validate, with_default_pair
 from harness.data.datasets import load_prompts
-from harness.errors import HarnessError
 from harness.data.prompts import encode, encode_within, load_builtin, select
+from harness.errors import HarnessError
 
 ROOT = Path(__file__).parent.parent
 DATASETS = sorted(p.stem for p in (CONF_DIR / "dataset").glob("*.yaml"))
@@ -42,7 +42,12 @@ HUB = {  # name: (hf id, config, split, fixed category or None when the set has 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Write a travel blog post about Hawaii.", "Rewrite it in one line."]},
     {"question_id": 82, "category": "writing", "turns": ["Draft an email asking for feedback."]},
-    {"question_id": 111, "category": "math", "turns": ["What is the area of a unit circle?", "And its perimeter?"], "reference": ["pi", "2 pi"]},
+    {
+        "question_id": 111,
+        "category": "math",
+        "turns": ["What is the area of a unit circle?", "And its perimeter?"],
+        "reference": ["pi", "2 pi"],
+    },
     {"question_id": 112, "category": "math", "turns": ["Solve 2x + 3 = 7."], "reference": ["x = 2"]},
     {"question_id": 113, "category": "math", "turns": ["What is 17 * 3?"], "reference": ["51"]},
 ]
@@ -73,7 +78,9 @@ def fake_hub_cache(cache: Path, hf_id: str, config: str | None, split: str, rows
     holding dataset_info.json and <name>-<split>.arrow. Copying such a cache to
     an offline machine is one of the fixes the offline message offers."""
     work.mkdir(parents=True, exist_ok=True)
-    builder = datasets.load_dataset_builder("json", data_files={split: str(write_jsonl(work / "rows.jsonl", rows))}, cache_dir=str(work / "build"))
+    builder = datasets.load_dataset_builder(
+        "json", data_files={split: str(write_jsonl(work / "rows.jsonl", rows))}, cache_dir=str(work / "build")
+    )
     builder.download_and_prepare()
     namespace, name = hf_id.split("/")
     target = cache / f"{namespace}___{name}" / (config or "default") / "0.0.0" / "0123abcd"
@@ -120,12 +127,18 @@ def test_hub_sets_without_the_hub_fail_in_one_line(name):
 def test_local_files_go_through_load_dataset(fmt, tmp_path, monkeypatch):
     rows = [{"uid": f"r{i}", "task": "ab"[i % 2], "text": f"prompt number {i}"} for i in range(6)]
     path = tmp_path / f"prompts.{fmt}"
-    {"jsonl": lambda: write_jsonl(path, rows), "json": lambda: path.write_text(json.dumps(rows)),
-     "csv": lambda: pd.DataFrame(rows).to_csv(path, index=False), "parquet": lambda: pd.DataFrame(rows).to_parquet(path)}[fmt]()
+    {
+        "jsonl": lambda: write_jsonl(path, rows),
+        "json": lambda: path.write_text(json.dumps(rows)),
+        "csv": lambda: pd.DataFrame(rows).to_csv(path, index=False),
+        "parquet": lambda: pd.DataFrame(rows).to_parquet(path),
+    }[fmt]()
     calls = []
     real = datasets.load_dataset
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
-    cfg = composed("dataset=local", f"dataset.path={path}", "dataset.text_field=text", "dataset.category_field=task", "dataset.id_field=uid")
+    cfg = composed(
+        "dataset=local", f"dataset.path={path}", "dataset.text_field=text", "dataset.category_field=task", "dataset.id_field=uid"
+    )
     prompts = load_prompts(cfg.dataset)
     assert calls == [{"parquet": "parquet", "csv": "csv"}.get(fmt, "json")]
     assert prompts == [{"id": r["uid"], "category": r["task"], "prompt": r["text"]} for r in rows]
@@ -148,13 +161,23 @@ def test_builtin_set_goes_through_load_dataset():
 def test_instruction_templates_and_fixed_categories(tmp_path):
     news = write_jsonl(tmp_path / "cnn.jsonl", [{"id": "a1", "article": "Rain fell.", "highlights": "Rain."}])
     [p] = load_prompts(composed("dataset=cnn_dailymail", f"dataset.path={news}").dataset)
-    assert p == {"id": "a1", "category": "summarization", "prompt": "Summarize the following article in three sentences.\n\nRain fell."}
+    assert p == {
+        "id": "a1",
+        "category": "summarization",
+        "prompt": "Summarize the following article in three sentences.\n\nRain fell.",
+    }
     pairs = write_jsonl(tmp_path / "wmt.jsonl", [{"translation": {"de": "Guten Morgen.", "en": "Good morning."}}])
     [p] = load_prompts(composed("dataset=wmt14_de_en", f"dataset.path={pairs}").dataset)
-    assert p == {"id": "wmt14_de_en-0", "category": "translation", "prompt": "Translate the following German text into English.\n\nGuten Morgen."}
+    assert p == {
+        "id": "wmt14_de_en-0",
+        "category": "translation",
+        "prompt": "Translate the following German text into English.\n\nGuten Morgen.",
+    }
     # A bare list field is its first item; an indexed one picks the item.
     questions = write_jsonl(tmp_path / "question.jsonl", SPEC_BENCH[:1])
-    [p] = load_prompts(composed("dataset=local", f"dataset.path={questions}", "dataset.template='{turns} | {turns[1]} ({category})'").dataset)
+    [p] = load_prompts(
+        composed("dataset=local", f"dataset.path={questions}", "dataset.template='{turns} | {turns[1]} ({category})'").dataset
+    )
     assert p["prompt"] == "Write a travel blog post about Hawaii. | Rewrite it in one line. (writing)"
 
 
@@ -171,15 +194,38 @@ def test_more_prompts_than_the_set_warns_and_uses_all(tmp_path, capsys):
         (None, [], "does not exist"),
         ("", [], "is empty"),
         ("\n", [], "holds no rows"),
-        ("{\"turns\": [\"hi\"]}\nnot json\n", [], "cannot be read as json"),
-        ('{"question_id": 1, "prompt": "hi", "category": "x"}\n', [], "has no field 'turns' (its fields: question_id, prompt, category)"),
+        ('{"turns": ["hi"]}\nnot json\n', [], "cannot be read as json"),
+        (
+            '{"question_id": 1, "prompt": "hi", "category": "x"}\n',
+            [],
+            "has no field 'turns' (its fields: question_id, prompt, category)",
+        ),
         ('{"question_id": 1, "turns": ["hi"]}\n', [], "set dataset.category_field to one of them"),
-        ('{"qid": 1, "turns": ["hi"], "category": "x"}\n', [], "has no field 'question_id' (its fields: qid, turns, category): set dataset.id_field to one of them, or dataset.id_field=null"),
+        (
+            '{"qid": 1, "turns": ["hi"], "category": "x"}\n',
+            [],
+            "has no field 'question_id' (its fields: qid, turns, category): set dataset.id_field to one of them, or dataset.id_field=null",
+        ),
         ('{"turns": ["hi"], "category": "x"}\n', ["dataset.id_field=qid"], "has no field 'qid'"),
         ('{"turns": ["hi"], "category": "x"}\n', ["dataset.template='{turns.__class__}'"], "is not a row field"),
-        ('{"question_id": 1, "turns": ["a"], "category": "x"}\n{"question_id": 1, "turns": ["b"], "category": "x"}\n', [], "appears twice"),
+        (
+            '{"question_id": 1, "turns": ["a"], "category": "x"}\n{"question_id": 1, "turns": ["b"], "category": "x"}\n',
+            [],
+            "appears twice",
+        ),
     ],
-    ids=["missing", "empty", "blank", "malformed", "no-text-field", "no-category-field", "no-id-field", "misspelled-id-field", "attribute-template", "duplicate-ids"],
+    ids=[
+        "missing",
+        "empty",
+        "blank",
+        "malformed",
+        "no-text-field",
+        "no-category-field",
+        "no-id-field",
+        "misspelled-id-field",
+        "attribute-template",
+        "duplicate-ids",
+    ],
 )
 def test_bad_local_files_are_one_line(tmp_path, content, overrides, message):
     path = tmp_path / "p.jsonl"
@@ -193,34 +239,57 @@ def test_bad_local_files_are_one_line(tmp_path, content, overrides, message):
 def test_a_text_field_of_messages_or_pairs_is_one_line_with_the_template_that_reads_it(tmp_path):
     """Chat messages (a list of dicts) or a translation pair (a dict) sent as their Python repr would
     be no prompt anyone meant: stop, and name the template that picks the text out of them."""
-    rows = write_jsonl(tmp_path / "chat.jsonl", [
-        {"id": 1, "messages": [{"role": "user", "content": "Hi there"}], "translation": {"de": "Hallo", "en": "Hello"}}])
+    rows = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"id": 1, "messages": [{"role": "user", "content": "Hi there"}], "translation": {"de": "Hallo", "en": "Hello"}}],
+    )
     import shlex
 
-    from harness.config.checks import unparsable
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     base = ("dataset=local", f"dataset.path={rows}", "dataset.id_field=id", "dataset.category_field=null")
-    for field, message in (("messages", "dataset.text_field=messages of local holds dict values (keys: role, content), not text: "
-                                        """pick a field that holds the prompt, or build it with 'dataset.template="{messages[0][content]}"'"""),
-                           ("translation", "holds dict values (keys: de, en), not text")):
+    for field, message in (
+        (
+            "messages",
+            "dataset.text_field=messages of local holds dict values (keys: role, content), not text: "
+            """pick a field that holds the prompt, or build it with 'dataset.template="{messages[0][content]}"'""",
+        ),
+        ("translation", "holds dict values (keys: de, en), not text"),
+    ):
         with pytest.raises(HarnessError) as err:
             load_prompts(composed(*base, f"dataset.text_field={field}").dataset)
         assert message in str(err.value)
         suggested = shlex.split(str(err.value).rpartition("build it with ")[2])[0]  # as the shell hands it to Hydra
-        assert unparsable(suggested) is None and suggested.startswith("dataset.template=")
-    [p] = load_prompts(composed(*base, "dataset.text_field=null", "dataset.template='{messages[0][content]} / {translation[de]}'").dataset)
+        assert OverridesParser.create().parse_overrides([suggested]) and suggested.startswith(
+            "dataset.template="
+        )  # Hydra parses it
+    [p] = load_prompts(
+        composed(*base, "dataset.text_field=null", "dataset.template='{messages[0][content]} / {translation[de]}'").dataset
+    )
     assert p["prompt"] == "Hi there / Hallo"
 
 
 def test_null_fields_and_float_ids(tmp_path):
     """A null template field is empty (not "None"), as a missing one is; a csv
     integer id column with a gap reads as floats, and its ids stay '1', not '1.0'."""
-    rows = write_jsonl(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Hi."], "hint": None, "pair": {"de": None}}])
-    [p] = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.template='{turns} [{hint}] [{pair[de]}]'").dataset)
+    rows = write_jsonl(
+        tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Hi."], "hint": None, "pair": {"de": None}}]
+    )
+    [p] = load_prompts(
+        composed("dataset=local", f"dataset.path={rows}", "dataset.template='{turns} [{hint}] [{pair[de]}]'").dataset
+    )
     assert p["prompt"] == "Hi. [] []"
     table = tmp_path / "p.csv"
     table.write_text("uid,text,task\n1,hello,a\n,world,b\n3,again,a\n")
-    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=text", "dataset.category_field=task", "dataset.id_field=uid").dataset)
+    prompts = load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={table}",
+            "dataset.text_field=text",
+            "dataset.category_field=task",
+            "dataset.id_field=uid",
+        ).dataset
+    )
     assert [p["id"] for p in prompts] == ["1", "local-1", "3"]
 
 
@@ -256,7 +325,6 @@ def test_a_streamed_set_without_max_rows_is_read_to_its_end():
 
 
 # --------------------------------------------------------- cached hub sets
-# --------------------------------------------------------- cached hub sets
 
 
 def test_cached_hub_sets_load_offline(offline_cache, tmp_path):
@@ -273,7 +341,9 @@ def test_cached_hub_sets_load_offline(offline_cache, tmp_path):
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-@pytest.mark.parametrize("override, key, there", [("dataset.split=tset", "split", "test"), ("dataset.hf_config=mian", "hf_config", "main")])
+@pytest.mark.parametrize(
+    "override, key, there", [("dataset.split=tset", "split", "test"), ("dataset.hf_config=mian", "hf_config", "main")]
+)
 def test_a_split_or_config_the_cached_set_lacks_is_named(offline_cache, tmp_path, override, key, there, streaming):
     """Not 'not in the datasets cache': the wrong value, the ones there are, and the setting to change."""
     fake_hub_cache(offline_cache, "openai/gsm8k", "main", "test", [{"question": "Q?", "answer": "A"}], tmp_path)
@@ -288,7 +358,9 @@ def test_a_split_or_config_the_cached_set_lacks_is_named(offline_cache, tmp_path
 def test_a_null_split_names_the_splits(offline_cache, tmp_path, streaming):
     """split=null makes load_dataset return every split: its split names are no fields."""
     fake_hub_cache(offline_cache, "openai/gsm8k", "main", "test", [{"question": "Q?", "answer": "A"}], tmp_path)
-    with pytest.raises(HarnessError, match="dataset.split=null reads every split of openai/gsm8k .*set dataset.split to one of test"):
+    with pytest.raises(
+        HarnessError, match="dataset.split=null reads every split of openai/gsm8k .*set dataset.split to one of test"
+    ):
         load_prompts(composed("dataset=gsm8k", "dataset.split=null", f"dataset.streaming={streaming}").dataset)
 
 
@@ -299,6 +371,7 @@ def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp
     script = textwrap.dedent(f"""
         import time
         from hydra import compose, initialize_config_dir
+        import harness.config.checks  # registers the settings' schema that conf/ extends
         from harness.data.datasets import load_prompts
         from harness.errors import HarnessError
         with initialize_config_dir(config_dir={str(CONF_DIR)!r}, version_base="1.3"):
@@ -319,6 +392,85 @@ def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp
     assert float(seconds) < 5 and "openai/openai_humaneval" in message and "unreachable" in message
 
 
+def online_hub_raising(monkeypatch, err: Exception) -> None:
+    """The hub reachable (no offline flag, the connection check passing) and load_dataset raising `err`."""
+    import harness.models.loading
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(harness.models.loading, "hub_reachable", lambda: True)
+
+    def fail(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+
+
+@pytest.mark.parametrize(
+    "make_error, says, not_says",
+    [
+        (
+            lambda: datasets.exceptions.DatasetNotFoundError(
+                "Dataset 'openai/gsm8k' doesn't exist on the Hub or cannot be accessed."
+            ),
+            "is not on the hub or is gated (Dataset 'openai/gsm8k' doesn't exist",
+            "not in the datasets cache",
+        ),
+        (
+            lambda: datasets.exceptions.DataFilesNotFoundError("No (supported) data files found in openai/gsm8k"),
+            "has no data files that datasets can read (No (supported) data files found",
+            "hub is",
+        ),
+        (
+            lambda: datasets.data_files.EmptyDatasetError(
+                "The directory at hf://datasets/openai/gsm8k doesn't contain any data files"
+            ),
+            "has no data files that datasets can read",
+            "hub is",
+        ),
+        (
+            lambda: ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (ConnectError)"),
+            "the hub is failing (Couldn't reach 'openai/gsm8k' on the Hub (ConnectError)): cache it",
+            "gated",
+        ),
+        (
+            lambda: ValueError("Unknown split \"tset\". Should be one of ['test', 'train']."),
+            "dataset.split=test is not a split of openai/gsm8k (gsm8k): its splits are test, train",
+            "cache",
+        ),
+        (
+            lambda: datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset"),
+            "could not be read: An error occurred",
+            "hub is",
+        ),
+    ],
+    ids=["not-found", "no-data-files", "empty", "connection", "unknown-split", "generation"],
+)
+def test_a_hub_failure_is_told_by_its_exception_class(monkeypatch, make_error, says, not_says):
+    """Each class of error load_dataset raises gets its own one line: a set that is not there, one without
+    data files, a hub out of reach, a split it lacks, a file that does not parse."""
+    online_hub_raising(monkeypatch, make_error())
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=gsm8k").dataset)
+    message = str(err.value)
+    assert message.startswith("dataset") and says in message and not_says not in message and "\n" not in message
+
+
+def test_only_a_bare_value_error_is_read_as_an_unknown_split(monkeypatch):
+    """The split and config names are told by the text of a bare ValueError alone: a subclass (pyarrow's,
+    huggingface_hub's) with the same words is another failure, and is shown as the library says it."""
+
+    class OtherValueError(ValueError):
+        pass
+
+    online_hub_raising(monkeypatch, OtherValueError("Unknown split \"tset\". Should be one of ['test']."))
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=gsm8k").dataset)
+    assert str(err.value) == (
+        "dataset openai/gsm8k (gsm8k), dataset.hf_config=main dataset.split=test: "
+        "Unknown split \"tset\". Should be one of ['test']."
+    )
+
+
 # --------------------------------------------------------- overlong prompts
 
 
@@ -329,8 +481,8 @@ LONG = INSTRUCTION + "The match went on. " * 20 + QUESTION
 def parts(tok, text: str, template: str) -> tuple[list[int], list[int]]:
     """The ids before and after the text's in the encoded prompt: BOS, role header / generation prompt."""
     full, body = encode(tok, text, template), tok(text, add_special_tokens=False)["input_ids"]
-    start = next(i for i in range(len(full)) if full[i:i + len(body)] == body)
-    return full[:start], full[start + len(body):]
+    start = next(i for i in range(len(full)) if full[i : i + len(body)] == body)
+    return full[:start], full[start + len(body) :]
 
 
 @pytest.mark.parametrize("template", ["chat", "raw"])
@@ -342,9 +494,9 @@ def test_overlong_prompts_lose_the_middle_of_their_text(template):
     for budget in (70, 71, 101):  # room for both ends: the text keeps as much of its start as of its end
         ids = encode_within(tok, LONG, template, budget, "truncate")
         assert budget - 1 <= len(ids) <= budget
-        assert ids[:len(prefix)] == prefix and ids[len(ids) - len(suffix):] == suffix
-        body = ids[len(prefix):len(ids) - len(suffix)]
-        assert body[:len(instruction)] == instruction and body[-len(question):] == question
+        assert ids[: len(prefix)] == prefix and ids[len(ids) - len(suffix) :] == suffix
+        body = ids[len(prefix) : len(ids) - len(suffix)]
+        assert body[: len(instruction)] == instruction and body[-len(question) :] == question
     full = encode(tok, LONG, template)
     assert encode_within(tok, LONG, template, len(full), "truncate") == full
     assert encode_within(tok, LONG, template, len(full) - 1, "skip") is None
@@ -359,11 +511,18 @@ def test_a_template_longer_than_the_budget_is_one_line():
 # ------------------------------------------------------------------ results
 
 
+@pytest.mark.cli
 def test_categories_flow_into_results(tiny_pair, tmp_path):
     path = write_jsonl(tmp_path / "question.jsonl", SPEC_BENCH)
     args = [
-        "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
-        "dataset=local", f"dataset.path={path}", "dataset.num_prompts=4", "max_new_tokens=8", f"out_dir={tmp_path / 'out'}",
+        "+pair=llama_7b_68m",
+        f"pair.target.id={tiny_pair['target']}",
+        f"pair.draft.id={tiny_pair['draft']}",
+        "dataset=local",
+        f"dataset.path={path}",
+        "dataset.num_prompts=4",
+        "max_new_tokens=8",
+        f"out_dir={tmp_path / 'out'}",
     ]
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
     out = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -382,10 +541,21 @@ def test_csv_cells_are_read_as_the_file_has_them(tmp_path):
     """pandas would read id 001 as 1, and NA, None or N/A as missing: a category lost, a prompt dropped."""
     table = tmp_path / "c.csv"
     table.write_text("uid,task,text\n001,NA,hello there\n002,EU,N/A\n003,None,plain\n,x,no id\n")
-    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=text",
-                                    "dataset.category_field=task", "dataset.id_field=uid").dataset)
+    prompts = load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={table}",
+            "dataset.text_field=text",
+            "dataset.category_field=task",
+            "dataset.id_field=uid",
+        ).dataset
+    )
     assert [(p["id"], p["category"], p["prompt"]) for p in prompts] == [
-        ("001", "NA", "hello there"), ("002", "EU", "N/A"), ("003", "None", "plain"), ("local-3", "x", "no id")]
+        ("001", "NA", "hello there"),
+        ("002", "EU", "N/A"),
+        ("003", "None", "plain"),
+        ("local-3", "x", "no id"),
+    ]
 
 
 def test_a_file_rewritten_with_its_time_kept_is_read_anew(tmp_path):
@@ -401,33 +571,56 @@ def test_a_file_rewritten_with_its_time_kept_is_read_anew(tmp_path):
 
 def test_a_template_that_renders_empty_skips_the_row(tmp_path):
     rows = write_jsonl(tmp_path / "e.jsonl", [{"a": "x", "b": None}, {"a": "y", "b": "kept"}])
-    prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.text_field=a",
-                                    "dataset.template='{b}'", "dataset.id_field=null", "dataset.category_field=null").dataset)
+    prompts = load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={rows}",
+            "dataset.text_field=a",
+            "dataset.template='{b}'",
+            "dataset.id_field=null",
+            "dataset.category_field=null",
+        ).dataset
+    )
     assert [p["prompt"] for p in prompts] == ["kept"]
 
 
 def test_csv_numbers_take_number_formats_and_blank_first_lines_are_skipped(tmp_path):
     table = tmp_path / "n.csv"
     table.write_text("\n  \nid,text,score,n\n1,hi,3.14159,7\n")
-    [p] = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=text",
-                                "dataset.template='{text} {score:.2f} {n:03d} {text:>4}'", "dataset.id_field=id",
-                                "dataset.category_field=null").dataset)
+    [p] = load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={table}",
+            "dataset.text_field=text",
+            "dataset.template='{text} {score:.2f} {n:03d} {text:>4}'",
+            "dataset.id_field=id",
+            "dataset.category_field=null",
+        ).dataset
+    )
     assert (p["id"], p["prompt"]) == ("1", "hi 3.14 007   hi")
 
 
 def test_rows_a_template_renders_empty_are_named_by_the_template(tmp_path, capsys):
     rows = write_jsonl(tmp_path / "t.jsonl", [{"text": ""}, {"text": "kept"}])
-    prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.text_field=null",
-                                    "dataset.template='{text}'", "dataset.id_field=null", "dataset.category_field=null").dataset)
+    prompts = load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={rows}",
+            "dataset.text_field=null",
+            "dataset.template='{text}'",
+            "dataset.id_field=null",
+            "dataset.category_field=null",
+        ).dataset
+    )
     assert [p["prompt"] for p in prompts] == ["kept"]
     assert "1 of 2 rows have an empty dataset.template (as rendered) and were left out" in capsys.readouterr().err
 
 
 def test_a_hub_sets_revision_reaches_load_dataset_and_the_cell_key(monkeypatch):
-    """Pinning a revision reads those rows and is another cell; unpinned keeps the keys cells had before."""
-    from omegaconf import open_dict
+    """Pinning a revision reads those rows and is another cell; unpinned is the same cell as a config without the setting."""
+    from omegaconf import OmegaConf, open_dict
 
-    from harness.runner.cell import cell_key
+    from harness.runner.store import cell_key
 
     seen = {}
 
@@ -439,10 +632,14 @@ def test_a_hub_sets_revision_reaches_load_dataset_and_the_cell_key(monkeypatch):
     [p] = load_prompts(composed("dataset=gsm8k", "dataset.revision=abc123", "dataset.num_prompts=1").dataset)
     assert seen["revision"] == "abc123" and p["prompt"] == "What is 2 + 2?"
     unpinned = with_default_pair(composed("dataset=gsm8k"))
-    before = unpinned.copy()
-    with open_dict(before):
-        del before.dataset["revision"]  # a config from before the setting existed
-    assert cell_key(unpinned) == cell_key(before) != cell_key(with_default_pair(composed("dataset=gsm8k", "dataset.revision=abc123")))
+    without = OmegaConf.create(OmegaConf.to_container(unpinned))  # untyped: the setting can be left out
+    with open_dict(without):
+        del without.dataset["revision"]  # a config without the setting
+    assert (
+        cell_key(unpinned)
+        == cell_key(without)
+        != cell_key(with_default_pair(composed("dataset=gsm8k", "dataset.revision=abc123")))
+    )
 
 
 # ------------------------------------------------- file layouts and config types
@@ -452,14 +649,24 @@ def test_a_hub_sets_revision_reaches_load_dataset_and_the_cell_key(monkeypatch):
 def test_a_column_oriented_json_file_is_one_line(tmp_path, layout, capsys):
     """json.dump(df.to_dict("list")) or df.to_json() is one object of columns: datasets reads it as one
     row, whose first list items (or an index-keyed dict) would silently be the only prompt."""
-    frame = pd.DataFrame({"id": ["q1", "q2", "q3"], "prompt": ["What is 2+2?", "Name a color.", "Say hi."], "task": ["math", "chat", "chat"]})
+    frame = pd.DataFrame(
+        {"id": ["q1", "q2", "q3"], "prompt": ["What is 2+2?", "Name a color.", "Say hi."], "task": ["math", "chat", "chat"]}
+    )
     path = tmp_path / "cols.json"
     if layout == "lists":
         path.write_text(json.dumps(frame.to_dict("list")))
     else:
         frame.to_json(path)
     with pytest.raises(HarnessError) as err:
-        load_prompts(composed("dataset=local", f"dataset.path={path}", "dataset.text_field=prompt", "dataset.category_field=task", "dataset.id_field=id").dataset)
+        load_prompts(
+            composed(
+                "dataset=local",
+                f"dataset.path={path}",
+                "dataset.text_field=prompt",
+                "dataset.category_field=task",
+                "dataset.id_field=id",
+            ).dataset
+        )
     message = str(err.value)
     assert "column-oriented" in message and "orient" in message and "jsonl" in message and "\n" not in message
     assert "dataset.template" not in message
@@ -469,8 +676,12 @@ def test_a_column_oriented_json_file_is_one_line(tmp_path, layout, capsys):
     [p] = load_prompts(composed("dataset=local", f"dataset.path={one}").dataset)
     assert p["prompt"] == SPEC_BENCH[0]["turns"][0]
     # So is one whose fields are all lists of two but that has no id or category per row: a warning, not a refusal.
-    lists = write_jsonl(tmp_path / "lists.jsonl", [{"turns": ["Write a poem about cats.", "Now make it rhyme."], "tags": ["a", "b"]}])
-    [p] = load_prompts(composed("dataset=local", f"dataset.path={lists}", "dataset.id_field=null", "dataset.category_field=null").dataset)
+    lists = write_jsonl(
+        tmp_path / "lists.jsonl", [{"turns": ["Write a poem about cats.", "Now make it rhyme."], "tags": ["a", "b"]}]
+    )
+    [p] = load_prompts(
+        composed("dataset=local", f"dataset.path={lists}", "dataset.id_field=null", "dataset.category_field=null").dataset
+    )
     assert p["prompt"] == "Write a poem about cats." and "looks column-oriented" in capsys.readouterr().err
 
 
@@ -486,13 +697,27 @@ def test_a_dict_text_field_keyed_by_numbers_gets_no_template_that_cannot_read_it
 @pytest.mark.parametrize("streaming", [False, True])
 def test_class_label_categories_and_ids_are_their_names(tmp_path, streaming):
     """A parquet saved from a datasets.Dataset (or a hub set) stores a ClassLabel as its integer."""
-    features = datasets.Features({"text": datasets.Value("string"), "task": datasets.ClassLabel(names=["pets", "finance", "sport"]),
-                                  "uid": datasets.ClassLabel(names=["b", "a", "c", "d"])})
+    features = datasets.Features(
+        {
+            "text": datasets.Value("string"),
+            "task": datasets.ClassLabel(names=["pets", "finance", "sport"]),
+            "uid": datasets.ClassLabel(names=["b", "a", "c", "d"]),
+        }
+    )
     path = tmp_path / "cl.parquet"
-    datasets.Dataset.from_dict({"text": ["a cat", "a stock", "a goal", "unlabelled"], "task": [0, 1, 2, -1], "uid": [1, 0, 2, 3]},
-                               features=features).to_parquet(str(path))
-    prompts = load_prompts(composed("dataset=local", f"dataset.path={path}", "dataset.text_field=text", "dataset.category_field=task",
-                                    "dataset.id_field=uid", f"dataset.streaming={streaming}").dataset)
+    datasets.Dataset.from_dict(
+        {"text": ["a cat", "a stock", "a goal", "unlabelled"], "task": [0, 1, 2, -1], "uid": [1, 0, 2, 3]}, features=features
+    ).to_parquet(str(path))
+    prompts = load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={path}",
+            "dataset.text_field=text",
+            "dataset.category_field=task",
+            "dataset.id_field=uid",
+            f"dataset.streaming={streaming}",
+        ).dataset
+    )
     assert [(p["id"], p["category"]) for p in prompts] == [("a", "pets"), ("b", "finance"), ("c", "sport"), ("d", "local")]
 
 
@@ -509,11 +734,21 @@ def test_a_numeric_fixed_category_is_text(tmp_path):
 def test_numeric_field_names_read_columns_so_named(tmp_path):
     table = tmp_path / "n.csv"
     table.write_text("1,2,3\nhello,a,x1\nworld,b,x2\n")
-    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=1", "dataset.category_field=2",
-                                    "dataset.id_field=3").dataset)
+    prompts = load_prompts(
+        composed(
+            "dataset=local", f"dataset.path={table}", "dataset.text_field=1", "dataset.category_field=2", "dataset.id_field=3"
+        ).dataset
+    )
     assert prompts == [{"id": "x1", "category": "a", "prompt": "hello"}, {"id": "x2", "category": "b", "prompt": "world"}]
-    prompts = load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=[1,2]", "dataset.category_field=null",
-                                    "dataset.id_field=null").dataset)
+    prompts = load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={table}",
+            "dataset.text_field=[1,2]",
+            "dataset.category_field=null",
+            "dataset.id_field=null",
+        ).dataset
+    )
     assert prompts[0]["prompt"] == "hello\n\na"
     with pytest.raises(HarnessError, match="has no field '5'"):
         load_prompts(composed("dataset=local", f"dataset.path={table}", "dataset.text_field=5").dataset)
@@ -535,13 +770,25 @@ def test_a_hub_source_without_an_hf_id_is_one_line():
 
 def test_a_translation_pair_with_an_empty_side_is_left_out(tmp_path, capsys):
     """The text field `translation` is a dict, never empty: the template's own field, translation[de], is the text."""
-    pairs = write_jsonl(tmp_path / "wmt.jsonl", [{"translation": {"de": "Hallo.", "en": "Hello."}}, {"translation": {"de": "", "en": "x"}},
-                                                 {"translation": {"de": None, "en": "y"}}, {"translation": {"de": "  ", "en": "z"}}])
+    pairs = write_jsonl(
+        tmp_path / "wmt.jsonl",
+        [
+            {"translation": {"de": "Hallo.", "en": "Hello."}},
+            {"translation": {"de": "", "en": "x"}},
+            {"translation": {"de": None, "en": "y"}},
+            {"translation": {"de": "  ", "en": "z"}},
+        ],
+    )
     prompts = load_prompts(composed("dataset=wmt14_de_en", f"dataset.path={pairs}", "dataset.num_prompts=1").dataset)
     assert [p["prompt"] for p in prompts] == ["Translate the following German text into English.\n\nHallo."]
     assert "wmt14_de_en: 3 of 4 rows have an empty translation[de]" in capsys.readouterr().err
     with pytest.raises(HarnessError, match="all 3 rows read have an empty translation"):
-        load_prompts(composed("dataset=wmt14_de_en", f"dataset.path={write_jsonl(tmp_path / 'e.jsonl', [{'translation': {'de': '', 'en': 'x'}}] * 3)}").dataset)
+        load_prompts(
+            composed(
+                "dataset=wmt14_de_en",
+                f"dataset.path={write_jsonl(tmp_path / 'e.jsonl', [{'translation': {'de': '', 'en': 'x'}}] * 3)}",
+            ).dataset
+        )
 
 
 def test_the_offline_line_for_a_null_split_leaves_split_out():
@@ -555,8 +802,11 @@ def test_a_jsonl_whose_fields_change_late_names_the_cause(tmp_path, monkeypatch)
     failed as "cannot be read as json: Couldn't cast", without the cause."""
     real = datasets.load_dataset
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: real(*a, chunksize=64, **kw))
-    rows = write_jsonl(tmp_path / "late.jsonl", [{"question_id": i, "turns": [f"prompt {i}"]} for i in range(20)]
-                       + [{"question_id": 99, "category": "late", "turns": ["late one"]}])
+    rows = write_jsonl(
+        tmp_path / "late.jsonl",
+        [{"question_id": i, "turns": [f"prompt {i}"]} for i in range(20)]
+        + [{"question_id": 99, "category": "late", "turns": ["late one"]}],
+    )
     with pytest.raises(HarnessError) as err:
         load_prompts(composed("dataset=local", f"dataset.path={rows}").dataset)
     message = str(err.value)

@@ -10,9 +10,9 @@ import torch
 from harness.core.drafters import ModelDrafter
 from harness.core.host_syncs import HostReads
 from harness.core.loop import autoregressive_decode, speculative_decode
-from harness.models.loading import ModelSpec, load_model
-from harness.models.cached import CachedLM
 from harness.core.sampling import Sampling
+from harness.models.cached import CachedLM
+from harness.models.loading import ModelSpec, load_model
 
 CPU = torch.device("cpu")
 PROMPT = torch.tensor([5, 17, 33, 8, 60, 12])
@@ -20,8 +20,7 @@ PROMPT = torch.tensor([5, 17, 33, 8, 60, 12])
 
 @pytest.fixture(scope="module")
 def models(tiny_pair):
-    return (load_model(ModelSpec(str(tiny_pair["target"])), CPU),
-            load_model(ModelSpec(str(tiny_pair["draft"])), CPU, "draft"))
+    return (load_model(ModelSpec(str(tiny_pair["target"])), CPU), load_model(ModelSpec(str(tiny_pair["draft"])), CPU, "draft"))
 
 
 def reads_per_site(target_lm: CachedLM, drafter, k: int, sampling: Sampling):
@@ -91,7 +90,11 @@ def test_static_cache_reads_only_in_transformers_mask_code_for_multi_token_forwa
     files = by_file(sites)
     assert sum(c.num_drafted for c in cycles) > 2 * len(cycles)
     mask_reads = sum(files.pop("transformers/masking_utils.py"))
-    assert files == {"harness/core/rule.py": [len(cycles)], "harness/core/loop.py": [len(cycles)], "harness/models/cached.py": [2]}, sites
+    assert files == {
+        "harness/core/rule.py": [len(cycles)],
+        "harness/core/loop.py": [len(cycles)],
+        "harness/models/hf_backends.py": [2],
+    }, sites
     long_forwards = target_lm.long_forwards + draft_lm.long_forwards
     assert long_forwards - 2 <= mask_reads <= long_forwards < 2 * len(cycles)  # a fresh cache's first pass has an int position
 
@@ -99,7 +102,9 @@ def test_static_cache_reads_only_in_transformers_mask_code_for_multi_token_forwa
 def test_the_baseline_reads_each_token_once(models):
     target, _ = models
     with HostReads() as reads:
-        tokens = list(autoregressive_decode(CachedLM(target, 98), PROMPT, Sampling(1.0), 30, set(), torch.Generator().manual_seed(0)))
+        tokens = list(
+            autoregressive_decode(CachedLM(target, 98), PROMPT, Sampling(1.0), 30, set(), torch.Generator().manual_seed(0))
+        )
     assert by_file(reads.sites) == {"harness/core/loop.py": [len(tokens)]}
 
 
@@ -125,7 +130,9 @@ def test_reads_inside_a_model_forward_are_seen(models):
     """A model whose forward reads a value (as some attention-mask code does)
     is caught too: the count covers the model's code, not only ours."""
     target, draft = models
-    handle = draft.model.layers[0].register_forward_hook(lambda module, args, out: None if bool(args[0].isfinite().all()) else None)
+    handle = draft.model.layers[0].register_forward_hook(
+        lambda module, args, out: None if bool(args[0].isfinite().all()) else None
+    )
     try:
         cycles, sites = reads_per_site(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), 4, Sampling(0.0))
     finally:
@@ -138,18 +145,43 @@ def test_host_reads_sees_each_kind_of_read():
     t, mask, i = torch.arange(6), torch.arange(6) > 2, torch.tensor(2)
     reads = []
     with HostReads() as counted:
-        for read in (lambda: t[0].item(), t.tolist, lambda: int(t[1]), lambda: float(t[2]), lambda: bool(t[3]),
-                     t.nonzero, lambda: t[mask], lambda: torch.equal(t, t), t.cpu, lambda: torch.where(mask),
-                     lambda: torch.argwhere(t), lambda: t[i], lambda: t[:i], lambda: t.__setitem__(mask, 0),
-                     lambda: torch.allclose(t, t), lambda: torch.is_nonzero(i), lambda: t.repeat_interleave(t),
-                     lambda: repr(t), lambda: f"{i}"):
+        for read in (
+            lambda: t[0].item(),
+            t.tolist,
+            lambda: int(t[1]),
+            lambda: float(t[2]),
+            lambda: bool(t[3]),
+            t.nonzero,
+            lambda: t[mask],
+            lambda: torch.equal(t, t),
+            t.cpu,
+            lambda: torch.where(mask),
+            lambda: torch.argwhere(t),
+            lambda: t[i],
+            lambda: t[:i],
+            lambda: t.__setitem__(mask, 0),
+            lambda: torch.allclose(t, t),
+            lambda: torch.is_nonzero(i),
+            lambda: t.repeat_interleave(t),
+            lambda: repr(t),
+            lambda: f"{i}",
+        ):
             before = counted.total
             read()
             reads.append(counted.total - before)
         t = torch.arange(6)
-        for keep in (t.sum, t.argmax, lambda: t[1:3], lambda: t[[0, 2]], lambda: torch.cat([t, t]),
-                     lambda: torch.where(mask, t, 0), lambda: t.to(torch.float32), lambda: t.to("cpu"),
-                     lambda: t.repeat_interleave(2), t.any):
+        for keep in (
+            t.sum,
+            t.argmax,
+            lambda: t[1:3],
+            lambda: t[[0, 2]],
+            lambda: torch.cat([t, t]),
+            lambda: torch.where(mask, t, 0),
+            lambda: t.to(torch.float32),
+            lambda: t.to("cpu"),
+            lambda: t.repeat_interleave(2),
+            t.any,
+        ):
             before = counted.total
             keep()
             reads.append(counted.total - before - 1)  # -1 each: none counted
@@ -206,12 +238,20 @@ def test_value_dependent_ops_count_as_reads():
     import torch.nn.functional as F
 
     t = torch.tensor([1, 2, 3])
-    reads = {"in": lambda: 3 in t, "bincount": lambda: t.bincount(), "unique_consecutive": lambda: torch.unique_consecutive(t),
-             "one_hot": lambda: F.one_hot(t), "to a device": lambda: torch.tensor([1, 2], device="meta"),
-             "new_tensor on a device": lambda: t.to("meta").new_tensor([1])}
-    quiet = {"one_hot, sized": lambda: F.one_hot(t, num_classes=5), "tensor on the host": lambda: torch.tensor([1, 2]),
-             "new_tensor on the host": lambda: t.new_tensor([1]),
-             "as_tensor of a tensor": lambda: torch.as_tensor(t.to("meta"), device="meta")}
+    reads = {
+        "in": lambda: 3 in t,
+        "bincount": lambda: t.bincount(),
+        "unique_consecutive": lambda: torch.unique_consecutive(t),
+        "one_hot": lambda: F.one_hot(t),
+        "to a device": lambda: torch.tensor([1, 2], device="meta"),
+        "new_tensor on a device": lambda: t.to("meta").new_tensor([1]),
+    }
+    quiet = {
+        "one_hot, sized": lambda: F.one_hot(t, num_classes=5),
+        "tensor on the host": lambda: torch.tensor([1, 2]),
+        "new_tensor on the host": lambda: t.new_tensor([1]),
+        "as_tensor of a tensor": lambda: torch.as_tensor(t.to("meta"), device="meta"),
+    }
     for name, op in {**reads, **quiet}.items():
         with HostReads() as watched:
             op()

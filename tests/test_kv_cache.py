@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from harness.models.kv_cache import GrowingLayer, in_place
 from harness.models.cached import CachedLM, cache_kwarg
+from harness.models.kv_cache import GrowingLayer, in_place
 from tests.test_loop import sliding_window_pair
 
 
@@ -34,13 +34,22 @@ def hf_reference(model, ids: torch.Tensor) -> list[torch.Tensor]:
     def rollback(length):
         if length < cache.get_seq_length():
             cache.crop(length - cache.get_seq_length())
+
     return steps(forward, rollback, ids)
 
 
 def llama(kv_heads: int, attention: str):
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, max_position_embeddings=512, tie_word_embeddings=False,
-                         attn_implementation=attention)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation=attention,
+    )
     torch.manual_seed(3)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -53,7 +62,7 @@ def llama(kv_heads: int, attention: str):
 def test_logits_are_those_of_hfs_dynamic_cache_bit_for_bit(capacity, kv_heads, attention):
     model = llama(kv_heads, attention)
     lm = CachedLM(model, vocab_size=40)
-    for layer in lm.growing.values():
+    for layer in lm.backend.growing.values():
         layer.capacity = capacity
     for seed in (0, 1):  # the second sequence reuses the first's storage, filled with NaN in between
         ids = torch.randint(3, 40, (48,), generator=torch.Generator().manual_seed(seed))
@@ -63,7 +72,7 @@ def test_logits_are_those_of_hfs_dynamic_cache_bit_for_bit(capacity, kv_heads, a
         for mine, theirs in zip(ours, hf_reference(model, ids), strict=True):
             assert torch.equal(mine, theirs)
         with torch.inference_mode():  # the storage is an inference tensor, as the loop's
-            for layer in lm.growing.values():
+            for layer in lm.backend.growing.values():
                 layer._keys.fill_(float("nan")), layer._values.fill_(float("nan"))
 
 
@@ -75,7 +84,10 @@ def test_a_copy_has_a_cache_of_its_own():
     lm.reserve(300)
     other = copy.copy(lm)
     assert other.model is lm.model and other.cache is not lm.cache
-    assert all(other.growing[i] is not layer and other.growing[i].capacity == 300 for i, layer in lm.growing.items())
+    assert all(
+        other.backend.growing[i] is not layer and other.backend.growing[i].capacity == 300
+        for i, layer in lm.backend.growing.items()
+    )
     lm.forward(torch.arange(3, 13))
     keys = [layer.keys.clone() for layer in lm.cache.layers]
     other.forward(torch.arange(20, 23))
@@ -87,11 +99,11 @@ def test_storage_is_kept_across_sequences_and_reserved_ahead():
     lm = CachedLM(llama(2, "sdpa"), vocab_size=40)
     lm.reserve(300)
     lm.forward(torch.arange(3, 13))
-    storage = {i: layer._keys.data_ptr() for i, layer in lm.growing.items()}
-    assert all(layer._keys.shape[-2] == 300 for layer in lm.growing.values())
+    storage = {i: layer._keys.data_ptr() for i, layer in lm.backend.growing.items()}
+    assert all(layer._keys.shape[-2] == 300 for layer in lm.backend.growing.values())
     lm.reset()
     lm.forward(torch.arange(3, 20))
-    assert {i: layer._keys.data_ptr() for i, layer in lm.growing.items()} == storage
+    assert {i: layer._keys.data_ptr() for i, layer in lm.backend.growing.items()} == storage
     assert [layer.get_seq_length() for layer in lm.cache.layers] == [17, 17]
 
 
@@ -123,13 +135,34 @@ def test_hf_keeps_its_own_layers_and_sliding_windows_keep_theirs():
 
 
 def test_the_benchs_timed_wrapper_has_a_cache_of_its_own():
-    from harness.bench.main import TimedLM
+    from harness.bench.timing import TimedLM
 
     lm = CachedLM(llama(2, "sdpa"), vocab_size=40)
     lm.reserve(300)
     timed = TimedLM(lm)
     assert timed.model is lm.model and timed.cache is not lm.cache
-    assert all(timed.growing[i] is not layer and timed.growing[i].capacity == 300 for i, layer in lm.growing.items())
+    assert all(
+        timed.backend.growing[i] is not layer and timed.backend.growing[i].capacity == 300
+        for i, layer in lm.backend.growing.items()
+    )
     lm.forward(torch.arange(3, 13))
     timed.forward(torch.arange(20, 23))
     assert lm.cache.get_seq_length() == 10 and timed.cache.get_seq_length() == 3 and timed.forwards == 1
+
+
+def test_the_benchs_timed_wrapper_shares_a_static_cache_and_times_prefills():
+    """Compiled steps (CUDA graphs above all) are bound to a static cache's tensors: the bench's timed
+    copies share it (they run in turns with the original), while copy.copy gets a cache of its own."""
+    import copy
+
+    from harness.bench.timing import TimedLM
+
+    lm = CachedLM(llama(2, "sdpa"), vocab_size=40, cache="static", max_len=256)
+    timed = TimedLM(lm)
+    assert timed.cache is lm.cache and timed.lm.backend is not lm.backend and copy.copy(lm).cache is not lm.cache
+    expected = lm.prefill(torch.arange(3, 13))
+    lm.reset()
+    assert torch.equal(timed.prefill(torch.arange(3, 13)), expected)
+    assert timed.forwards == 1 and timed.by_positions[10][1] == 1 and timed.length == 10 and lm.length == 0
+    timed.rollback(4)
+    assert timed.length == 4 and timed.rollback_s > 0

@@ -7,30 +7,40 @@ import json
 
 import pytest
 import torch
+from broken import BROKEN, plugged
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import harness.models.lean
-from broken import BROKEN, plugged
 from harness.config.checks import CONF_DIR, validate, with_default_pair
 from harness.core.drafters import ModelDrafter
+from harness.core.loop import speculative_decode
+from harness.core.sampling import Sampling
 from harness.errors import HarnessError
 from harness.exactness.main import check, format_report, run_check
-from harness.models.lean import LeanLlama
-from harness.core.loop import speculative_decode
-from harness.models.loading import ModelSpec, load_model
 from harness.models.cached import CachedLM
-from harness.runner.cell import cell_key
-from harness.core.sampling import Sampling
+from harness.models.lean import LeanLlama
+from harness.models.loading import ModelSpec, load_model
+from harness.runner.store import cell_key
 
 VOCAB = 98
 
 
 def llama(**settings) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(**{"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, **settings})
+    config = LlamaConfig(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            **settings,
+        }
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -59,9 +69,16 @@ CHUNKS = [torch.arange(3, 13), torch.tensor([20]), torch.tensor([30, 31, 32]), t
 CROPS = {2: 2, 3: 1}  # a verify of 3 with 2 rejected, then one of 2 with 1 rejected
 
 
-@pytest.mark.parametrize("settings", [{}, {"attention_bias": True, "mlp_bias": True}, {"num_key_value_heads": 4},
-                                      {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}],
-                         ids=["gqa", "biases", "mha", "scaled-rope"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"attention_bias": True, "mlp_bias": True},
+        {"num_key_value_heads": 4},
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    ],
+    ids=["gqa", "biases", "mha", "scaled-rope"],
+)
 def test_lean_logits_are_hfs_through_prompt_steps_verifies_and_rollbacks(settings):
     model = llama(**settings)
     expected = hf_steps(model, CHUNKS, CROPS)
@@ -98,8 +115,8 @@ def test_fused_weights_are_views_and_hfs_forward_is_unchanged():
     lean = LeanLlama(model)
     (qkv, _), (gate_up, _) = lean.fused[0]
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0]:].data_ptr()
-    assert mlp.up_proj.weight.data_ptr() == gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0] :].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gate_up[mlp.gate_proj.weight.shape[0] :].data_ptr()
     for got, want in zip(hf_steps(model, CHUNKS, CROPS), before, strict=True):
         assert torch.equal(got, want)
     assert LeanLlama(model).fused is lean.fused  # fused once per model
@@ -159,9 +176,19 @@ def test_the_loop_commits_the_same_tokens_with_either_forward(tiny_pair, samplin
 
 
 def test_other_architectures_are_refused_in_one_line():
-    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2)).eval()
-    with pytest.raises(HarnessError, match=r"forward=lean runs Llama-architecture models only: Qwen2ForCausalLM .*use forward=hf"):
+    qwen = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
+    with pytest.raises(
+        HarnessError, match=r"forward=lean runs Llama-architecture models only: Qwen2ForCausalLM .*use forward=hf"
+    ):
         CachedLM(qwen, VOCAB, forward="lean")
     assert CachedLM(qwen, VOCAB).lean is None  # forward=hf (the default) runs it
 
@@ -183,8 +210,16 @@ def test_auto_is_lean_where_it_runs_and_hfs_forward_elsewhere(monkeypatch, capsy
     HF's forward, without a word, for another architecture or a static cache, and with a warning
     for a Llama model whose logits the lean forward would not reproduce."""
     assert CachedLM(llama(), VOCAB, forward="auto").lean is not None
-    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    qwen = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
     assert CachedLM(qwen, VOCAB, forward="auto").lean is None
     assert CachedLM(llama(), VOCAB, cache="static", forward="auto").lean is None
     assert capsys.readouterr().err == ""
@@ -204,11 +239,14 @@ def composed(*overrides: str):
     return cfg
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["forward=fast"], "forward=fast must be auto, hf or lean"),
-    (["forward=lean", "cache=static"], "forward=lean keeps KV storage of its own and runs eagerly"),
-    (["forward=lean", "cache=static", "compile=true"], "forward=lean keeps KV storage of its own and runs eagerly"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["forward=fast"], "forward=fast must be auto, hf or lean"),
+        (["forward=lean", "cache=static"], "forward=lean keeps KV storage of its own and runs eagerly"),
+        (["forward=lean", "cache=static", "compile=true"], "forward=lean keeps KV storage of its own and runs eagerly"),
+    ],
+)
 def test_bad_forward_settings_are_one_line(overrides, message):
     with pytest.raises(HarnessError, match=message):
         validate(composed(*overrides))
@@ -233,9 +271,18 @@ def test_hfs_forward_keeps_the_cells_it_had_and_lean_and_auto_get_their_own(monk
 def test_exactness_check_passes_with_the_lean_forward(tiny_pair, tmp_path):
     from test_exactness import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, compose_check
 
-    cfg = compose_check(tiny_pair, tmp_path, "forward=lean", f"k={TINY_K}", "temperature=1.0", "top_k=5",
-                        f"exactness.length={TINY_LENGTH}", f"exactness.samples={TINY_SAMPLES}", "exactness.num_prompts=1",
-                        f"exactness.alpha={FAMILY_ALPHA}")
+    cfg = compose_check(
+        tiny_pair,
+        tmp_path,
+        "forward=lean",
+        f"k={TINY_K}",
+        "temperature=1.0",
+        "top_k=5",
+        f"exactness.length={TINY_LENGTH}",
+        f"exactness.samples={TINY_SAMPLES}",
+        "exactness.num_prompts=1",
+        f"exactness.alpha={FAMILY_ALPHA}",
+    )
     report = run_check(cfg, quiet=True)
     assert report["passed"], format_report(report)
     assert json.loads((tmp_path / report["run_dir"].split("/")[-1] / "exactness.json").read_text())["passed"]
@@ -252,6 +299,15 @@ def test_exactness_check_catches_a_missing_rollback_with_the_lean_forward(tiny_p
     lm, drafter = CachedLM(target, vocab, forward="lean"), ModelDrafter(CachedLM(draft, vocab, forward="lean"))
     variant = next(v for v in BROKEN if v.name == "no_rollback")
     with plugged(variant, lm, drafter) as (t, d, rule):
-        report = check(t, d, [("prompt", torch.tensor([1, 40, 60, 70, 80, 90]))], k=TINY_K, sampling=TINY_SAMPLING,
-                       length=TINY_LENGTH, samples=TINY_SAMPLES, alpha=FAMILY_ALPHA, law_target=lm)
+        report = check(
+            t,
+            d,
+            [("prompt", torch.tensor([1, 40, 60, 70, 80, 90]))],
+            k=TINY_K,
+            sampling=TINY_SAMPLING,
+            length=TINY_LENGTH,
+            samples=TINY_SAMPLES,
+            alpha=FAMILY_ALPHA,
+            law_target=lm,
+        )
     assert report["testable"] and report["family_p"] < FAMILY_ALPHA, format_report(report)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.core import sampling as sampling_module
 from harness.core.drafters import ModelDrafter, NgramDrafter
-from harness.errors import HarnessError
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.metrics import cycle_counts
-from harness.models.loading import ModelSpec, load_model
-from harness.models.cached import CachedLM, cache_kwarg
-from harness.core import sampling
 from harness.core.sampling import Sampling, shape_probs
+from harness.errors import HarnessError
+from harness.models.cached import CachedLM, cache_kwarg
+from harness.models.loading import ModelSpec, load_model
 
 PROMPTS = ["hello world", "The quick brown fox", "def f(x): return", "2 + 2 =", "Once upon a time, there"]
 GREEDY = Sampling(0.0)
@@ -90,8 +90,17 @@ def sliding_window_pair(window: int):
 
     def mistral(seed):
         torch.manual_seed(seed)
-        config = MistralConfig(vocab_size=98, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=256, sliding_window=window, tie_word_embeddings=False)
+        config = MistralConfig(
+            vocab_size=98,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            sliding_window=window,
+            tie_word_embeddings=False,
+        )
         model = MistralForCausalLM(config)
         with torch.no_grad():
             model.lm_head.weight.mul_(20.0)
@@ -127,8 +136,18 @@ def test_a_one_token_prompt_with_a_sliding_window_draft(max_new_tokens):
     nothing either: its rollback then finds an empty cache, with no sliding layer to trim."""
     target, draft = sliding_window_pair(window=8)
     prompt = torch.tensor([5])
-    cycles = list(speculative_decode(CachedLM(target, 98), ModelDrafter(CachedLM(draft, 98)), prompt, 4, GREEDY,
-                                     max_new_tokens, set(), torch.Generator().manual_seed(0)))
+    cycles = list(
+        speculative_decode(
+            CachedLM(target, 98),
+            ModelDrafter(CachedLM(draft, 98)),
+            prompt,
+            4,
+            GREEDY,
+            max_new_tokens,
+            set(),
+            torch.Generator().manual_seed(0),
+        )
+    )
     assert [t for c in cycles for t in c.tokens] == base_tokens(target, prompt, max_new_tokens, set())
 
 
@@ -157,8 +176,9 @@ def test_a_sliding_window_cache_refuses_a_rollback_past_its_last_cycle():
     fresh = CachedLM(target, 98)
     fresh.reset()
     fresh.forward(ids[:position], num_logits=1)
-    torch.testing.assert_close(lm.forward(ids[position : position + 2], num_logits=2),
-                               fresh.forward(ids[position : position + 2], num_logits=2))
+    torch.testing.assert_close(
+        lm.forward(ids[position : position + 2], num_logits=2), fresh.forward(ids[position : position + 2], num_logits=2)
+    )
 
 
 def test_static_cache_of_a_sliding_window_model():
@@ -285,13 +305,19 @@ def test_compiled_forwards_give_the_same_tokens(models):
 def test_warm_up_compiles_every_step_a_run_takes(tiny_pair):
     """After Pair.warm_up(k), decoding compiles nothing more: no compilation lands inside
     a timed prompt (it did before warm_up existed, and cost the compiled run 15% of its speed)."""
-    from harness.runner.cell import Pair
+    from harness.runner.pair import Pair
 
     cpu = torch.device("cpu")
     target = load_model(ModelSpec(str(tiny_pair["target"])), cpu)  # fresh modules: nothing compiled for them yet
     draft = load_model(ModelSpec(str(tiny_pair["draft"])), cpu, "draft")
-    pair = Pair("tiny", CachedLM(target, 98, "static", 256, compile=True),
-                ModelDrafter(CachedLM(draft, 98, "static", 256, compile=True)), None, set(), cpu)
+    pair = Pair(
+        "tiny",
+        CachedLM(target, 98, "static", 256, compile=True),
+        ModelDrafter(CachedLM(draft, 98, "static", 256, compile=True)),
+        None,
+        set(),
+        cpu,
+    )
     pair.warm_up(3)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for text in PROMPTS:
@@ -318,7 +344,7 @@ def test_with_cuda_graphs_warm_up_calls_every_step_twice(tiny_pair):
     assert sorted(calls) == [1, 1, 2, 2]
 
 
-# v(n), n = 1..5 positions scored over one, as measured on a 2-core CPU (docs/performance.md):
+# v(n), n = 1..5 positions scored over one, of the shape a 2-core CPU gives (docs/metrics.md):
 # the cost jumps between 3 and 4 positions.
 CPU_VERIFY_COST = [1.0, 1.12, 1.19, 1.58, 1.65]
 
@@ -491,7 +517,7 @@ def test_top_p_from_candidates_equals_the_full_sort(monkeypatch):
     for top_p in (0.3, 0.9, 0.99):
         fast = shape_probs(logits, Sampling(1.0, top_p=top_p))
         with monkeypatch.context() as m:
-            m.setattr(sampling, "NUCLEUS_CANDIDATES", ())
+            m.setattr(sampling_module, "NUCLEUS_CANDIDATES", ())
             full = shape_probs(logits, Sampling(1.0, top_p=top_p))
         assert torch.equal(fast, full)
         sizes = (fast > 0).sum(-1)

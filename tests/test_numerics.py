@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.core.rule import verify
 from harness.core import sampling
+from harness.core.rule import verify
 from harness.core.sampling import Sampling, nucleus_floor, sample, shape_probs
 
 T1 = Sampling(1.0)
@@ -13,11 +13,13 @@ T1 = Sampling(1.0)
 
 def test_non_finite_logits_have_one_fixed_meaning():
     nan, inf = float("nan"), float("inf")
-    logits = torch.tensor([
-        [1.0, nan, 0.0, -inf],  # NaN: impossible
-        [1.0, inf, 0.0, inf],  # +inf: all mass on those, equally
-        [nan, nan, -inf, -inf],  # nothing usable: uniform
-    ])
+    logits = torch.tensor(
+        [
+            [1.0, nan, 0.0, -inf],  # NaN: impossible
+            [1.0, inf, 0.0, inf],  # +inf: all mass on those, equally
+            [nan, nan, -inf, -inf],  # nothing usable: uniform
+        ]
+    )
     p = shape_probs(logits, T1)
     assert torch.isfinite(p).all()
     torch.testing.assert_close(p.sum(-1), torch.ones(3))

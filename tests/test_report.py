@@ -25,18 +25,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).parent.parent
-if str(ROOT) not in sys.path:  # `analysis` is not an installed package (see docs/report.md)
-    sys.path.insert(0, str(ROOT))
+from analysis import decide as decide_mod
+from analysis import fit as fit_mod
+from analysis import paired, report, ship
+from analysis.figures import make_figures, pareto_front
+from analysis.load import load, load_wandb
+from harness.core import metrics
+from harness.errors import HarnessError
+from harness.runner.store import SCHEMA_VERSION
 
-from analysis import decide as decide_mod  # noqa: E402
-from analysis import fit as fit_mod  # noqa: E402
-from analysis import report  # noqa: E402
-from analysis.figures import make_figures, pareto_front  # noqa: E402
-from analysis.load import load, load_wandb  # noqa: E402
-from analysis.sizes import draft_size, rough_params, safetensors_shapes  # noqa: E402
-from harness.core import metrics  # noqa: E402
-from harness.errors import HarnessError  # noqa: E402
+ROOT = Path(__file__).parent.parent
 
 STEP_S = 0.01  # target decode step of the synthetic machine
 
@@ -46,8 +44,8 @@ STEP_S = 0.01  # target decode step of the synthetic machine
 
 def exact_hist(alpha: Fraction, k: int) -> list[int]:
     """Cycles that accept 0..k drafted tokens, proportional to the i.i.d. law, in integers."""
-    scale = alpha.denominator ** k
-    probs = [alpha ** j * (1 - alpha) for j in range(k)] + [alpha ** k]
+    scale = alpha.denominator**k
+    probs = [alpha**j * (1 - alpha) for j in range(k)] + [alpha**k]
     return [int(p * scale) for p in probs]
 
 
@@ -60,30 +58,67 @@ def prompt_record(i: int, category: str, alpha: Fraction, k: int, c: float, b: f
     spec_time = cycles * (k * c + 1 + b * k) * STEP_S * jitter
     base_time = committed * STEP_S
     return {
-        "index": i, "id": f"{category}-{i:02d}", "category": category, "prompt_tokens": 50,
-        "spec": {"cycles": cycles, "committed": committed, "drafted": k * cycles, "accepted": accepted, "tested": tested,
-                 "expected_sum": float(alpha) * tested, "accept_hist": hist,
-                 "position_reached": [sum(hist[i:]) for i in range(k)],
-                 "position_accepted": [sum(hist[i + 1:]) for i in range(k)],
-                 "new_tokens": committed, "time_s": spec_time, "ttft_s": spec_time / cycles, "first_tokens": 1,
-                 "draft_passes": k * cycles if kind == "model" else 0, "tokens": []},
+        "index": i,
+        "id": f"{category}-{i:02d}",
+        "category": category,
+        "prompt_tokens": 50,
+        "spec": {
+            "cycles": cycles,
+            "committed": committed,
+            "drafted": k * cycles,
+            "drafted_after_eos": 0,
+            "accepted": accepted,
+            "tested": tested,
+            "expected_sum": float(alpha) * tested,
+            "accept_hist": hist,
+            # every cycle of a synthetic prompt is its average one, the first (its prompt pass) too
+            "drafted_hist": [0] * k + [cycles],
+            "first_drafted": k,
+            "first_committed": committed / cycles,
+            "position_reached": [sum(hist[i:]) for i in range(k)],
+            "position_accepted": [sum(hist[i + 1 :]) for i in range(k)],
+            "new_tokens": committed,
+            "time_s": spec_time,
+            "ttft_s": spec_time / cycles,
+            "first_tokens": 1,
+            "draft_passes": k * cycles if kind == "model" else 0,
+            "tokens": [],
+        },
         "base": {"new_tokens": committed, "time_s": base_time, "ttft_s": STEP_S, "first_tokens": 1, "tokens": []},
         "speedup": (committed / spec_time) / (committed / base_time),
         "rss_mb": 100.0,
+        "schema_version": SCHEMA_VERSION,
     }
 
 
-GPU = {"device": "cuda", "device_name": "Synthetic GPU", "dtype": "bfloat16"}
+GPU = {"device": "cuda", "device_name": "Synthetic GPU", "dtype": "bfloat16", "threads": 8, "forward": "hf"}
 
 
-def write_cell(root: Path, name: str, kind: str, alpha: Fraction, k: int, c: float, b: float, temperature: float = 0.0,
-               categories: tuple[str, ...] = ("chat", "code"), per_category: int = 6, seed: int = 0,
-               params: int | None = None, dataset: str = "synthetic", alphas: dict | None = None,
-               target: str = "org/target", conditions: dict = GPU, config: dict | None = None,
-               time_factors: list[float] | None = None, tag: str = "") -> Path:
+def write_cell(
+    root: Path,
+    name: str,
+    kind: str,
+    alpha: Fraction,
+    k: int,
+    c: float,
+    b: float,
+    temperature: float = 0.0,
+    categories: tuple[str, ...] = ("chat", "code"),
+    per_category: int = 6,
+    seed: int = 0,
+    params: int | None = None,
+    dataset: str = "synthetic",
+    alphas: dict | None = None,
+    target: str = "org/target",
+    conditions: dict = GPU,
+    config: dict | None = None,
+    time_factors: list[float] | None = None,
+    tag: str = "",
+) -> Path:
     """One cell directory as harness.runner.cell.run_cell writes it. `alphas` gives a category its own alpha;
     `conditions` the summary's run conditions; `config` extra config keys; `time_factors` sets prompt
-    i's speculative time to its baseline time x time_factors[i] (a speedup of 1 / factor); `tag` ends the cell key."""
+    i's speculative time to its baseline time x time_factors[i] (a speedup of 1 / factor); `tag` ends the cell key;
+    `params` the draft's parameters as the run recorded them (default: 10^6 for a model draft, none for prompt lookup)."""
     rng = np.random.default_rng(seed)
     records = []
     for g in categories:
@@ -95,19 +130,56 @@ def write_cell(root: Path, name: str, kind: str, alpha: Fraction, k: int, c: flo
                 r["spec"]["time_s"] = r["base"]["time_s"] * time_factors[(len(records) - 1) % len(time_factors)]
                 r["speedup"] = r["base"]["time_s"] / r["spec"]["time_s"]
     verify = [1 + b * (n - 1) for n in range(1, k + 2)]
-    costs = {"target_step_s": STEP_S, "draft_step_s": c * STEP_S, "cost_ratio": c,
-             "verify_s": [v * STEP_S for v in verify], "verify_cost": verify}
+    costs = {
+        "target_step_s": STEP_S,
+        "draft_step_s": c * STEP_S,
+        "cost_ratio": c,
+        "verify_s": [v * STEP_S for v in verify],
+        "verify_cost": verify,
+    }
     summary = metrics.summarize(records, k, costs)
     cell = f"{name}-k{k}-t{temperature}-{dataset}{tag}"
     draft = {"kind": kind, "id": f"org/{name}"} if kind == "model" else {"kind": "ngram", "max_ngram": 3, "min_ngram": 1}
-    config = {"pair": {"name": name, "target": {"id": target}, "draft": draft}, "dataset": {"name": dataset},
-              "k": k, "temperature": temperature, "top_k": 0, "top_p": 1.0, "seed": 0, "max_new_tokens": 64, **(config or {})}
-    summary.update(pair=name, target=target, draft=draft.get("id", "ngram"), k=k, temperature=temperature, top_k=0,
-                   top_p=1.0, max_new_tokens=config["max_new_tokens"], prompts_skipped=0, prompt_ids=[r["id"] for r in records],
-                   categories=metrics.by_category(records, k, costs), costs=costs, conditions=conditions,
-                   peak_rss_mb=100.0, cell=cell, cell_dir=str(root / cell), status="finished")
-    if params is not None:
-        summary["draft_params"] = params
+    builtin = {"name": dataset, "source": "builtin", "text_field": "prompt", "template": None, "id_field": "id"}
+    config = {
+        "pair": {"name": name, "target": {"id": target}, "draft": draft},
+        "dataset": builtin,
+        "k": k,
+        "temperature": temperature,
+        "top_k": 0,
+        "top_p": 1.0,
+        "seed": 0,
+        "max_new_tokens": 64,
+        "cache": "dynamic",
+        "compile": False,
+        "prompts": {"template": "auto"},
+        **(config or {}),
+    }
+    params = (0 if kind == "ngram" else 10**6) if params is None else params
+    summary.update(
+        pair=name,
+        target=target,
+        draft=draft.get("id", "ngram"),
+        k=k,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=config["max_new_tokens"],
+        dataset=config["dataset"]["name"],
+        dataset_sha256=None,
+        prompts_skipped=0,
+        prompt_ids=[r["id"] for r in records],
+        categories=metrics.by_category(records, k, costs),
+        costs=costs,
+        draft_params=params,
+        draft_bytes=2 * params,
+        conditions=conditions,
+        peak_rss_mb=100.0,
+        cell=cell,
+        cell_dir=str(root / cell),
+        status="finished",
+        schema_version=SCHEMA_VERSION,
+    )
     out = root / cell
     out.mkdir(parents=True)
     (out / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
@@ -149,8 +221,12 @@ def test_drafts_under_one_pair_name_never_share_a_label(tmp_path):
     """Two lookup settings, and two model drafts whose ids end alike, under one pair name each: every
     draft keeps its own label (and so its own fit and candidate), by the shortest end of its id that
     tells it apart."""
-    for name, draft in (("l2", {"kind": "ngram", "max_ngram": 2, "min_ngram": 1}), ("l5", {"kind": "ngram", "max_ngram": 5, "min_ngram": 1}),
-                        ("m1", {"kind": "model", "id": "/ckpt/a/final"}), ("m2", {"kind": "model", "id": "/ckpt/b/final"})):
+    for name, draft in (
+        ("l2", {"kind": "ngram", "max_ngram": 2, "min_ngram": 1}),
+        ("l5", {"kind": "ngram", "max_ngram": 5, "min_ngram": 1}),
+        ("m1", {"kind": "model", "id": "/ckpt/a/final"}),
+        ("m2", {"kind": "model", "id": "/ckpt/b/final"}),
+    ):
         out = write_cell(tmp_path, name, draft["kind"], Fraction(1, 2), 2, 0.05, SLOPE)
         pair = "lookup" if draft["kind"] == "ngram" else "mine"
         config = json.loads((out / "config.yaml").read_text())
@@ -160,7 +236,7 @@ def test_drafts_under_one_pair_name_never_share_a_label(tmp_path):
         (out / "summary.json").write_text(json.dumps({**summary, "pair": pair, "draft": draft.get("id", "ngram")}))
     cells = load(tmp_path).cells
     assert sorted(cells["label"]) == ["lookup/ngram(1-2)", "lookup/ngram(1-5)", "mine/a/final", "mine/b/final"]
-    # The same folder named with a trailing slash is the same draft; a cell without a pair name loads too.
+    # The same folder named with a trailing slash is the same draft; a cell whose pair has no name loads too.
     out = write_cell(tmp_path, "m3", "model", Fraction(1, 2), 4, 0.05, SLOPE)
     config = json.loads((out / "config.yaml").read_text())
     config["pair"].update(name="mine", draft={"kind": "model", "id": "/ckpt/a/final/"})
@@ -169,22 +245,30 @@ def test_drafts_under_one_pair_name_never_share_a_label(tmp_path):
     (out / "summary.json").write_text(json.dumps({**summary, "pair": "mine", "draft": "/ckpt/a/final/"}))
     out = write_cell(tmp_path, "unnamed", "model", Fraction(1, 2), 2, 0.05, SLOPE)
     config = json.loads((out / "config.yaml").read_text())
-    del config["pair"]["name"]
+    config["pair"]["name"] = None
     (out / "config.yaml").write_text(json.dumps(config))
     summary = json.loads((out / "summary.json").read_text())
-    del summary["pair"]
-    (out / "summary.json").write_text(json.dumps(summary))
+    (out / "summary.json").write_text(json.dumps({**summary, "pair": None}))
     cells = load(tmp_path).cells.set_index("cell")
-    assert cells.loc["m3-k4-t0.0-synthetic", "label"] == "mine/a/final" and cells.loc["unnamed-k2-t0.0-synthetic", "label"] == "unnamed"
+    assert (
+        cells.loc["m3-k4-t0.0-synthetic", "label"] == "mine/a/final"
+        and cells.loc["unnamed-k2-t0.0-synthetic", "label"] == "unnamed"
+    )
 
 
 def test_a_draft_in_another_dtype_or_revision_is_another_draft(tmp_path):
     """pair.draft.dtype and pair.draft.revision change the draft: cells that differ in one were
     pooled into one fit, and one of them was never compared. The dtype counts as resolved (auto is
     bfloat16 on CUDA), and only where it differs from the target's; a revision other than main counts."""
-    drafts = {"bf": {"dtype": "auto"}, "bf2": {"dtype": "bfloat16"}, "fp": {"dtype": "float32"},
-              "v2": {"dtype": "auto", "revision": "v2"}, "main": {"revision": "main"}, "pr": {"revision": "refs/pr/3"},
-              "q4": {"gguf_file": "d-q4.gguf"}}
+    drafts = {
+        "bf": {"dtype": "auto"},
+        "bf2": {"dtype": "bfloat16"},
+        "fp": {"dtype": "float32"},
+        "v2": {"dtype": "auto", "revision": "v2"},
+        "main": {"revision": "main"},
+        "pr": {"revision": "refs/pr/3"},
+        "q4": {"gguf_file": "d-q4.gguf"},
+    }
     for name, extra in drafts.items():
         out = write_cell(tmp_path, name, "model", Fraction(1, 2), 2, 0.05, SLOPE)
         config = json.loads((out / "config.yaml").read_text())
@@ -197,12 +281,15 @@ def test_a_draft_in_another_dtype_or_revision_is_another_draft(tmp_path):
     label = lambda name: cells.loc[f"{name}-k2-t0.0-synthetic", "label"]  # noqa: E731
     assert label("bf") == label("bf2") == "p/d" and label("fp") == "p/d[float32]" and label("v2") == "p/d@v2"
     assert label("pr") == "p/d@refs/pr/3" and label("q4") == "p/d[d-q4.gguf]"  # a revision's own slashes stay in it
-    assert cells.loc["main-k2-t0.0-synthetic", "target"] == "org/target@r1" and cells.loc["bf-k2-t0.0-synthetic", "target"] == "org/target"
+    assert (
+        cells.loc["main-k2-t0.0-synthetic", "target"] == "org/target@r1"
+        and cells.loc["bf-k2-t0.0-synthetic", "target"] == "org/target"
+    )
 
 
 def test_a_cell_without_a_speedup_is_no_point_in_the_size_figure(tmp_path):
-    """A summary whose speedup is NaN (a W&B summary that lacks it) made the report stop with a
-    traceback in the speedup-vs-size figure; the decision is made on the per-prompt rows anyway."""
+    """A summary whose speedup is NaN made the report stop with a traceback in the speedup-vs-size
+    figure; the decision is made on the per-prompt rows anyway."""
     from analysis.figures import size_points
 
     out = write_cell(tmp_path, "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
@@ -214,30 +301,41 @@ def test_a_cell_without_a_speedup_is_no_point_in_the_size_figure(tmp_path):
     assert list(size_points(cells)["label"]) == ["b"] and size_points(cells[cells["label"] == "a"]).empty
 
 
-def test_tested_positions_without_prompt_rows_come_from_alpha():
+def test_tested_positions_without_prompt_rows_come_from_alpha(tmp_path):
     """A cell known only by its summary (a W&B run without its artifact): prompt lookup's
     cycles that proposed nothing test no position, which the accepted histogram cannot
     show; alpha = accepted / tested can."""
-    from analysis.load import RawCell, cell_row
+    from analysis.frames import RawCell, cell_row
 
+    cell = write_cell(tmp_path, "lookup", "ngram", Fraction(1, 4), 4, 0.002, SLOPE)
+    config = json.loads((cell / "config.yaml").read_text())
     # 2 cycles without a match, 1 that proposed 2 tokens and kept both, 1 that proposed 4 and kept none:
     # 2 accepted over 3 tested positions.
-    summary = {"accept_hist": [3, 0, 1, 0, 0], "alpha": 2 / 3, "k": 4, "cycles": 4}
-    config = {"pair": {"name": "lookup", "draft": {"kind": "ngram"}}, "k": 4}
+    summary = {
+        **json.loads((cell / "summary.json").read_text()),
+        "accept_hist": [3, 0, 1, 0, 0],
+        "alpha": 2 / 3,
+        "cycles": 4,
+        "cycles_without_draft": 0,
+    }
     row = cell_row(RawCell(config, summary, None, "me/project/run"))
     assert (row["accepted_total"], row["tested_total"]) == (2.0, pytest.approx(3.0))
     nothing = cell_row(RawCell(config, {**summary, "accept_hist": [4, 0, 0, 0, 0], "alpha": 0.0}, None, "run"))
     assert (nothing["accepted_total"], nothing["tested_total"]) == (0.0, 4.0)
-    unmatched = cell_row(RawCell(config, {**summary, "accept_hist": [4, 0, 0, 0, 0], "alpha": 0.0, "cycles_without_draft": 3}, None, "run"))
+    unmatched = cell_row(
+        RawCell(config, {**summary, "accept_hist": [4, 0, 0, 0, 0], "alpha": 0.0, "cycles_without_draft": 3}, None, "run")
+    )
     assert unmatched["tested_total"] == 1.0  # three of the four cycles drafted nothing: they tested no position
 
 
 # Three drafts with known alpha and c, b = 0.02, run at k = 1, 2, 3. By the
 # formula the best measured is "small" at k=3 (1.798x), then "big" at k=3
 # (1.631x), then "lookup" (1.26x); the fit puts small's best k at 4 (1.801x).
-DRAFTS = {"big": ("model", Fraction(4, 5), 0.25, 68_000_000),
-          "small": ("model", Fraction(3, 5), 0.05, 20_000_000),
-          "lookup": ("ngram", Fraction(1, 4), 0.002, None)}
+DRAFTS = {
+    "big": ("model", Fraction(4, 5), 0.25, 68_000_000),
+    "small": ("model", Fraction(3, 5), 0.05, 20_000_000),
+    "lookup": ("ngram", Fraction(1, 4), 0.002, None),
+}
 SLOPE = 0.02
 KS = (1, 2, 3)
 
@@ -360,9 +458,9 @@ def test_no_draft_beats_the_baseline_says_ship_no_speculation(tmp_path):
     results = load(tmp_path)
     fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=200)
     (d,) = decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=500)
-    assert d["mix"]["ship"] == decide_mod.NO_SPECULATION and d["mix"]["k"] is None
+    assert d["mix"]["ship"] == ship.NO_SPECULATION and d["mix"]["k"] is None
     assert d["mix"]["verdict"].startswith("Ship no speculation")
-    assert all(c["ship"] == decide_mod.NO_SPECULATION for c in d["per_category"].values())
+    assert all(c["ship"] == ship.NO_SPECULATION for c in d["per_category"].values())
     assert any("pays off" in line for line in d["mix"]["what_would_change"])
 
 
@@ -384,14 +482,19 @@ def test_what_would_change_names_the_traffic_share_that_flips_the_choice(tmp_pat
 
 def test_mix_speedup_is_baseline_time_over_speculative_time():
     # One candidate, two categories: chat 2x faster, code 1.25x, code's baseline 3x slower per token.
-    table = decide_mod.Table(
-        candidates=[("a", 2)], kinds=["model"], prompt_keys=["p0", "p1", "p2", "p3"],
+    table = paired.Table(
+        candidates=[("a", 2)],
+        kinds=["model"],
+        prompt_keys=["p0", "p1", "p2", "p3"],
         categories=["chat", "chat", "code", "code"],
-        spec_tokens=np.array([[10.0, 10, 10, 10]]), spec_time=np.array([[0.5, 0.5, 2.4, 2.4]]),
-        base_tokens=np.array([[10.0, 10, 10, 10]]), base_time=np.array([[1.0, 1.0, 3.0, 3.0]]))
+        spec_tokens=np.array([[10.0, 10, 10, 10]]),
+        spec_time=np.array([[0.5, 0.5, 2.4, 2.4]]),
+        base_tokens=np.array([[10.0, 10, 10, 10]]),
+        base_time=np.array([[1.0, 1.0, 3.0, 3.0]]),
+    )
     names = ["chat", "code"]
     w = np.array([0.75, 0.25])
-    per_cat, mix = decide_mod.speedups(decide_mod.category_sums(table, np.ones((1, 4)), names), w)
+    per_cat, mix = paired.speedups(paired.category_sums(table, np.ones((1, 4)), names), w)
     assert per_cat[0, 0] == pytest.approx([2.0, 1.25])
     tau_base, tau_spec = np.array([0.1, 0.3]), np.array([0.05, 0.24])
     assert mix[0, 0] == pytest.approx((w @ tau_base) / (w @ tau_spec))  # = 0.15 / 0.0975
@@ -427,8 +530,16 @@ def test_figures_are_written_and_not_blank(loaded, tmp_path):
 
     results, fits, curves = loaded
     made = make_figures(results.cells, results.prompts, fits, curves, tmp_path)
-    assert set(made) == {"speedup_vs_k", "acceptance_by_sampling", "acceptance_by_category", "position_acceptance",
-                         "tokens_per_cycle", "measured_vs_predicted", "speedup_vs_size", "fitted_model"}
+    assert set(made) == {
+        "speedup_vs_k",
+        "acceptance_by_sampling",
+        "acceptance_by_category",
+        "position_acceptance",
+        "tokens_per_cycle",
+        "measured_vs_predicted",
+        "speedup_vs_size",
+        "fitted_model",
+    }
     for path in made.values():
         assert path.stat().st_size > 10_000
         pixels = matplotlib.image.imread(path)
@@ -443,14 +554,25 @@ def test_loader_finds_cells_through_hydra_pointers_and_reports_unfinished(sweep,
     shutil.copytree(sweep / "small-k1-t0.0-synthetic", store / "small-k1-t0.0-synthetic")
     multirun = tmp_path / "multirun"
     (multirun / "0").mkdir(parents=True)
-    (multirun / "0" / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=1"],
-                                                          "cell_dir": str(store / "small-k1-t0.0-synthetic")}))
+    (multirun / "0" / "cell.json").write_text(
+        json.dumps({"job": 0, "status": "finished", "overrides": ["k=1"], "cell_dir": str(store / "small-k1-t0.0-synthetic")})
+    )
     (multirun / "1").mkdir()
-    (multirun / "1" / "cell.json").write_text(json.dumps({"job": 1, "status": "failed", "overrides": ["k=9"],
-                                                          "error": "boom", "cell_dir": None}))
+    (multirun / "1" / "cell.json").write_text(
+        json.dumps({"job": 1, "status": "failed", "overrides": ["k=9"], "error": "boom", "cell_dir": None})
+    )
     (multirun / "2").mkdir()  # a job interrupted, its cell finished since by a resumed run: found, not noted
-    (multirun / "2" / "cell.json").write_text(json.dumps({"job": 2, "status": "interrupted", "overrides": ["k=1"],
-                                                          "error": "interrupted", "cell_dir": str(store / "small-k1-t0.0-synthetic")}))
+    (multirun / "2" / "cell.json").write_text(
+        json.dumps(
+            {
+                "job": 2,
+                "status": "interrupted",
+                "overrides": ["k=1"],
+                "error": "interrupted",
+                "cell_dir": str(store / "small-k1-t0.0-synthetic"),
+            }
+        )
+    )
     results = load(multirun)
     assert results.cells["cell"].tolist() == ["small-k1-t0.0-synthetic"] and len(results.prompts) == 12
     assert any("failed" in n and "boom" in n for n in results.notes)
@@ -478,8 +600,9 @@ class FakeArtifact:
 
 
 class FakeRun:
-    def __init__(self, run_id: str, config: dict, summary: dict, artifacts: list, state: str = "finished",
-                 job_type: str = "benchmark"):
+    def __init__(
+        self, run_id: str, config: dict, summary: dict, artifacts: list, state: str = "finished", job_type: str = "benchmark"
+    ):
         self.id, self.name, self.state, self.job_type = run_id, run_id, state, job_type
         self.config, self.summary_metrics, self._artifacts = config, summary, artifacts
 
@@ -516,19 +639,30 @@ def fake_runs(sweep: Path, with_artifacts: bool = True) -> list[FakeRun]:
     return runs
 
 
-def test_a_relative_pointer_is_read_from_where_its_job_ran(tmp_path, monkeypatch):
-    """With out_dir=results, pointers written before they were absolute hold results/<key>, relative
-    to the folder the sweep ran in (the job's hydra.runtime.cwd), not to the report's own."""
+def test_a_pointer_is_read_from_where_its_job_ran(tmp_path, monkeypatch):
+    """With out_dir=results a job is given results/<key>: a report run from another folder, which holds
+    a cell of the same key under its own results/, reads the job's cell (the pointer's absolute path
+    first while the job's folder is where it ran), not the one beside the report."""
     exp = tmp_path / "exp"
     cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
     job = exp / "multirun" / "d" / "t" / "0"
     (job / ".hydra").mkdir(parents=True)
-    (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n")
-    (job / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=2"], "error": None,
-                                               "cell": cell.name, "cell_dir": f"results/{cell.name}"}))
+    (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n    output_dir: {job}\n")
+    (job / "cell.json").write_text(
+        json.dumps(
+            {
+                "job": 0,
+                "status": "finished",
+                "overrides": ["k=2"],
+                "error": None,
+                "cell": cell.name,
+                "cell_dir": str(cell),
+                "cell_dir_given": f"results/{cell.name}",
+            }
+        )
+    )
     monkeypatch.chdir(tmp_path)  # not where the sweep ran
     assert list(load(exp / "multirun").cells["cell"]) == [cell.name]
-    # Another experiment with a cell of the same key where the report runs: the job's own folder comes first.
     other = write_cell(tmp_path / "results", "a", "model", Fraction(1, 5), 2, 0.05, SLOPE)
     assert other.name == cell.name and list(load(exp / "multirun").cells["alpha"]) == [pytest.approx(0.8)]
 
@@ -540,8 +674,19 @@ def test_a_moved_experiment_is_found_through_the_path_its_job_was_given(tmp_path
     cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
     job = exp / "multirun" / "d" / "t" / "0"
     job.mkdir(parents=True)
-    (job / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=2"], "error": None, "cell": cell.name,
-                                               "cell_dir": str(cell), "cell_dir_given": f"results/{cell.name}"}))
+    (job / "cell.json").write_text(
+        json.dumps(
+            {
+                "job": 0,
+                "status": "finished",
+                "overrides": ["k=2"],
+                "error": None,
+                "cell": cell.name,
+                "cell_dir": str(cell),
+                "cell_dir_given": f"results/{cell.name}",
+            }
+        )
+    )
     shutil.move(str(exp), str(tmp_path / "moved"))
     monkeypatch.chdir(tmp_path)
     results = load(tmp_path / "moved" / "multirun")
@@ -556,8 +701,19 @@ def test_a_copied_experiment_reads_its_own_cells_not_the_originals(tmp_path, mon
     job = exp / "multirun" / "d" / "t" / "0"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n    output_dir: {job}\n")
-    (job / "cell.json").write_text(json.dumps({"job": 0, "status": "finished", "overrides": ["k=2"], "error": None, "cell": cell.name,
-                                               "cell_dir": str(cell), "cell_dir_given": f"results/{cell.name}"}))
+    (job / "cell.json").write_text(
+        json.dumps(
+            {
+                "job": 0,
+                "status": "finished",
+                "overrides": ["k=2"],
+                "error": None,
+                "cell": cell.name,
+                "cell_dir": str(cell),
+                "cell_dir_given": f"results/{cell.name}",
+            }
+        )
+    )
     shutil.copytree(exp, tmp_path / "archive")
     shutil.rmtree(cell)
     write_cell(exp / "results", "a", "model", Fraction(1, 5), 2, 0.05, SLOPE)  # the rerun, in place
@@ -572,12 +728,27 @@ def test_wandb_sweep_loads_into_the_same_frames_as_the_local_tree(sweep):
     remote = load_wandb("me/specbench/abc123", api=api)
     assert api.asked == [("sweep", "me/specbench/abc123")]
     assert remote.kind == "wandb" and any("crashed" in n for n in remote.notes)
-    columns = ["cell", "label", "draft_kind", "dataset", "k", "sampling", "alpha", "speedup", "speedup_ci_low",
-               "cost_ratio", "accepted_total", "tested_total", "draft_params", "has_prompts"]
+    columns = [
+        "cell",
+        "label",
+        "draft_kind",
+        "dataset",
+        "k",
+        "sampling",
+        "alpha",
+        "speedup",
+        "speedup_ci_low",
+        "cost_ratio",
+        "accepted_total",
+        "tested_total",
+        "draft_params",
+        "has_prompts",
+    ]
     pd.testing.assert_frame_equal(remote.cells[columns], local.cells[columns])
     key = ["cell", "prompt_key"]
-    pd.testing.assert_frame_equal(remote.prompts.sort_values(key).reset_index(drop=True),
-                                  local.prompts.sort_values(key).reset_index(drop=True))
+    pd.testing.assert_frame_equal(
+        remote.prompts.sort_values(key).reset_index(drop=True), local.prompts.sort_values(key).reset_index(drop=True)
+    )
     # a project path reads every run; without artifacts the cells stay, cell-level only
     bare = load_wandb("me/specbench", api=FakeApi(fake_runs(sweep, with_artifacts=False)))
     assert len(bare.cells) == 18 and bare.prompts.empty and not bare.cells["has_prompts"].any()
@@ -602,7 +773,9 @@ def test_wandb_project_with_a_swept_dataset_exactness_checks_and_failed_cells(sw
     runs.append(FakeRun("exact-failed", config, {"status": "failed"}, [], state="failed", job_type="exactness"))
     runs.append(FakeRun("failed", config, {"status": "failed"}, [], state="failed"))
     runs.append(FakeRun(summary["cell"], config, {"status": "interrupted"}, [], state="crashed"))  # another run finished it
-    runs.append(FakeRun("again", config, {**summary, "reused": True}, runs[0]._artifacts))  # a later sweep's run of the complete cell
+    runs.append(
+        FakeRun("again", config, {**summary, "reused": True}, runs[0]._artifacts)
+    )  # a later sweep's run of the complete cell
     loaded = load_wandb("me/specbench", api=FakeApi(runs))
     local = load(sweep)
     assert sorted(loaded.cells["cell"]) == sorted(local.cells["cell"])
@@ -612,10 +785,20 @@ def test_wandb_project_with_a_swept_dataset_exactness_checks_and_failed_cells(sw
 
 def test_prompts_of_two_local_files_are_never_paired(tmp_path):
     """Every local file runs as dataset `local`, and ids like local-0 recur from file to file: a
-    file is its own prompt set, named by its file. Cells of one file name are one set, also with
-    results from before summaries recorded the file's SHA-256, unless two contents are known."""
+    file is its own prompt set, named by its file. Cells of one file name are one set, wherever the
+    file was, unless the summaries' SHA-256 say they read two contents."""
+
     def local(path):
-        return {"dataset": {"name": "local", "source": "local", "path": path}}
+        return {
+            "dataset": {
+                "name": "local",
+                "source": "local",
+                "path": path,
+                "text_field": "turns",
+                "template": None,
+                "id_field": "question_id",
+            }
+        }
 
     def content(cell, digest):
         summary = json.loads((cell / "summary.json").read_text())
@@ -625,65 +808,137 @@ def test_prompts_of_two_local_files_are_never_paired(tmp_path):
         results = load(tmp_path)
         return results, dict(zip(results.cells["cell"].str.split("-t").str[0], results.cells["dataset"]))
 
-    write_cell(tmp_path, "a", "model", Fraction(4, 5), 2, 0.05, SLOPE, config=local("/data/easy.jsonl"))
+    content(write_cell(tmp_path, "a", "model", Fraction(4, 5), 2, 0.05, SLOPE, config=local("/data/easy.jsonl")), "ea" * 32)
     b2 = write_cell(tmp_path, "b", "model", Fraction(1, 5), 2, 0.05, SLOPE, seed=1, config=local("/data/hard.jsonl"))
+    content(b2, "ab" * 32)
     results, named = names()
     assert named == {"a-k2": "local:easy.jsonl", "b-k2": "local:hard.jsonl"}
     assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
     (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=100)
     assert len(d["candidates"]) == 1 and any("no prompt was run by every candidate" in n for n in d["notes"])
 
-    content(b2, "ab" * 32)  # a newer cell records the file's content; the older one (moved since) joins it
     b3 = write_cell(tmp_path, "b", "model", Fraction(1, 5), 3, 0.05, SLOPE, seed=2, config=local("/moved/hard.jsonl"))
+    content(b3, "ab" * 32)  # the same content, moved since: one set
     results, named = names()
     assert named["b-k2"] == named["b-k3"] == "local:hard.jsonl" and "dataset_sha256" not in results.cells
-    content(b3, "cd" * 32)  # two contents under one name, and a cell from before the SHA
-    write_cell(tmp_path, "c", "model", Fraction(1, 5), 2, 0.05, SLOPE, seed=3, config=local("/x/hard.jsonl"))
+    content(b3, "cd" * 32)  # two contents under one name
     _, named = names()
-    assert (named["b-k2"], named["b-k3"], named["c-k2"]) == ("local:hard.jsonl#ababab", "local:hard.jsonl#cdcdcd",
-                                                             "local:hard.jsonl#unknown")
+    assert (named["b-k2"], named["b-k3"]) == ("local:hard.jsonl#ababab", "local:hard.jsonl#cdcdcd")
 
 
 def test_a_dataset_is_named_by_the_settings_that_change_its_text(tmp_path):
     """gsm8k's test and train splits share ids (gsm8k-<row>) but not questions: two sets, named by
     the setting that differs. A dataset's own template concerns that dataset only: cnn_dailymail's
     template does not split a decision over both datasets into two."""
+
     def hub(name, **fields):
-        return {"dataset": {"name": name, "source": "hub", "hf_id": f"org/{name}", "split": "test", "template": None, **fields}}
+        return {
+            "dataset": {
+                "name": name,
+                "source": "hub",
+                "hf_id": f"org/{name}",
+                "hf_config": None,
+                "split": "test",
+                "text_field": "question",
+                "template": None,
+                "id_field": None,
+                **fields,
+            }
+        }
 
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, categories=("math",), config=hub("gsm8k"), dataset="g1")
-    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=1,
-               config=hub("gsm8k", split="train"), dataset="g2")
-    write_cell(tmp_path, "c", "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=2,
-               config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"), dataset="g3")  # a local copy: its file, whatever its split says
-    write_cell(tmp_path, "d", "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=3,
-               config=hub("gsm8k", template="Q: {question}\nA:"), dataset="g4")
+    write_cell(
+        tmp_path,
+        "b",
+        "model",
+        Fraction(4, 5),
+        2,
+        0.05,
+        SLOPE,
+        categories=("math",),
+        seed=1,
+        config=hub("gsm8k", split="train"),
+        dataset="g2",
+    )
+    c = write_cell(
+        tmp_path,
+        "c",
+        "model",
+        Fraction(4, 5),
+        2,
+        0.05,
+        SLOPE,
+        categories=("math",),
+        seed=2,
+        config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"),
+        dataset="g3",
+    )  # a local copy: its file, whatever its split says
+    (c / "summary.json").write_text(json.dumps({**json.loads((c / "summary.json").read_text()), "dataset_sha256": "cc" * 32}))
+    write_cell(
+        tmp_path,
+        "d",
+        "model",
+        Fraction(4, 5),
+        2,
+        0.05,
+        SLOPE,
+        categories=("math",),
+        seed=3,
+        config=hub("gsm8k", template="Q: {question}\nA:"),
+        dataset="g4",
+    )
     results = load(tmp_path)
     assert sorted(results.cells["dataset"]) == [
-        "gsm8k[source=gsm8k_copy.jsonl, template=none]", "gsm8k[source=org/gsm8k:test, template=none]",
+        "gsm8k[source=gsm8k_copy.jsonl, template=none]",
+        "gsm8k[source=org/gsm8k:test, template=none]",
         "gsm8k[source=org/gsm8k:test, template=sha-" + hashlib.sha256(b"Q: {question}\nA:").hexdigest()[:6] + "]",
-        "gsm8k[source=org/gsm8k:train, template=none]"]
+        "gsm8k[source=org/gsm8k:train, template=none]",
+    ]
     assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
-    copies = [write_cell(tmp_path, name, "model", Fraction(4, 5), 2, 0.05, SLOPE, categories=("math",), seed=seed,
-                         config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"), dataset=dataset)
-              for name, seed, dataset in (("e", 4, "g5"), ("f", 5, "g6"))]
+    copies = [
+        write_cell(
+            tmp_path,
+            name,
+            "model",
+            Fraction(4, 5),
+            2,
+            0.05,
+            SLOPE,
+            categories=("math",),
+            seed=seed,
+            config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"),
+            dataset=dataset,
+        )
+        for name, seed, dataset in (("e", 4, "g5"), ("f", 5, "g6"))
+    ]
     for cell, digest in zip(copies, ("ee" * 32, "ff" * 32)):  # the copy edited between runs: two contents
-        (cell / "summary.json").write_text(json.dumps({**json.loads((cell / "summary.json").read_text()), "dataset_sha256": digest}))
+        (cell / "summary.json").write_text(
+            json.dumps({**json.loads((cell / "summary.json").read_text()), "dataset_sha256": digest})
+        )
     named = dict(zip(load(tmp_path).cells["cell"].str.split("-t").str[0], load(tmp_path).cells["dataset"]))
-    assert (named["c-k2"], named["e-k2"], named["f-k2"]) == ("gsm8k#unknown", "gsm8k#eeeeee", "gsm8k#ffffff")  # c: before the SHA
+    assert (named["c-k2"], named["e-k2"], named["f-k2"]) == ("gsm8k#cccccc", "gsm8k#eeeeee", "gsm8k#ffffff")
     assert named["a-k2"] == "gsm8k[source=org/gsm8k:test, template=none]"  # read from the hub: no file, no content suffix
 
-    shutil.rmtree(tmp_path)  # results from before the dataset config had a setting join the one value known
-    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, config={"dataset": {"name": "builtin", "source": "builtin"}})
-    write_cell(tmp_path, "b", "model", Fraction(4, 5), 2, 0.05, SLOPE, seed=1, config={"dataset": {
-        "name": "builtin", "source": "builtin", "text_field": "prompt", "template": None, "id_field": "id"}})
-    assert set(load(tmp_path).cells["dataset"]) == {"builtin"}
-
     shutil.rmtree(tmp_path)
-    for name, dataset, category, fields in (("a", "gsm8k", "math", {}), ("a", "cnn", "summarization", {"template": "Summarize:\n\n{article}"}),
-                                            ("b", "gsm8k", "math", {}), ("b", "cnn", "summarization", {"template": "Summarize:\n\n{article}"})):
-        write_cell(tmp_path, name, "model", Fraction(3, 5) if name == "a" else Fraction(4, 5), 2, 0.05, SLOPE,
-                   categories=(category,), config=hub(dataset, **fields), dataset=dataset, seed=len(list(tmp_path.glob("*"))) if tmp_path.exists() else 0)
+    for name, dataset, category, fields in (
+        ("a", "gsm8k", "math", {}),
+        ("a", "cnn", "summarization", {"template": "Summarize:\n\n{article}"}),
+        ("b", "gsm8k", "math", {}),
+        ("b", "cnn", "summarization", {"template": "Summarize:\n\n{article}"}),
+    ):
+        write_cell(
+            tmp_path,
+            name,
+            "model",
+            Fraction(3, 5) if name == "a" else Fraction(4, 5),
+            2,
+            0.05,
+            SLOPE,
+            categories=(category,),
+            config=hub(dataset, **fields),
+            dataset=dataset,
+            seed=len(list(tmp_path.glob("*"))) if tmp_path.exists() else 0,
+        )
     results = load(tmp_path)
     assert set(results.cells["dataset"]) == {"gsm8k", "cnn"} and results.cells["setup"].nunique() == 1
     (d,) = decide_mod.decide(results.cells, results.prompts, None, {"math": 0.5, "summarization": 0.5}, n_resamples=100)
@@ -749,33 +1004,11 @@ def test_report_from_wandb_logs_figures_back(sweep, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(wandb, "init", fake_init)
-    document = report.build("me/specbench/abc123", tmp_path / "out", {"n_resamples": 200},
-                            api=FakeApi(fake_runs(sweep)))
+    document = report.build("me/specbench/abc123", tmp_path / "out", {"n_resamples": 200}, api=FakeApi(fake_runs(sweep)))
     assert logged["init"]["job_type"] == "report" and logged["init"]["group"] == "abc123"
     assert {"report/speedup_vs_k", "report/decision", "report/fits"} <= set(logged) and logged["finished"]
     assert isinstance(logged["report/speedup_vs_k"], wandb.Image)
     assert (tmp_path / "out" / "report.md").exists() and document["kind"] == "wandb"
-
-
-# Draft sizes
-
-
-def test_draft_size_from_safetensors_headers_and_config(tiny_pair):
-    from transformers import AutoModelForCausalLM
-
-    from harness.models.loading import PLAIN
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair["draft"], **PLAIN)
-    true = sum(p.numel() for p in model.parameters())
-    size = draft_size("model", str(tiny_pair["draft"]), "bfloat16")
-    assert size == {"params": float(true), "bytes": 2.0 * true, "source": "weights"}
-    config = json.loads((tiny_pair["draft"] / "config.json").read_text())
-    assert rough_params(config) == true  # exact for a Llama without biases
-    assert draft_size("ngram", None, "float32") == {"params": 0.0, "bytes": 0.0, "source": "ngram"}
-    assert draft_size("model", "nobody/nothing-here", "float32")["source"] == "unknown"
-    assert draft_size("model", "x", "float16", {"draft_params": 10})["bytes"] == 20.0
-    (shapes,) = [safetensors_shapes(p) for p in tiny_pair["draft"].glob("*.safetensors")]
-    assert "model.embed_tokens.weight" in shapes
 
 
 # The command
@@ -783,8 +1016,21 @@ def test_draft_size_from_safetensors_headers_and_config(tiny_pair):
 
 def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, capsys):
     out = tmp_path / "rep"
-    code = report.main([str(sweep), "--out", str(out), "--weights", "chat=0.7,code=0.3", "--resamples", "300",
-                        "--cost-ratio", "big=0.02", "--whatif-name", "H100"])
+    code = report.main(
+        [
+            str(sweep),
+            "--out",
+            str(out),
+            "--weights",
+            "chat=0.7,code=0.3",
+            "--resamples",
+            "300",
+            "--cost-ratio",
+            "big=0.02",
+            "--whatif-name",
+            "H100",
+        ]
+    )
     assert code == 0
     assert "Ship small with k=3" in capsys.readouterr().out
     for name in ("report.md", "cells.csv", "fits.csv", "decision.json", "whatif.csv"):
@@ -801,20 +1047,26 @@ def test_report_command_on_a_synthetic_sweep_writes_one_folder(sweep, tmp_path, 
     assert "expected NAME=NUMBER" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--max-k", "0"], "max_k=0 must be a whole number of at least 1"),
-    (["--resamples", "0"], "resamples=0 must be a whole number of at least 2"),
-    (["--resamples", "-1"], "resamples=-1 must be"),
-    (["--draft-step-ms", "2.5"], "needs the target's step time on that machine too: add --target-step-ms"),
-    (["--draft-step-ms", "big=2.5", "--cost-ratio", "small=0.1"], "needs the target's step time"),
-    (["--cost-ratio", "-1"], "whatif.cost_ratio=-1.0 must be at least 0"),
-    (["--verify-slope", "-1"], "whatif.verify_slope=-1.0 must be at least 0"),
-    (["--target-step-ms", "-5", "--draft-step-ms", "2"], "whatif.target_step_ms=-5.0 must be above 0"),
-    (["--cost-ratio", "nosuch=0.04"], "whatif.cost_ratio names nosuch, which is no draft in these results; the drafts are: big, lookup, small"),
-    (["--weights", "chat=0,code=0"], "are all zero"),
-    (["--weights", "chat=inf,code=1"], "must be finite numbers"),
-    (["--weights", "chat=nan,code=1"], "must be finite numbers"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--max-k", "0"], "max_k=0 must be a whole number of at least 1"),
+        (["--resamples", "0"], "resamples=0 must be a whole number of at least 2"),
+        (["--resamples", "-1"], "resamples=-1 must be"),
+        (["--draft-step-ms", "2.5"], "needs the target's step time on that machine too: add --target-step-ms"),
+        (["--draft-step-ms", "big=2.5", "--cost-ratio", "small=0.1"], "needs the target's step time"),
+        (["--cost-ratio", "-1"], "whatif.cost_ratio=-1.0 must be at least 0"),
+        (["--verify-slope", "-1"], "whatif.verify_slope=-1.0 must be at least 0"),
+        (["--target-step-ms", "-5", "--draft-step-ms", "2"], "whatif.target_step_ms=-5.0 must be above 0"),
+        (
+            ["--cost-ratio", "nosuch=0.04"],
+            "whatif.cost_ratio names nosuch, which is no draft in these results; the drafts are: big, lookup, small",
+        ),
+        (["--weights", "chat=0,code=0"], "are all zero"),
+        (["--weights", "chat=inf,code=1"], "must be finite numbers"),
+        (["--weights", "chat=nan,code=1"], "must be finite numbers"),
+    ],
+)
 def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flags, says):
     out = tmp_path / "rep"
     assert report.main([str(sweep), "--out", str(out), *flags]) == 2
@@ -823,15 +1075,18 @@ def test_a_bad_setting_is_one_line_before_any_work(sweep, tmp_path, capsys, flag
     assert not out.exists()
 
 
-@pytest.mark.parametrize("text, says", [
-    ("weigths: {code: 1}\n", "unknown setting weigths; known are weights"),
-    ("whatif: {cost_ratoi: 0.1}\n", "unknown setting whatif.cost_ratoi"),
-    ("weights: {code: abc}\n", "must map categories to numbers"),
-    ("weights: [1, 2]\n", "--config"),
-    ("weights: {code: 1\n", "does not parse"),
-    ("confidence: abc\n", "confidence=abc must be in (0, 1)"),
-    ("whatif: 5\n", "whatif must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("weigths: {code: 1}\n", "unknown setting weigths; known are weights"),
+        ("whatif: {cost_ratoi: 0.1}\n", "unknown setting whatif.cost_ratoi"),
+        ("weights: {code: abc}\n", "must map categories to numbers"),
+        ("weights: [1, 2]\n", "--config"),
+        ("weights: {code: 1\n", "does not parse"),
+        ("confidence: abc\n", "confidence=abc must be in (0, 1)"),
+        ("whatif: 5\n", "whatif must be a mapping"),
+    ],
+)
 def test_a_bad_settings_file_is_one_line_before_any_work(sweep, tmp_path, capsys, text, says):
     (tmp_path / "bad.yaml").write_text(text)
     out = tmp_path / "rep"
@@ -843,7 +1098,10 @@ def test_a_bad_settings_file_is_one_line_before_any_work(sweep, tmp_path, capsys
 
 def test_a_settings_file_with_whatif_null_keeps_the_defaults(tmp_path):
     (tmp_path / "s.yaml").write_text("whatif: null\n")
-    assert report.settings(report.parser().parse_args(["results", "--config", str(tmp_path / "s.yaml")]))["whatif"]["name"] == "other hardware"
+    assert (
+        report.settings(report.parser().parse_args(["results", "--config", str(tmp_path / "s.yaml")]))["whatif"]["name"]
+        == "other hardware"
+    )
 
 
 def test_a_draft_step_time_with_its_cost_ratio_given_needs_no_target_step():
@@ -865,8 +1123,15 @@ def test_an_unknown_alpha_is_said_to_be_unknown(tmp_path):
     cell = write_cell(tmp_path, "lookup", "ngram", Fraction(1, 4), 2, 0.002, SLOPE, time_factors=[1.02])
     records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
     for r in records:
-        r["spec"].update(accepted=0, tested=0, drafted=0, accept_hist=[r["spec"]["cycles"], 0, 0],
-                         position_reached=[0, 0], position_accepted=[0, 0], expected_sum=0.0)
+        r["spec"].update(
+            accepted=0,
+            tested=0,
+            drafted=0,
+            accept_hist=[r["spec"]["cycles"], 0, 0],
+            position_reached=[0, 0],
+            position_accepted=[0, 0],
+            expected_sum=0.0,
+        )
     (cell / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = json.loads((cell / "summary.json").read_text())
     (cell / "summary.json").write_text(json.dumps({**summary, "alpha": float("nan"), "accept_hist": [100, 0, 0]}))
@@ -877,17 +1142,35 @@ def test_an_unknown_alpha_is_said_to_be_unknown(tmp_path):
     assert "α is unknown" in changes and "even a free draft" not in changes
 
 
+@pytest.mark.cli
 def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     sweep_dir = tmp_path / "multirun"
     start = time.perf_counter()
     run = subprocess.run(
-        [sys.executable, "-m", "harness", "-m", "+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}",
-         f"pair.draft.id={tiny_pair['draft']}", "pair.draft.kind=model,ngram", "k=1,2", "dataset.num_prompts=3",
-         "max_new_tokens=8", f"out_dir={tmp_path / 'results'}", f"hydra.sweep.dir={sweep_dir}",
-         "cpu_linear=transposed"],  # pinned: auto times each pair's tiny layers at load, and on a busy machine two
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "-m",
+            "+pair=llama_7b_68m",
+            f"pair.target.id={tiny_pair['target']}",
+            f"pair.draft.id={tiny_pair['draft']}",
+            "pair.draft.kind=model,ngram",
+            "k=1,2",
+            "dataset.num_prompts=3",
+            "max_new_tokens=8",
+            f"out_dir={tmp_path / 'results'}",
+            f"hydra.sweep.dir={sweep_dir}",
+            "cpu_linear=transposed",
+        ],  # pinned: auto times each pair's tiny layers at load, and on a busy machine two
         # pairs could get different products, which the report keeps apart as two setups (two decisions)
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     sweep_s = time.perf_counter() - start
     # `python -m analysis.report` is report.main; called in-process it skips a second torch import (seconds here)
@@ -898,8 +1181,7 @@ def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
     assert len(cells) == 4 and set(cells["draft_kind"]) == {"model", "ngram"}
     assert set(cells["label"]) == {"llama_7b_68m/draft", "llama_7b_68m/ngram(1-3)"}
     assert cells.loc[cells["draft_kind"] == "ngram", "draft_params"].eq(0).all()
-    assert cells.loc[cells["draft_kind"] == "model", "draft_size_source"].eq("run").all()  # recorded by the run itself
-    assert cells.loc[cells["draft_kind"] == "model", "draft_params"].gt(0).all()
+    assert cells.loc[cells["draft_kind"] == "model", "draft_params"].gt(0).all()  # recorded by the run itself
     assert len(pd.read_csv(folder / "fits.csv")) == 2
     (decision,) = json.loads((folder / "decision.json").read_text())["decisions"]
     assert decision["mix"]["verdict"].startswith("Ship")
@@ -914,7 +1196,7 @@ def test_end_to_end_on_a_tiny_multirun(tiny_pair, tmp_path, capsys):
 # Contexts: one target, one sampling setting, one set of run conditions
 
 
-CPU = {"device": "cpu", "device_name": "Synthetic CPU", "dtype": "float32"}
+CPU = {"device": "cpu", "device_name": "Synthetic CPU", "dtype": "float32", "threads": 2, "forward": "hf"}
 
 
 def test_a_context_and_a_fit_hold_one_device(tmp_path):
@@ -922,18 +1204,16 @@ def test_a_context_and_a_fit_hold_one_device(tmp_path):
     decision and fit would be some of both."""
     write_cell(tmp_path / "gpu", "a", "model", Fraction(3, 5), 2, 0.05, SLOPE)
     write_cell(tmp_path / "gpu", "b", "model", Fraction(1, 2), 2, 0.05, SLOPE, seed=2)
-    write_cell(tmp_path / "cpu", "a", "model", Fraction(3, 5), 2, 0.60, SLOPE, seed=1, conditions=CPU)
-    write_cell(tmp_path / "cpu", "b", "model", Fraction(1, 2), 2, 0.10, SLOPE, seed=3, conditions=CPU)
+    write_cell(tmp_path / "cpu", "a", "model", Fraction(3, 5), 2, 0.60, SLOPE, seed=1, conditions=CPU, tag="-cpu")
+    write_cell(tmp_path / "cpu", "b", "model", Fraction(1, 2), 2, 0.10, SLOPE, seed=3, conditions=CPU, tag="-cpu")
     results = load(tmp_path)
-    # the same cell key on two devices (the harness hashes device: auto): both kept, each under its own id
     assert len(results.cells) == 4 and results.cells["cell"].is_unique and not results.notes
-    assert set(results.cells["cell"]) >= {"a-k2-t0.0-synthetic@Synthetic CPU", "a-k2-t0.0-synthetic@Synthetic GPU"}
     assert len(results.prompts) == 4 * 12
     fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=100)
     assert sorted(fits["cost_ratio"]) == pytest.approx([0.05, 0.05, 0.10, 0.60])
     decisions = decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=200)
-    ship = {d["device_name"]: d["mix"]["ship"] for d in decisions}
-    assert ship == {"Synthetic GPU": "a", "Synthetic CPU": "b"}
+    shipped = {d["device_name"]: d["mix"]["ship"] for d in decisions}
+    assert shipped == {"Synthetic GPU": "a", "Synthetic CPU, 2 threads": "b"}
     assert all(d["prompts"] == 12 and "device=Synthetic" in d["context"] for d in decisions)
     # a second copy of one cell on one device is a duplicate
     shutil.copytree(tmp_path / "gpu" / "a-k2-t0.0-synthetic", tmp_path / "again" / "a-k2-t0.0-synthetic")
@@ -941,30 +1221,72 @@ def test_a_context_and_a_fit_hold_one_device(tmp_path):
     assert len(again.cells) == 4 and any("found twice" in n for n in again.notes)
 
 
-@pytest.mark.parametrize("change", [{"conditions": {**GPU, "dtype": "float16"}}, {"config": {"max_new_tokens": 256}},
-                                    {"config": {"cache": "static"}}, {"config": {"compile": True}},
-                                    {"config": {"prompts": {"template": "raw"}}},  # other text under the same ids
-                                    {"conditions": {}}])
+def test_one_cell_key_under_two_device_labels_keeps_both(tmp_path):
+    """cpu_linear=auto picks a CPU's linear product as the models load: one cell key run in two results
+    folders can carry two device labels. Both cells are kept, each `cell` suffixed by its device."""
+    for folder, linear in (("torch", {"product": "torch"}), ("transposed", {"product": "transposed"})):
+        write_cell(
+            tmp_path / folder, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, conditions={**CPU, "linear": linear}
+        )
+    results = load(tmp_path)
+    assert sorted(results.cells["cell"]) == [
+        "a-k2-t0.0-synthetic@Synthetic CPU, 2 threads",
+        "a-k2-t0.0-synthetic@Synthetic CPU, 2 threads, W @ x.T",
+    ]
+    assert not results.notes and results.prompts["cell"].nunique() == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"conditions": {**GPU, "dtype": "float16"}},
+        {"config": {"max_new_tokens": 256}},
+        {"config": {"cache": "static"}},
+        {"config": {"compile": True}},
+        {"config": {"prompts": {"template": "raw"}}},  # other text under the same ids
+        {"conditions": {**GPU, "forward": "lean"}},
+    ],
+)
 def test_each_run_condition_splits_contexts_and_fits(tmp_path, change):
-    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3,
-               config={"cache": "dynamic", "compile": False})
-    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, tag="-other",
-               **{"config": {"cache": "dynamic", "compile": False}, **change})
+    write_cell(
+        tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, config={"cache": "dynamic", "compile": False}
+    )
+    write_cell(
+        tmp_path,
+        "a",
+        "model",
+        Fraction(3, 5),
+        2,
+        0.05,
+        SLOPE,
+        per_category=3,
+        tag="-other",
+        **{"config": {"cache": "dynamic", "compile": False}, **change},
+    )
     results = load(tmp_path)
     assert results.cells["setup"].nunique() == 2
     fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=50)
     assert len(fits) == 2
     assert len(decide_mod.decide(results.cells, results.prompts, fits, None, n_resamples=50)) == 2
-    if change == {"conditions": {}}:  # older results without conditions: unknown, one setup of their own
-        assert "device=unknown, dtype=unknown" in results.cells["setup"].iloc[-1]
 
 
 def test_cpu_threads_split_contexts(tmp_path):
     """A CPU's timings depend on its torch threads, which the harness keys cells by:
     the same CPU at 2 and at 4 threads is two setups, never pooled."""
     for threads, tag in ((2, ""), (4, "-4threads")):
-        write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, tag=tag,
-                   conditions={**CPU, "threads": threads}, config={"cache": "dynamic", "compile": False})
+        write_cell(
+            tmp_path,
+            "a",
+            "model",
+            Fraction(3, 5),
+            2,
+            0.05,
+            SLOPE,
+            per_category=3,
+            tag=tag,
+            conditions={**CPU, "threads": threads},
+            config={"cache": "dynamic", "compile": False},
+        )
     results = load(tmp_path)
     assert results.cells["setup"].nunique() == 2
     assert {"Synthetic CPU, 2 threads", "Synthetic CPU, 4 threads"} == set(results.cells["device_name"])
@@ -974,20 +1296,38 @@ def test_cpu_threads_split_contexts(tmp_path):
 
 def test_the_cpu_linear_product_splits_contexts(tmp_path):
     """cpu_linear changes a CPU's step times as much as its threads do: cells run with the
-    transposed product are another setup than those with torch's (or older results, which used torch's)."""
-    for linear, tag in (({"product": "torch"}, ""), ({"product": "transposed"}, "-transposed"), (None, "-older")):
-        conditions = {**CPU, "threads": 2, **({"linear": linear} if linear else {})}
-        write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, tag=tag,
-                   conditions=conditions, config={"cache": "dynamic", "compile": False})
+    transposed product are another setup than those with torch's."""
+    for linear, tag in (({"product": "torch"}, ""), ({"product": "transposed"}, "-transposed")):
+        write_cell(
+            tmp_path,
+            "a",
+            "model",
+            Fraction(3, 5),
+            2,
+            0.05,
+            SLOPE,
+            per_category=3,
+            tag=tag,
+            conditions={**CPU, "linear": linear},
+            config={"cache": "dynamic", "compile": False},
+        )
     results = load(tmp_path)
-    assert sorted(results.cells["device_name"]) == ["Synthetic CPU, 2 threads"] * 2 + ["Synthetic CPU, 2 threads, W @ x.T"]
+    assert sorted(results.cells["device_name"]) == ["Synthetic CPU, 2 threads", "Synthetic CPU, 2 threads, W @ x.T"]
     assert results.cells["setup"].nunique() == 2
 
 
 def test_ship_rule_ships_the_best_confident_candidate(tmp_path):
-    """"a" measures highest but varies wildly by prompt; "b" is a little slower and steady."""
-    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE,
-               time_factors=[0.45, 0.5, 0.55, 1.9, 1.0, 0.5, 0.45, 0.5, 0.55, 1.9, 1.0, 0.5])
+    """ "a" measures highest but varies wildly by prompt; "b" is a little slower and steady."""
+    write_cell(
+        tmp_path,
+        "a",
+        "model",
+        Fraction(3, 5),
+        2,
+        0.05,
+        SLOPE,
+        time_factors=[0.45, 0.5, 0.55, 1.9, 1.0, 0.5, 0.45, 0.5, 0.55, 1.9, 1.0, 0.5],
+    )
     write_cell(tmp_path, "b", "model", Fraction(3, 5), 2, 0.30, SLOPE, seed=5)
     results = load(tmp_path)
     (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=1000)
@@ -1084,7 +1424,7 @@ def test_a_decision_from_summaries_uses_a_candidates_cell_on_the_compared_prompt
 def test_greedy_cells_are_one_context_whatever_their_top_k_and_top_p(tmp_path):
     """At temperature 0 the harness decodes greedily (argmax) and ignores top_k and top_p: two greedy
     drafts run with other top_k settings are compared in one decision, not given one each."""
-    from analysis.load import sampling_name
+    from analysis.names import sampling_name
 
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE)
     for name, setting, seed in (("b", {"top_k": 50}, 1), ("c", {"top_k": 50, "top_p": 0.9}, 2)):
@@ -1101,11 +1441,16 @@ def test_greedy_cells_are_one_context_whatever_their_top_k_and_top_p(tmp_path):
 
 
 def test_either_is_defensible_only_when_the_runner_up_beats_the_baseline():
-    choice = {"ship": "a", "k": 2, "top": None, "best": {"label": "a", "k": 2, "speedup": 1.33, "low": 1.23, "high": 1.44},
-              "comparison": {"ratio": 1.2, "low": 0.98, "high": 1.47, "wilcoxon_p": 0.28, "prompts": 12, "significant": False}}
-    uncertain = decide_mod._verdict({**choice, "runner_up": {"label": "b", "k": 2, "speedup": 1.1, "low": 0.96, "high": 1.28}}, 0.95)
+    choice = {
+        "ship": "a",
+        "k": 2,
+        "top": None,
+        "best": {"label": "a", "k": 2, "speedup": 1.33, "low": 1.23, "high": 1.44},
+        "comparison": {"ratio": 1.2, "low": 0.98, "high": 1.47, "wilcoxon_p": 0.28, "prompts": 12, "significant": False},
+    }
+    uncertain = ship.verdict({**choice, "runner_up": {"label": "b", "k": 2, "speedup": 1.1, "low": 0.96, "high": 1.28}}, 0.95)
     assert "defensible" not in uncertain and "b k=2 is not confidently faster than the baseline" in uncertain
-    confident = decide_mod._verdict({**choice, "runner_up": {"label": "b", "k": 2, "speedup": 1.2, "low": 1.05, "high": 1.3}}, 0.95)
+    confident = ship.verdict({**choice, "runner_up": {"label": "b", "k": 2, "speedup": 1.2, "low": 1.05, "high": 1.3}}, 0.95)
     assert confident.endswith("either is defensible.")
 
 
@@ -1118,8 +1463,18 @@ def test_alpha_interval_leaves_out_prompts_that_tested_nothing():
 
 def test_weights_of_one_context_leave_the_others_on_equal_weights(tmp_path):
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE)
-    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, temperature=1.0, categories=("writing", "roleplay"),
-               dataset="mt_bench")
+    write_cell(
+        tmp_path,
+        "a",
+        "model",
+        Fraction(3, 5),
+        2,
+        0.05,
+        SLOPE,
+        temperature=1.0,
+        categories=("writing", "roleplay"),
+        dataset="mt_bench",
+    )
     results = load(tmp_path)
     t0, t1 = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.7, "code": 0.3}, n_resamples=100)
     assert t0["weights"] == pytest.approx({"chat": 0.7, "code": 0.3})
@@ -1141,8 +1496,10 @@ def test_a_mistyped_local_path_is_not_taken_for_wandb(tmp_path, monkeypatch, cap
 
 def test_a_config_file_replaces_the_traffic_mix_and_whatif_maps(tmp_path, monkeypatch):
     default = tmp_path / "report.yaml"
-    default.write_text("weights: {conversation: 0.5, code: 0.3, qa: 0.2}\n"
-                       "whatif: {name: A100, cost_ratio: {big: 0.1}, draft_step_ms: {big: 2.0}, target_step_ms: 20.0}\n")
+    default.write_text(
+        "weights: {conversation: 0.5, code: 0.3, qa: 0.2}\n"
+        "whatif: {name: A100, cost_ratio: {big: 0.1}, draft_step_ms: {big: 2.0}, target_step_ms: 20.0}\n"
+    )
     monkeypatch.setattr(report, "DEFAULT_CONFIG", default)
     product = tmp_path / "product.yaml"
     product.write_text("weights: {math: 0.9, code: 0.1}\nwhatif: {cost_ratio: {small: 0.02}}\n")
@@ -1167,15 +1524,17 @@ def two_targets(tmp_path_factory):
     for k in (1, 2):
         write_cell(root, "small", "model", Fraction(3, 5), k, 0.05, SLOPE, seed=k, params=1000)
         write_cell(root, "big", "model", Fraction(4, 5), k, 0.25, SLOPE, seed=10 + k, params=5000)
-        write_cell(root, "small", "model", Fraction(3, 5), k, 0.40, SLOPE, seed=20 + k, params=1000, target="org/other",
-                   tag="-other")
+        write_cell(
+            root, "small", "model", Fraction(3, 5), k, 0.40, SLOPE, seed=20 + k, params=1000, target="org/other", tag="-other"
+        )
     drawn = {}
-    save = figures_mod._save
+    save = figures_mod.save_figure
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(figures_mod, "_save", lambda fig, path: drawn.setdefault(path.stem, fig) and save(fig, path))
+        mp.setattr(figures_mod, "save_figure", lambda fig, path: drawn.setdefault(path.stem, fig) and save(fig, path))
         mp.setattr(figures_mod.plt, "close", lambda fig=None: None)
-        assert report.main([str(root), "--out", str(root / "rep"), "--confidence", "0.8", "--max-k", "8",
-                            "--resamples", "200"]) == 0
+        assert (
+            report.main([str(root), "--out", str(root / "rep"), "--confidence", "0.8", "--max-k", "8", "--resamples", "200"]) == 0
+        )
     yield root / "rep", drawn
     import matplotlib.pyplot as plt
 
@@ -1267,8 +1626,10 @@ def test_a_candidate_without_a_weighted_category_is_left_out_not_the_category(tm
     (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.3, "code": 0.7}, n_resamples=100)
     assert d["categories"] == {"chat": 6, "code": 6} and d["weights"] == pytest.approx({"chat": 0.3, "code": 0.7})
     assert [c["label"] for c in d["candidates"]] == ["a"] and d["mix"]["best"]["label"] == "a"
-    assert "left out, no prompts in weighted categories other candidates ran (10% of the traffic weight or more): " \
-           "b k=2 (no code: 70%)" in d["notes"]
+    assert (
+        "left out, no prompts in weighted categories other candidates ran (10% of the traffic weight or more): "
+        "b k=2 (no code: 70%)" in d["notes"]
+    )
     assert "Decided without" not in d["mix"]["verdict"]
     # A category of 1% of the traffic does not push b out: the comparison goes without it, and says so.
     (d,) = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.99, "code": 0.01}, n_resamples=100)
@@ -1294,26 +1655,6 @@ def test_a_category_only_a_left_out_candidate_ran_is_not_called_unmeasured(tmp_p
     assert {c["label"] for c in d["candidates"]} == {"a", "c"}
     assert any(n.startswith("not run by every candidate, so not in the paired comparison: math (20%") for n in d["notes"])
     assert not any(n.startswith("no measurements") for n in d["notes"])
-
-
-def test_a_draft_sized_from_its_config_counts_its_own_dtype(tmp_path):
-    """Without sizes recorded by the run (older results, W&B), bytes come from the parameter count at the
-    draft's dtype: a float32 draft beside a bfloat16 target takes 4 bytes a parameter, not 2; a draft
-    with no dtype of its own loaded as auto (float32 on a CPU), whatever the target's."""
-    from analysis.load import RawCell, cell_row
-
-    folder = tmp_path / "draft"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
-                                                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}))
-    cpu_bf16_target = {"device": "cpu", "device_name": "Synthetic CPU", "dtype": "bfloat16"}
-    for conditions, dtype, itemsize in ((GPU, "float32", 4), (GPU, None, 2), (GPU, "auto", 2), (cpu_bf16_target, None, 4)):
-        summary = {"k": 2, "costs": {"cost_ratio": 0.1, "verify_cost": [1, 1, 1]}, "conditions": conditions, "alpha": 0.5,
-                   "accept_hist": [1, 1, 1], "cycles": 3, "speedup": 1.2}
-        draft = {"kind": "model", "id": str(folder), **({"dtype": dtype} if dtype else {})}
-        row = cell_row(RawCell({"pair": {"name": "p", "target": {"id": "t"}, "draft": draft}, "dataset": {"name": "d"}}, summary, None, "x"))
-        assert row["draft_size_source"] == "config" and row["draft_params"] > 0
-        assert row["draft_bytes"] == itemsize * row["draft_params"], dtype
 
 
 def test_no_unmeasured_k_is_suggested_where_the_fit_predicts_a_loss(tmp_path):
@@ -1345,12 +1686,53 @@ def test_report_mistakes_are_one_line(tmp_path, capsys):
     (cell / "summary.json").write_text('{"num_prompts": 1, "acc')
     assert report.main([str(tmp_path / "results"), "--resamples", "50"]) == 0
     assert f"warning: cell {cell.name}: its summary.json is not a finished cell's" in capsys.readouterr().err
-    assert f"cell {cell.name}: its summary.json is not a finished cell's" in (tmp_path / "results" / "report" / "report.md").read_text()
+    assert (
+        f"cell {cell.name}: its summary.json is not a finished cell's"
+        in (tmp_path / "results" / "report" / "report.md").read_text()
+    )
 
 
 def test_a_pinned_hub_revision_is_part_of_a_datasets_source():
-    from analysis.load import _text_settings
+    from analysis.names import text_settings
 
-    hub = {"hf_id": "openai/gsm8k", "hf_config": "main", "split": "test", "revision": None}
-    assert _text_settings(hub)["source"] == "openai/gsm8k:main:test"
-    assert _text_settings({**hub, "revision": "abc123"})["source"] == "openai/gsm8k:main:test@abc123"
+    hub = {
+        "source": "hub",
+        "hf_id": "openai/gsm8k",
+        "hf_config": "main",
+        "split": "test",
+        "revision": None,
+        "text_field": "question",
+        "template": None,
+        "id_field": None,
+    }
+    assert text_settings(hub)["source"] == "openai/gsm8k:main:test"
+    assert text_settings({**hub, "revision": "abc123"})["source"] == "openai/gsm8k:main:test@abc123"
+
+
+@pytest.mark.parametrize("version", [None, SCHEMA_VERSION + 1])
+def test_a_cell_of_another_schema_is_refused_in_one_line(tmp_path, capsys, version):
+    """A summary without the schema this analysis reads (written before it, or by a later harness) is
+    not guessed at: the report names the file and says how to get one it reads."""
+    write_cell(tmp_path / "results", "a", "model", Fraction(3, 5), 2, 0.05, SLOPE)
+    old = write_cell(tmp_path / "results", "b", "model", Fraction(4, 5), 2, 0.05, SLOPE, seed=1)
+    summary = json.loads((old / "summary.json").read_text())
+    del summary["schema_version"]
+    (old / "summary.json").write_text(json.dumps(summary if version is None else {**summary, "schema_version": version}))
+    assert report.main([str(tmp_path / "results"), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {old / 'summary.json'} was written by an incompatible harness version (schema {version}, "
+        f"this reads {SCHEMA_VERSION}): re-run the cell with force=true\n"
+    )
+    assert not (tmp_path / "rep").exists()
+
+
+def test_a_wandb_run_of_another_schema_is_refused(sweep):
+    runs = fake_runs(sweep)
+    del runs[0].summary_metrics["schema_version"]
+    with pytest.raises(
+        HarnessError,
+        match=f"^W&B run me/specbench/{runs[0].id} was written by an incompatible harness version "
+        f"\\(schema None, this reads {SCHEMA_VERSION}\\): re-run the cell with force=true$",
+    ):
+        load_wandb("me/specbench/abc123", api=FakeApi(runs))

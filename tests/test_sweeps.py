@@ -15,8 +15,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from harness.config.checks import CONF_DIR, validate, with_default_pair
-from harness.runner.cell import cell_key
+from harness.config.checks import CONF_DIR, check_command_line, validate, with_default_pair
+from harness.runner.store import cell_key
 from harness.tracking.tracker import METRICS
 
 ROOT = Path(__file__).parent.parent
@@ -54,8 +54,10 @@ def agent_command(sweep: dict, values: dict, monkeypatch, tmp_path, run_id: str)
 
 
 def test_the_three_sweeps_exist():
-    swept = {p.stem: {n.lstrip("+") for n, spec in yaml.safe_load(p.read_text())["parameters"].items() if "values" in spec}
-             for p in SWEEPS}
+    swept = {
+        p.stem: {n.lstrip("+") for n, spec in yaml.safe_load(p.read_text())["parameters"].items() if "values" in spec}
+        for p in SWEEPS
+    }
     assert swept.get("k_temperature") == {"k", "temperature"}
     assert swept.get("pair_k") == {"pair", "k"}
     assert swept.get("dataset_pair") == {"dataset", "pair"}
@@ -76,7 +78,11 @@ def test_sweep_commands_compose_into_the_swept_cells(path, monkeypatch, tmp_path
             command = agent_command(sweep, values, monkeypatch, tmp_path, run_id=f"run{i}")
             assert command[:4] == ["/usr/bin/env", "python", "-m", "harness"]
             overrides = command[4:]
-            assert "+pair=" + str(values["+pair"]) in overrides  # the card's form, as Hydra needs it
+            assert (
+                "+pair=" + str(values["+pair"]) in overrides
+            )  # with its '+', as Hydra needs it (pair is not in the defaults list)
+            if i == 0:
+                check_command_line(overrides)  # as `python -m harness` checks its command line
             cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
             assert cfg.hydra.run.dir == f"outputs/wandb-sweeps/sweep0/run{i}"  # one directory per run
             with open_dict(cfg):
@@ -159,6 +165,7 @@ def test_an_agent_run_of_a_complete_cell_logs_the_stored_results(monkeypatch, tm
     assert len(list((tmp_path / "results" / "wandb").glob("offline-run-*"))) == 1
 
 
+@pytest.mark.cli
 def test_an_agent_run_whose_cell_fails_before_it_starts_still_reports_the_failure(tiny_pair, tmp_path):
     """Under `wandb agent`, a cell that stops before its run opens (here a prompt file that is not there)
     gets a run all the same, failed, with the error line, so that the sweep's dashboard says why."""
@@ -169,12 +176,25 @@ def test_an_agent_run_whose_cell_fails_before_it_starts_still_reports_the_failur
     from test_tracking import runs_in
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {
-        "WANDB_SWEEP_ID": "sweep0", "WANDB_RUN_ID": "run7", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
-        **{name: str(tmp_path / name) for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_DIR")}}
+        "WANDB_SWEEP_ID": "sweep0",
+        "WANDB_RUN_ID": "run7",
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        **{name: str(tmp_path / name) for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_DIR")},
+    }
     missing = tmp_path / "questions.jsonl"
-    args = ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
-            "dataset=local", f"dataset.path={missing}", f"out_dir={tmp_path / 'results'}", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    args = [
+        "+pair=llama_7b_68m",
+        f"pair.target.id={tiny_pair['target']}",
+        f"pair.draft.id={tiny_pair['draft']}",
+        "dataset=local",
+        f"dataset.path={missing}",
+        f"out_dir={tmp_path / 'results'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     (run,) = runs_in(tmp_path / "results" / "wandb")

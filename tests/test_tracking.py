@@ -17,15 +17,20 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import harness.tracking.claims as claims
 import harness.tracking.tracker as tracking
 from harness.config.checks import CONF_DIR
 from harness.errors import HarnessError
+from harness.runner.provenance import machine
+from harness.runner.store import SCHEMA_VERSION
 
 ROOT = Path(__file__).parent.parent
 
@@ -46,8 +51,8 @@ def read_records(path: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0:
             continue
@@ -107,7 +112,9 @@ def read_run(run_dir: Path, timeout_s: float = 30) -> dict:
             _apply(row, record.history.item)
             run["history"].append(row)
         elif kind == "artifact":
-            run["artifacts"].append((record.artifact.name, record.artifact.type, [e.path for e in record.artifact.manifest.contents]))
+            run["artifacts"].append(
+                (record.artifact.name, record.artifact.type, [e.path for e in record.artifact.manifest.contents])
+            )
         elif kind == "exit":
             run["exit_code"] = record.exit.exit_code
     return run
@@ -134,16 +141,37 @@ def wandb_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def offline(wandb_home, monkeypatch) -> dict:
-    """No API key, no WANDB_MODE: wandb.mode=auto must choose offline. Every W&B folder is temporary."""
-    env = {"WANDB_DIR": wandb_home / "default", "WANDB_CACHE_DIR": wandb_home / "cache", "WANDB_DATA_DIR": wandb_home / "data",
-           "WANDB_CONFIG_DIR": wandb_home / "config", "WANDB_ARTIFACT_DIR": wandb_home / "artifacts", "NETRC": wandb_home / "netrc"}
+def offline(wandb_home, monkeypatch) -> Iterator[dict]:
+    """No API key, no WANDB_MODE: wandb.mode=auto must choose offline. Every W&B folder is temporary.
+    W&B reads its environment once per process: its state starts afresh here, as in a new process,
+    so that no earlier test's key (or folders) lingers in it."""
+    import wandb
+
+    env = {
+        "WANDB_DIR": wandb_home / "default",
+        "WANDB_CACHE_DIR": wandb_home / "cache",
+        "WANDB_DATA_DIR": wandb_home / "data",
+        "WANDB_CONFIG_DIR": wandb_home / "config",
+        "WANDB_ARTIFACT_DIR": wandb_home / "artifacts",
+        "NETRC": wandb_home / "netrc",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
-    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_SWEEP_ID", "WANDB_BASE_URL",
-                 "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME"):
+    for name in (
+        "WANDB_MODE",
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_SWEEP_ID",
+        "WANDB_BASE_URL",
+        "WANDB_PROJECT",
+        "WANDB_ENTITY",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+    ):
         monkeypatch.delenv(name, raising=False)
-    return {k: str(v) for k, v in env.items()}
+    wandb.teardown()
+    yield {k: str(v) for k, v in env.items()}
+    wandb.teardown()  # later tests do not inherit this test's W&B state
 
 
 def composed(overrides: list[str]):
@@ -152,8 +180,14 @@ def composed(overrides: list[str]):
 
 
 def tiny(tiny_pair, *extra: str) -> list[str]:
-    return ["+pair=llama_7b_68m", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}",
-            "dataset.num_prompts=3", "max_new_tokens=8", *extra]
+    return [
+        "+pair=llama_7b_68m",
+        f"pair.target.id={tiny_pair['target']}",
+        f"pair.draft.id={tiny_pair['draft']}",
+        "dataset.num_prompts=3",
+        "max_new_tokens=8",
+        *extra,
+    ]
 
 
 # One cell, in process.
@@ -192,12 +226,23 @@ def test_offline_run_matches_the_harness_results(tiny_pair, tmp_path, offline):
     (results,) = [a for a in run["artifacts"] if a[1] == "cell-results"]
     assert results[0] == f"cell-{cell.name}" and set(results[2]) == {"prompts.jsonl", "summary.json", "config.yaml"}
 
+    # Every result the cell wrote says its schema, when its run started (UTC) and on what machine.
+    status = json.loads((cell / "status.json").read_text())
+    for result in (on_disk, status, *records):
+        assert (result["schema_version"], result["started_utc"]) == (SCHEMA_VERSION, on_disk["started_utc"])
+    assert datetime.fromisoformat(on_disk["started_utc"]).utcoffset() == timedelta(0)
+    assert on_disk["conditions"]["machine"] == status["machine"] == records[0]["machine"] == machine()
+
 
 def test_a_resumed_cell_logs_each_prompt_at_its_place(tmp_path, offline):
     """A run resumed after prompts 0 and 1 logs prompt/n 3 and 4 for prompts 2 and 3, not 1 and 2."""
+
     def record(index: int) -> dict:
-        return {"index": index, "speedup": 1.0 + index,
-                "spec": {"accepted": 1, "drafted": 2, "committed": 3, "cycles": 1, "new_tokens": 3}}
+        return {
+            "index": index,
+            "speedup": 1.0 + index,
+            "spec": {"accepted": 1, "drafted": 2, "committed": 3, "cycles": 1, "new_tokens": 3},
+        }
 
     tracker = tracking.start(composed(["wandb.mode=offline"]), tmp_path / "cell")
     for index in (2, 3):
@@ -220,7 +265,9 @@ def test_a_cell_that_stops_after_its_prompts_says_so(tiny_pair, tmp_path, offlin
     with pytest.raises(type(error)):
         run.run_cell(composed(tiny(tiny_pair, "k=2")), out_dir=tmp_path, quiet=True)
     (cell,) = [d for d in tmp_path.iterdir() if (d / "status.json").exists()]
-    assert json.loads((cell / "status.json").read_text())["status"] == status and not (cell / "summary.json").exists()
+    written = json.loads((cell / "status.json").read_text())
+    assert written["status"] == status and not (cell / "summary.json").exists()
+    assert written["schema_version"] == SCHEMA_VERSION and written["started_utc"] and written["machine"] == machine()
     (logged,) = runs_in(tmp_path / "wandb")
     assert logged["summary"]["status"] == status and "speedup" in logged["summary"]
 
@@ -238,35 +285,63 @@ def test_exceptions_mark_the_run_interrupted_or_failed(tmp_path, offline):
     runs = {r["run"].display_name: r for r in runs_in(tmp_path / "wandb")}
     assert dangling.closed
     assert {name: (r["summary"]["status"], r["exit_code"]) for name, r in runs.items()} == {
-        "cell-interrupted": ("interrupted", 1), "cell-failed": ("failed", 1),
-        "cell-dangling": ("failed", 1), "cell-next": ("finished", 0)}
+        "cell-interrupted": ("interrupted", 1),
+        "cell-failed": ("failed", 1),
+        "cell-dangling": ("failed", 1),
+        "cell-next": ("finished", 0),
+    }
 
 
-def test_modes(monkeypatch, offline, tmp_path, capsys):
-    assert tracking.resolve_mode("auto") == "offline"  # no key
-    assert tracking.resolve_mode("online") == "offline" and "no API key" in capsys.readouterr().err
+@pytest.fixture
+def fresh_wandb():
+    """W&B reads its environment and settings files once per process, and wandb.init then uses what it
+    read: `fresh()` starts that state afresh, as a new process would, after a test changes them."""
+    import wandb
+
+    yield wandb.teardown
+    wandb.teardown()  # later tests see their own environment, not this test's
+
+
+def test_modes(monkeypatch, offline, tmp_path, capsys, fresh_wandb):
+    from urllib.parse import urlsplit
+
+    from wandb.sdk import wandb_setup
+
+    def mode(wandb_mode: str = "auto") -> str:
+        fresh_wandb()
+        return tracking.resolve_mode(wandb_mode)
+
+    def netrc(host: str) -> None:
+        (tmp_path / "netrc").write_text(f"machine {host} login user password " + "x" * 40 + "\n")
+
+    assert mode() == "offline" and capsys.readouterr().err == ""  # no key: offline, as documented
+    assert mode("online") == "offline" and "no API key" in capsys.readouterr().err
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "x" * 40 + "\n")
-    assert tracking.resolve_mode("auto") == "online"
+    netrc("api.wandb.ai")
+    assert mode() == "online"
+    netrc(urlsplit(wandb_setup.singleton().settings.base_url).netloc)  # W&B's default server, where `wandb login` files the key
+    assert mode() == "online"
     monkeypatch.delenv("NETRC")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert tracking.resolve_mode("auto") == "online"
+    assert mode() == "online"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 12)  # not a key W&B takes: offline, and why
+    assert mode() == "offline" and "40+ characters" in capsys.readouterr().err
     monkeypatch.delenv("WANDB_API_KEY")
-    (tmp_path / "netrc").write_text("machine wandb.corp.example login user password " + "x" * 40 + "\n")
+    netrc("wandb.corp.example")
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    assert tracking.resolve_mode("auto") == "offline"  # a key for another host than api.wandb.ai
+    assert mode() == "offline"  # a key for another host than W&B's server
     (tmp_path / "wandb-config").mkdir()
     (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = https://wandb.corp.example\n")
-    assert tracking.resolve_mode("auto") == "online"  # `wandb login --host=https://wandb.corp.example` saved it there
+    assert mode() == "online"  # `wandb login --host=https://wandb.corp.example` saved it there
     (tmp_path / "wandb-config" / "settings").write_text("[default]\nbase_url = http://localhost:8080\n")
-    assert tracking.resolve_mode("auto") == "offline"
-    (tmp_path / "netrc").write_text("machine localhost login user password " + "x" * 40 + "\n")
-    assert tracking.resolve_mode("auto") == "offline"  # wandb itself looks up host:port only
-    (tmp_path / "netrc").write_text("machine localhost:8080 login user password " + "x" * 40 + "\n")
-    assert tracking.resolve_mode("auto") == "online"  # a server on a port: wandb files its key under host:port
+    assert mode() == "offline"
+    netrc("localhost")
+    assert mode() == "offline"  # wandb itself looks up host:port only
+    netrc("localhost:8080")
+    assert mode() == "online"  # a server on a port: wandb files its key under host:port
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment pins auto (CI)
-    assert tracking.resolve_mode("auto") == "disabled" and tracking.resolve_mode("offline") == "offline"
+    assert mode() == "disabled" and mode("offline") == "offline"
     assert isinstance(tracking.start(composed(["wandb.mode=disabled"]), tmp_path / "c"), tracking.NoTracking)
     assert not (tmp_path / "wandb").exists()
     with pytest.raises(HarnessError, match="wandb.mode=sometimes must be one of auto, online, offline, disabled"):
@@ -300,7 +375,7 @@ def test_online_without_network_falls_back_to_offline(monkeypatch, offline, tmp_
         return real(**kwargs)
 
     monkeypatch.setattr(wandb, "init", no_network)
-    monkeypatch.setattr(tracking, "_online_failed", False)
+    monkeypatch.setattr(tracking, "online_failed", False)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     cfg = composed(["wandb.mode=online"])
     for name in ("first", "second"):
@@ -316,18 +391,37 @@ def test_online_without_network_falls_back_to_offline(monkeypatch, offline, tmp_
 
 def test_twelve_cells_of_one_pair_load_each_model_once(tiny_pair, tmp_path, monkeypatch):
     import harness.runner.cell as run
+    import harness.runner.pair as pairs
 
     loads = []
-    real = run.load_model
-    monkeypatch.setattr(run, "load_model", lambda spec, *a, **kw: loads.append(a[1]) or real(spec, *a, **kw))
-    monkeypatch.setattr(run, "_loaded", {})
+    real = pairs.load_model
+    monkeypatch.setattr(pairs, "load_model", lambda spec, *a, **kw: loads.append(a[1]) or real(spec, *a, **kw))
+    monkeypatch.setattr(pairs, "loaded_pairs", {})
     # Timing the cost ratio is beside the point here and is most of a tiny cell's time.
-    monkeypatch.setattr(run, "measure_costs", lambda pair, ids, k, sampling: {
-        "target_step_s": 1.0, "draft_step_s": 0.1, "cost_ratio": 0.1, "verify_s": [1.0] * (k + 1), "verify_cost": [1.0] * (k + 1)})
+    monkeypatch.setattr(
+        run,
+        "measure_costs",
+        lambda pair, ids, k, sampling: {
+            "target_step_s": 1.0,
+            "draft_step_s": 0.1,
+            "cost_ratio": 0.1,
+            "verify_s": [1.0] * (k + 1),
+            "verify_cost": [1.0] * (k + 1),
+        },
+    )
     cells = set()
     for k in (1, 2, 4, 8):
         for temperature in (0.0, 0.7, 1.0):
-            cfg = composed(tiny(tiny_pair, f"k={k}", f"temperature={temperature}", "dataset.num_prompts=1", "max_new_tokens=9", "wandb.mode=disabled"))
+            cfg = composed(
+                tiny(
+                    tiny_pair,
+                    f"k={k}",
+                    f"temperature={temperature}",
+                    "dataset.num_prompts=1",
+                    "max_new_tokens=9",
+                    "wandb.mode=disabled",
+                )
+            )
             cells.add(run.run_cell(cfg, out_dir=tmp_path, quiet=True)["cell"])
     assert len(cells) == 12
     assert loads == ["target", "draft"]
@@ -335,7 +429,7 @@ def test_twelve_cells_of_one_pair_load_each_model_once(tiny_pair, tmp_path, monk
 
 # A real multirun: one W&B run per cell, models loaded once, aggregate, resume.
 
-# Runs the CLI with load_model wrapped to print a line per load (harness.runner.cell
+# Runs the CLI with load_model wrapped to print a line per load (harness.runner.pair
 # binds load_model at import, after this patch).
 COUNTING_CLI = """
 import sys
@@ -351,12 +445,20 @@ runpy.run_module("harness", run_name="__main__", alter_sys=True)  # as `python -
 
 
 def multirun(tiny_pair, out: Path, sweep_dir: Path, *overrides: str, env: dict) -> subprocess.CompletedProcess:
-    args = ["-m", *tiny(tiny_pair, "dataset.num_prompts=2", "max_new_tokens=6"), *overrides, f"out_dir={out}",
-            f"hydra.sweep.dir={sweep_dir}"]
+    args = [
+        "-m",
+        *tiny(tiny_pair, "dataset.num_prompts=2", "max_new_tokens=6"),
+        *overrides,
+        f"out_dir={out}",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | env | {"HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", COUNTING_CLI, *args], capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", COUNTING_CLI, *args], capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=120
+    )
 
 
+@pytest.mark.cli
 def test_multirun_logs_one_run_per_cell_loads_once_aggregates_and_resumes(tiny_pair, tmp_path, offline):
     out, first_sweep = tmp_path / "results", tmp_path / "sweep1"
     first = multirun(tiny_pair, out, first_sweep, "k=1,2", "temperature=0.0,1.0", env=offline)
@@ -415,8 +517,15 @@ def test_a_sweep_folder_above_another_sweep_leaves_its_pointers_alone(tmp_path):
 
     def job(sweep: Path, n: int, k: int, named: bool = True) -> Path:
         (sweep / str(n)).mkdir(parents=True, exist_ok=True)
-        pointer = {"job": n, "overrides": [f"k={k}"], "status": "finished", "error": None, "cell": None, "cell_dir": None,
-                   **({"sweep_dir": str(sweep.resolve())} if named else {})}
+        pointer = {
+            "job": n,
+            "overrides": [f"k={k}"],
+            "status": "finished",
+            "error": None,
+            "cell": None,
+            "cell_dir": None,
+            **({"sweep_dir": str(sweep.resolve())} if named else {}),
+        }
         (sweep / str(n) / POINTER).write_text(json.dumps(pointer))
         return sweep / str(n) / POINTER
 
@@ -431,8 +540,19 @@ def test_a_sweep_folder_above_another_sweep_leaves_its_pointers_alone(tmp_path):
     assert [r["overrides"] for r in collect(tmp_path / "copy")] == ["k=1", "k=2"]
     deep = exp / "deep" / "a" / "0"  # a hydra.sweep.subdir with a slash: the pointer names its sweep folder
     deep.mkdir(parents=True)
-    (deep / POINTER).write_text(json.dumps({"job": 0, "overrides": ["k=16"], "status": "finished", "error": None, "cell": None,
-                                            "cell_dir": None, "sweep_dir": str((exp / "deep").resolve())}))
+    (deep / POINTER).write_text(
+        json.dumps(
+            {
+                "job": 0,
+                "overrides": ["k=16"],
+                "status": "finished",
+                "error": None,
+                "cell": None,
+                "cell_dir": None,
+                "sweep_dir": str((exp / "deep").resolve()),
+            }
+        )
+    )
     assert [r["overrides"] for r in collect(exp / "deep")] == ["k=16"]
 
 
@@ -441,14 +561,22 @@ def test_a_sweep_folder_above_another_sweep_leaves_its_pointers_alone(tmp_path):
 
 def test_a_claimed_cell_waits_for_its_holder(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from harness.tracking.tracker import claim\n"
-         "with claim(sys.argv[1]):\n    print('held', flush=True); time.sleep(1.5)", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from harness.tracking.claims import claim\n"
+            "with claim(sys.argv[1]):\n    print('held', flush=True); time.sleep(1.5)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     claim_file = json.loads((tmp_path / ".claim").read_text())
     assert claim_file["pid"] == holder.pid
     start = time.monotonic()
-    with tracking.claim(tmp_path, poll_s=0.1, quiet=True):
+    with claims.claim(tmp_path, poll_s=0.1, quiet=True):
         waited = time.monotonic() - start
         assert json.loads((tmp_path / ".claim").read_text())["pid"] == os.getpid()
     assert waited > 1.0 and not (tmp_path / ".claim").exists()  # got in only once the holder let go
@@ -456,18 +584,17 @@ def test_a_claimed_cell_waits_for_its_holder(tmp_path):
 
 
 def test_two_processes_never_run_one_cell_at_once(tiny_pair, tmp_path, monkeypatch):
-    import inspect
     import threading
 
     import harness.runner.cell as run
 
-    if "tracking.claim(" not in inspect.getsource(run):
-        pytest.skip("harness.runner.cell.run_cell does not hold tracking.claim yet (docs/tracking.md, 'Many GPUs')")
-    monkeypatch.setattr(tracking, "CLAIM_POLL_S", 0.1)
+    monkeypatch.setattr(claims, "CLAIM_POLL_S", 0.1)
     cfg = composed(tiny(tiny_pair, "k=2", "wandb.mode=disabled"))
     summaries = []
-    workers = [threading.Thread(target=lambda: summaries.append(run.run_cell(cfg.copy(), out_dir=tmp_path, quiet=True)))
-               for _ in range(2)]  # the claim records host and pid, so two threads contend like two agents
+    workers = [
+        threading.Thread(target=lambda: summaries.append(run.run_cell(cfg.copy(), out_dir=tmp_path, quiet=True)))
+        for _ in range(2)
+    ]  # the claim records host and pid, so two threads contend like two agents
     for w in workers:
         w.start()
     for w in workers:
@@ -482,20 +609,23 @@ def test_stale_claims_are_taken_over(tmp_path):
     import socket
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    for name, holder, age in (("dead-pid", {"host": socket.gethostname(), "pid": int(gone.stdout)}, 0),
-                              ("silent-host", {"host": "elsewhere", "pid": 1}, 1000), ("torn", None, 60)):
+    for name, holder, age in (
+        ("dead-pid", {"host": socket.gethostname(), "pid": int(gone.stdout)}, 0),
+        ("silent-host", {"host": "elsewhere", "pid": 1}, 1000),
+        ("torn", None, 60),
+    ):
         cell = tmp_path / name
         cell.mkdir()
         (cell / ".claim").write_text(json.dumps(holder) if holder else "")
         os.utime(cell / ".claim", (time.time() - age,) * 2)
         start = time.monotonic()
-        with tracking.claim(cell, poll_s=5, stale_s=300, quiet=True):
+        with claims.claim(cell, poll_s=5, stale_s=300, quiet=True):
             assert json.loads((cell / ".claim").read_text())["pid"] == os.getpid()
         assert time.monotonic() - start < 1, name
     live = tmp_path / "live"  # a live holder elsewhere, heartbeat fresh: not stale
     live.mkdir()
     (live / ".claim").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
-    assert not tracking._is_stale(live / ".claim", {"host": "elsewhere", "pid": 1}, 300)
+    assert not claims.is_stale(live / ".claim", {"host": "elsewhere", "pid": 1}, 300)
 
 
 def test_a_fresh_claim_is_not_taken_for_the_torn_one_it_replaced(tmp_path, monkeypatch):
@@ -506,7 +636,7 @@ def test_a_fresh_claim_is_not_taken_for_the_torn_one_it_replaced(tmp_path, monke
     path = tmp_path / ".claim"
     path.write_text("")
     os.utime(path, (time.time() - 60,) * 2)
-    real, seen = tracking._is_stale, []
+    real, seen = claims.is_stale, []
 
     def another_process_takes_over(p, holder, stale_s):
         stale = real(p, holder, stale_s)
@@ -517,8 +647,8 @@ def test_a_fresh_claim_is_not_taken_for_the_torn_one_it_replaced(tmp_path, monke
             seen.append("taken over")
         return stale
 
-    monkeypatch.setattr(tracking, "_is_stale", another_process_takes_over)
-    with tracking.claim(tmp_path, poll_s=0.05, stale_s=300, quiet=True):
+    monkeypatch.setattr(claims, "is_stale", another_process_takes_over)
+    with claims.claim(tmp_path, poll_s=0.05, stale_s=300, quiet=True):
         assert json.loads(path.read_text())["pid"] == os.getpid()
     assert seen == ["taken over", ""]  # the other's claim was still its own when it finished
 
@@ -531,8 +661,16 @@ def test_slurm_launcher_and_aggregate_callback_compose():
     from hydra.utils import instantiate
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", return_hydra_config=True, overrides=[
-            "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "+pair=llama_7b_68m", "pair.target.device_map=auto"])
+        cfg = compose(
+            config_name="config",
+            return_hydra_config=True,
+            overrides=[
+                "hydra/launcher=slurm",
+                "hydra.launcher.partition=gpu",
+                "+pair=llama_7b_68m",
+                "pair.target.device_map=auto",
+            ],
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
     assert (launcher.gpus_per_node, launcher.max_num_timeout) == (1, 3)
@@ -545,9 +683,20 @@ def test_exactness_check_is_logged_as_its_own_run(tiny_pair, tmp_path, offline):
     from harness.exactness.main import run_check
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="exactness_check", overrides=[
-            *tiny(tiny_pair), "k=2", "temperature=1.0", "top_k=5", f"out_dir={tmp_path}", "device=cpu",
-            "exactness.samples=200", "exactness.num_prompts=1", "exactness.length=4"])
+        cfg = compose(
+            config_name="exactness_check",
+            overrides=[
+                *tiny(tiny_pair),
+                "k=2",
+                "temperature=1.0",
+                "top_k=5",
+                f"out_dir={tmp_path}",
+                "device=cpu",
+                "exactness.samples=200",
+                "exactness.num_prompts=1",
+                "exactness.length=4",
+            ],
+        )
     report = run_check(cfg, quiet=True)
     (run,) = runs_in(tmp_path / "wandb")
     assert run["run"].job_type == "exactness" and run["run"].display_name == Path(report["run_dir"]).name
@@ -568,10 +717,11 @@ def test_the_histogram_chart_shows_cycles_without_a_draft_apart():
     assert chart.table.data == [["0", 5], ["1", 1], ["2", 2]]
 
 
-@pytest.mark.parametrize("tags, expected", [("baseline", ["baseline"]), (["ci", "tiny"], ["ci", "tiny"]), (7, ["7"]),
-                                            (None, None), ([], None)])
+@pytest.mark.parametrize(
+    "tags, expected", [("baseline", ["baseline"]), (["ci", "tiny"], ["ci", "tiny"]), (7, ["7"]), (None, None), ([], None)]
+)
 def test_a_single_tag_is_one_tag_not_one_per_character(tags, expected):
-    assert tracking._tags(tags) == expected
+    assert tracking.run_tags(tags) == expected
 
 
 def test_a_jobs_pointer_holds_its_cell_as_an_absolute_path(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """Hydra callbacks: the table over the cells of a multirun.
 
 Each job writes `cell.json` into its Hydra output directory (`record_job`,
-called by harness.__main__): its overrides, status and results directory. The
+called by harness.cli.main): its overrides, status and results directory. The
 callback finds this sweep's cells from those pointers, not by listing the
 results store, so cells of other sweeps sharing the store stay out and cells
 this sweep skipped as already complete stay in. Pointers an earlier multirun
@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -30,6 +29,9 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+from harness.cli.summary import fmt
+from harness.runner.store import write_text_atomic
 
 POINTER = "cell.json"
 
@@ -80,10 +82,13 @@ def record_job(summary: dict | None = None, error: str | None = None, status: st
         # as given, for an experiment folder moved or copied since (analysis.load tries both).
         "cell_dir": str(Path(summary["cell_dir"]).resolve()) if (summary or {}).get("cell_dir") else None,
         "cell_dir_given": (summary or {}).get("cell_dir"),
-        "sweep_dir": (str(Path(str(hydra_cfg.sweep.dir)).resolve())
-                      if OmegaConf.select(hydra_cfg, "mode", default=None) == RunMode.MULTIRUN else None),
+        "sweep_dir": (
+            str(Path(str(hydra_cfg.sweep.dir)).resolve())
+            if OmegaConf.select(hydra_cfg, "mode", default=None) == RunMode.MULTIRUN
+            else None
+        ),
     }
-    _write_atomic(Path(hydra_cfg.runtime.output_dir) / POINTER, json.dumps(pointer, indent=2) + "\n")
+    write_text_atomic(Path(hydra_cfg.runtime.output_dir) / POINTER, json.dumps(pointer, indent=2) + "\n")
 
 
 def _pointers(sweep_dir: str | Path) -> list[tuple[Path, dict]]:
@@ -117,16 +122,32 @@ def collect(sweep_dir: str | Path) -> list[dict]:
 
 def _row(pointer: dict) -> dict[str, Any]:
     row: dict[str, Any] = {name: None for name, _, _ in COLUMNS}
-    row.update(job=pointer.get("job"), status=pointer["status"], cell=pointer.get("cell"), cell_dir=pointer.get("cell_dir"),
-               overrides=" ".join(pointer.get("overrides") or []), error=pointer.get("error"))
+    row.update(
+        job=pointer.get("job"),
+        status=pointer["status"],
+        cell=pointer.get("cell"),
+        cell_dir=pointer.get("cell_dir"),
+        overrides=" ".join(pointer.get("overrides") or []),
+        error=pointer.get("error"),
+    )
     cell_dir = Path(pointer["cell_dir"]) if pointer.get("cell_dir") else None
     if cell_dir is None or not (cell_dir / "summary.json").exists():
         if row["status"] == "finished":
             row["status"] = "missing"  # the results store moved or was cleaned
         return row
     s = json.loads((cell_dir / "summary.json").read_text())
-    for key in ("pair", "k", "temperature", "num_prompts", "acceptance_rate", "tokens_per_cycle", "speedup",
-                "predicted_speedup", "efficiency", "cost_ratio"):
+    for key in (
+        "pair",
+        "k",
+        "temperature",
+        "num_prompts",
+        "acceptance_rate",
+        "tokens_per_cycle",
+        "speedup",
+        "predicted_speedup",
+        "efficiency",
+        "cost_ratio",
+    ):
         row[key] = s.get(key)
     row["speedup_ci_low"], row["speedup_ci_high"] = s["speedup_ci"]
     row["spec_tpot_ms"], row["base_tpot_ms"] = 1e3 * s["spec_tpot_s"], 1e3 * s["base_tpot_s"]
@@ -136,29 +157,21 @@ def _row(pointer: dict) -> dict[str, Any]:
     return row
 
 
-def _f(value: Any, fmt: str) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    return format(value, fmt) if fmt else str(value)
-
-
 def to_markdown(rows: list[dict]) -> str:
-    shown = [(name, header, fmt) for name, header, fmt in COLUMNS if header]
+    shown = [(name, header, spec) for name, header, spec in COLUMNS if header]
     shared = set.intersection(*(set((r.get("overrides") or "").split()) for r in rows)) if len(rows) > 1 else set()
     lines = ["| " + " | ".join(h for _, h, _ in shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]
     for row in rows:
         cells = []
-        for name, _, fmt in shown:
+        for name, _, spec in shown:
             if name == "speedup_ci":
                 low, high = row["speedup_ci_low"], row["speedup_ci_high"]
-                cells.append(f"[{_f(low, '.3f')}, {_f(high, '.3f')}]" if low is not None else "")
+                cells.append(f"[{fmt(low, missing='')}, {fmt(high, missing='')}]" if low is not None else "")
             elif name == "status" and row["status"] != "finished":  # which cell: a failed one has no pair or k
                 own = [o for o in (row.get("overrides") or "").split() if o not in shared]  # what tells this job apart
                 cells.append(f"{row['status']} ({' '.join(own)})" if own else row["status"])
             else:
-                cells.append(_f(row[name], fmt))
+                cells.append(fmt(row[name], spec, missing=""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -180,15 +193,9 @@ def write_aggregate(sweep_dir: str | Path) -> tuple[list[dict], str]:
     if not rows:
         return rows, ""
     table = to_markdown(rows)
-    _write_atomic(sweep_dir / "aggregate.csv", to_csv(rows))
-    _write_atomic(sweep_dir / "aggregate.md", table + "\n")
+    write_text_atomic(sweep_dir / "aggregate.csv", to_csv(rows))
+    write_text_atomic(sweep_dir / "aggregate.md", table + "\n")
     return rows, table
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # parallel jobs (submitit) may write at once
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def clear_pointers(sweep_dir: str | Path) -> None:
@@ -210,10 +217,16 @@ class AggregateCallback(Callback):
         output_dir = Path(config.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED and not (output_dir / POINTER).exists():
             error = getattr(job_return, "_return_value", None)  # an exception other than HarnessError
-            pointer = {"job": config.hydra.job.num, "overrides": list(config.hydra.overrides.task), "status": "failed",
-                       "error": f"{type(error).__name__}: {error}", "cell": None, "cell_dir": None,
-                       "sweep_dir": str(Path(str(config.hydra.sweep.dir)).resolve())}
-            _write_atomic(output_dir / POINTER, json.dumps(pointer, indent=2) + "\n")
+            pointer = {
+                "job": config.hydra.job.num,
+                "overrides": list(config.hydra.overrides.task),
+                "status": "failed",
+                "error": f"{type(error).__name__}: {error}",
+                "cell": None,
+                "cell_dir": None,
+                "sweep_dir": str(Path(str(config.hydra.sweep.dir)).resolve()),
+            }
+            write_text_atomic(output_dir / POINTER, json.dumps(pointer, indent=2) + "\n")
         write_aggregate(config.hydra.sweep.dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -226,5 +239,8 @@ class AggregateCallback(Callback):
         print(f"\n{len(rows)} cells in {sweep_dir}\n{table}\nsaved: {sweep_dir / 'aggregate.csv'}, {sweep_dir / 'aggregate.md'}")
         failed = [r for r in rows if r["status"] != "finished"]
         if failed:
-            print(f"error: {len(failed)} of {len(rows)} cells did not finish (status column of {sweep_dir / 'aggregate.md'})", file=sys.stderr)
+            print(
+                f"error: {len(failed)} of {len(rows)} cells did not finish (status column of {sweep_dir / 'aggregate.md'})",
+                file=sys.stderr,
+            )
             sys.exit(1)

@@ -16,9 +16,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from harness.cli.callbacks import in_multirun, record_job, write_aggregate
+from harness.cli.summary import format_summary
 from harness.config.checks import CONF_DIR, validate, with_default_pair
 from harness.errors import HarnessError
-from harness.cli.summary import format_summary
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -32,8 +32,11 @@ def main(cfg: DictConfig) -> float:
         hf_logging.disable_progress_bar()  # loading bars would bury the table; tqdm over prompts stays
         summary = run_cell(cfg)
     except KeyboardInterrupt:
-        again = ("run it again with force=false to resume (force=true starts the cell over)" if cfg.get("force") is True
-                 else "run the same command again to resume")
+        again = (
+            "run it again with force=false to resume (force=true starts the cell over)"
+            if cfg.get("force") is True
+            else "run the same command again to resume"
+        )
         print(f"interrupted: finished prompts are saved; {again}", file=sys.stderr)
         record_job(_cell_of(cfg), error="interrupted", status="interrupted")
         if in_multirun():  # Hydra's on_job_end does not run after an interrupt: list the sweep's jobs so far now
@@ -78,7 +81,7 @@ def _crashed(cfg: DictConfig, err: Exception) -> float:
 
 def _cell_of(cfg: DictConfig) -> dict:
     """The cell a job was running (its key and directory), for its pointer; {} if it cannot be named."""
-    from harness.runner.cell import cell_path
+    from harness.runner.store import cell_path
 
     try:
         path = cell_path(with_default_pair(cfg))
@@ -89,7 +92,9 @@ def _cell_of(cfg: DictConfig) -> dict:
 
 def _record_failure(cfg: DictConfig, error: str) -> None:
     """Under `wandb agent`, a W&B run that says why the cell failed, if it failed before opening one."""
-    if not os.environ.get("WANDB_SWEEP_ID"):  # tracking.record_failure's own test, made before the cell (harness.runner.cell) is named
+    if not os.environ.get(
+        "WANDB_SWEEP_ID"
+    ):  # tracking.record_failure's own test, made before the cell (harness.runner.cell) is named
         return
     import harness.tracking.tracker as tracking
 
@@ -102,7 +107,8 @@ def _record_failure(cfg: DictConfig, error: str) -> None:
 
 
 def cli() -> None:
-    """`python -m harness`: the command line is checked before Hydra parses it."""
+    """`python -m harness`: Hydra composes the command line's config once before `main` runs, so that a
+    setting it refuses is one line (harness.config.checks.check_choices), not Hydra's traceback."""
     from harness.config.checks import check_choices
 
     check_choices(sys.argv[1:])

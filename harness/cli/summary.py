@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
 
-def _f(x, fmt=".3f") -> str:
-    return "nan" if x is None or x != x else format(x, fmt)
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def _interval(ci: Any, scale: float = 1.0, spec: str = ".3f") -> str:
+    """ "  [low, high] 95% CI" of a measured cost, or nothing where the summary has none."""
+    if not ci or any(x is None for x in ci):
+        return ""
+    return f"  [{fmt(scale * ci[0], spec)}, {fmt(scale * ci[1], spec)}] 95% CI"
+
+
+def fmt(value: Any, spec: str = ".3f", missing: str = "nan") -> str:
+    """A number as a table shows it: formatted by `spec` (str() when empty), "nan" for NaN and
+    `missing` for None (the summary's nan, the sweep table's empty cell)."""
+    if value is None:
+        return missing
+    if value != value:  # NaN, of any float type
+        return "nan"
+    return format(value, spec) if spec else str(value)
 
 
 def format_summary(s: dict) -> str:
@@ -21,35 +40,43 @@ def format_summary(s: dict) -> str:
         f"{c['device']} ({c['device_name']}), {c['dtype']}, {c['threads']} threads{linear}{lean}, torch {c['torch']}, transformers {c['transformers']}",
         "",
         f"{'metric':<34}{'value':>12}",
-        f"{'acceptance rate (accepted/drafted)':<34}{_f(s['acceptance_rate']):>12}",
-        f"{'alpha (accepted/tested)':<34}{_f(s['alpha']):>12}",
-        f"{'expected alpha (mean sum min(p,q))':<34}{_f(s['expected_alpha']):>12}",
-        f"{'tokens per cycle (incl. bonus)':<34}{_f(s['tokens_per_cycle']):>12}",
-        f"{'  theoretical (1-a^(k+1))/(1-a)':<34}{_f(s['theoretical_tokens_per_cycle']):>12}",
-        f"{'accepted drafts per cycle':<34}{_f(s['accepted_per_cycle']):>12}",
-        f"{'speedup (ratio of totals)':<34}{_f(s['speedup']):>12}  [{_f(lo)}, {_f(hi)}] 95% CI",
-        f"{'speedup (geomean of prompts)':<34}{_f(s['speedup_geomean']):>12}  [{_f(glo)}, {_f(ghi)}] 95% CI",
-        f"{'speedup after the first token':<34}{_f(s.get('decode_speedup')):>12}  (TPOT ratio)",
-        f"{'predicted speedup':<34}{_f(s['predicted_speedup']):>12}",
-        f"{'efficiency (decode/predicted)':<34}{_f(s['efficiency']):>12}",
-        f"{'  by the cycles run (predicted)':<34}{_f(s.get('efficiency_cycles')):>12}  ({_f(s.get('predicted_speedup_cycles'))})",
-        f"{'cost ratio c (draft/target step)':<34}{_f(s['cost_ratio']):>12}",
-        f"{'verify cost v(k+1) (target steps)':<34}{_f(s['verify_cost']):>12}",
-        f"{'TPOT ms spec / baseline':<34}{_f(1e3 * s['spec_tpot_s'], '.2f'):>12} / {_f(1e3 * s['base_tpot_s'], '.2f')}",
-        f"{'TTFT ms spec / baseline (median)':<34}{_f(1e3 * s['spec_ttft_s'], '.2f'):>12} / {_f(1e3 * s['base_ttft_s'], '.2f')}",
-        f"{'per-position acceptance':<34}  " + " ".join(_f(a, ".2f") for a in s["position_acceptance"]),
-        f"{'accepted per cycle histogram 0..k':<34}  " + " ".join(str(n) for n in s["accept_hist"])
+        f"{'acceptance rate (accepted/drafted)':<34}{fmt(s['acceptance_rate']):>12}",
+        f"{'alpha (accepted/tested)':<34}{fmt(s['alpha']):>12}",
+        f"{'expected alpha (mean sum min(p,q))':<34}{fmt(s['expected_alpha']):>12}",
+        f"{'tokens per cycle (incl. bonus)':<34}{fmt(s['tokens_per_cycle']):>12}",
+        f"{'  theoretical (1-a^(k+1))/(1-a)':<34}{fmt(s['theoretical_tokens_per_cycle']):>12}",
+        f"{'accepted drafts per cycle':<34}{fmt(s['accepted_per_cycle']):>12}",
+        f"{'speedup (ratio of totals)':<34}{fmt(s['speedup']):>12}  [{fmt(lo)}, {fmt(hi)}] 95% CI",
+        f"{'speedup (geomean of prompts)':<34}{fmt(s['speedup_geomean']):>12}  [{fmt(glo)}, {fmt(ghi)}] 95% CI",
+        f"{'speedup after the first token':<34}{fmt(s.get('decode_speedup')):>12}  (TPOT ratio)",
+        f"{'predicted speedup (cycles run)':<34}{fmt(s['predicted_speedup']):>12}  (formula {fmt(s.get('predicted_speedup_formula'))})",
+        f"{'efficiency (decode/predicted)':<34}{fmt(s['efficiency']):>12}",
+        f"{'cost ratio c (draft/target step)':<34}{fmt(s['cost_ratio']):>12}{_interval(s.get('cost_ratio_ci'))}",
+        f"{'verify cost v(k+1) (target steps)':<34}{fmt(s['verify_cost']):>12}{_interval(s.get('verify_cost_ci'))}"
+        + (
+            f"  MEASUREMENT PROBLEM: v(n) falls at n={', '.join(map(str, s['verify_cost_dips']))}"
+            if s.get("verify_cost_dips")
+            else ""
+        ),
+        f"{'target step ms':<34}{fmt(_ms(s.get('target_step_s')), '.2f'):>12}{_interval(s.get('target_step_s_ci'), 1e3, '.2f')}",
+        f"{'TPOT ms spec / baseline':<34}{fmt(1e3 * s['spec_tpot_s'], '.2f'):>12} / {fmt(1e3 * s['base_tpot_s'], '.2f')}",
+        f"{'TTFT ms spec / baseline (median)':<34}{fmt(1e3 * s['spec_ttft_s'], '.2f'):>12} / {fmt(1e3 * s['base_ttft_s'], '.2f')}",
+        f"{'per-position acceptance':<34}  " + " ".join(fmt(a, ".2f") for a in s["position_acceptance"]),
+        f"{'accepted per cycle histogram 0..k':<34}  "
+        + " ".join(str(n) for n in s["accept_hist"])
         + (f"  (0 includes {s['cycles_without_draft']} cycles that drafted nothing)" if s.get("cycles_without_draft") else ""),
     ]
     if s.get("max_memory_allocated_mb") is not None:
-        lines.append(f"{'peak CUDA memory allocated MB':<34}{_f(s['max_memory_allocated_mb'], '.0f'):>12}")
+        lines.append(f"{'peak CUDA memory allocated MB':<34}{fmt(s['max_memory_allocated_mb'], '.0f'):>12}")
     if "peak_rss_mb" in s:
-        growth = f"  (growth {_f(s['rss_growth_mb_per_prompt'], '+.2f')} MB/prompt)" if "rss_growth_mb_per_prompt" in s else ""
-        lines.append(f"{'peak RSS MB':<34}{_f(s['peak_rss_mb'], '.0f'):>12}{growth}")
+        growth = f"  (growth {fmt(s['rss_growth_mb_per_prompt'], '+.2f')} MB/prompt)" if "rss_growth_mb_per_prompt" in s else ""
+        lines.append(f"{'peak RSS MB':<34}{fmt(s['peak_rss_mb'], '.0f'):>12}{growth}")
     cats = s.get("categories") or {}
     if cats:
         lines += ["", f"{'category':<16}{'prompts':>8}{'accept':>9}{'tok/cycle':>11}{'speedup':>9}"]
         for name, m in cats.items():
-            lines.append(f"{name:<16}{m['num_prompts']:>8}{_f(m['acceptance_rate']):>9}{_f(m['tokens_per_cycle']):>11}{_f(m['speedup']):>9}")
+            lines.append(
+                f"{name:<16}{m['num_prompts']:>8}{fmt(m['acceptance_rate']):>9}{fmt(m['tokens_per_cycle']):>11}{fmt(m['speedup']):>9}"
+            )
     lines += ["", f"results: {s['cell_dir']}"]
     return "\n".join(lines)

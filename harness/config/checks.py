@@ -1,332 +1,335 @@
 """The checks of a command line and of a composed config, which run before torch loads.
 
-A mistyped setting or a value out of range is the most common way a run ends, and it
-should end in a second with one `error:` line, not after the ten seconds torch and
-transformers take to import. So this module needs only Hydra and OmegaConf: the values
-a setting may take live here, and the modules that use them (harness.models.cpu_linear,
-harness.tracking.tracker, harness.core.drafters, harness.models.loading) read them from here.
+A mistyped setting or a value out of range is the most common way a run ends, and it should end
+in a second with one `error:` line, not after the ten seconds torch and transformers take to import.
 
-`check_choices(argv)` reads the command line before Hydra composes; `validate(cfg)`
-reads the composed config (harness.runner.cell.run_cell calls it again, for callers that skip
-the entry point).
+`check_command_line(argv)` composes what a command line asks for with Hydra's compose API, as Hydra
+will, against the schema of harness.config.settings (a multirun: each value of each swept setting
+once): Hydra and OmegaConf decide what is unknown, unreadable or of the wrong type, and `explain`
+says their exception in one line with a fix. `validate(cfg)` checks what types cannot say (k >= 1,
+compile=true needs cache=static) over a composed config (harness.runner.cell.run_cell calls it again,
+for callers that skip the entry points).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import difflib
+import functools
 import os
 import re
-import struct
 import sys
+import typing
 from pathlib import Path
-from typing import Any
 
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import OverrideParseException
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from harness.errors import HarnessError
+from harness.config import settings
+from harness.errors import HarnessError, one_line
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+for _path, _schema in settings.SCHEMAS.items():  # what conf/'s defaults lists name as /schema/<path>@_here_
+    ConfigStore.instance().store(group=f"schema/{_path}".rpartition("/")[0], name=_path.rpartition("/")[2], node=_schema)
 
-# The values a setting may take (each module named reads its own from here).
-CPU_LINEAR_MODES = ("auto", "transposed", "torch")  # harness.models.cpu_linear
-FORWARDS = ("auto", "hf", "lean")  # harness.models.lean: the models' own modules, or ours; auto: ours where it runs (CachedLM)
-LEAN_EAGER_ONLY = "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"
-WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
-LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.core.drafters.NgramDrafter)
-COMPILED_MAX_TOKENS = 16  # harness.models.cached.CachedLM compiles steps of up to this many positions: k + 1 for any k a sweep uses
+COMPOSING = (HydraException, OmegaConfBaseException, ValueError)  # what Hydra's composition raises for a command line
+CHOICES = {
+    "cache": settings.CACHES,
+    "cpu_linear": settings.CPU_LINEAR_MODES,
+    "forward": settings.FORWARDS,
+    "wandb.mode": settings.WANDB_MODES,
+    "prompts.template": settings.TEMPLATES,
+    "prompts.overlong": settings.OVERLONG,
+}
+# What a setting must be: the message for a value out of range (validate) or of the wrong type (explain).
+MUST = {
+    "seed": f"must be an integer from 0 to {settings.MAX_SEED} (a prompt's seed is seed x {settings.PROMPT_SEED_STRIDE:_} + its index)",
+    "k": "must be a positive integer (e.g. k=4)",
+    "max_new_tokens": "must be a positive integer",
+    "temperature": f"must be a number from 0 (greedy) to {settings.FLOAT32_MAX:.3g} (float32's largest)",
+    "top_p": "must be in (0, 1] (1 turns it off)",
+    "top_k": "must be an integer >= 0 (0 turns it off)",
+    "device": "must be auto, cpu, cuda or cuda:N (a GPU by index: device=cuda:0)",
+    "dataset.num_prompts": "must be a positive integer or null (all)",
+    "dataset.max_rows": "must be a positive integer or null (every row)",
+    "pair.draft.length": f"must be {' or '.join(settings.LOOKUP_LENGTHS)} (prompt lookup's proposal length)",
+    "pair.target.id": "must be an HF id or a local directory",
+    "pair.draft.id": "must be an HF id or a local directory",
+    "cache": "must be dynamic or static",
+    "cpu_linear": f"must be one of {', '.join(settings.CPU_LINEAR_MODES)}",
+    "forward": "must be auto, hf or lean (auto: lean where it runs, else hf; hf: the models' own modules; lean: harness/models/lean.py, Llama models)",
+    "wandb.mode": f"must be one of {', '.join(settings.WANDB_MODES)}",
+    "prompts.template": "must be auto, chat or raw",
+    "prompts.overlong": "must be truncate or skip",
+}
+MUST_TYPE = {bool: "must be true or false", int: "must be an integer", float: "must be a number"}
+LOOKUP_ONLY = [f"pair.draft.{f.name}" for f in dataclasses.fields(settings.LookupDraft) if f.name != "kind"]
 
 
-def check_lookup_length(length: str) -> None:
-    if length not in LOOKUP_LENGTHS:
-        raise HarnessError(f"pair.draft.length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
+@contextlib.contextmanager
+def hydra_on_conf():
+    """Hydra's compose API over conf/: the running app's Hydra if there is one, else one for the block."""
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield
 
 
 def with_default_pair(cfg: DictConfig) -> DictConfig:
-    """Fill `pair` from conf/pair/<default_pair>.yaml when no +pair= was given."""
+    """Fill `pair` with conf/pair/<default_pair>.yaml when no +pair= was given."""
     if cfg.get("pair") is None:
-        path = CONF_DIR / "pair" / f"{cfg.default_pair}.yaml"
-        if not path.exists():
-            raise HarnessError(f"default_pair={cfg.default_pair} has no conf/pair/{cfg.default_pair}.yaml")
-        OmegaConf.set_struct(cfg, False)
-        cfg.pair = OmegaConf.load(path)
+        cfg.pair = default_pair(cfg.default_pair)  # assigned as a copy
     return cfg
 
 
-SWEEP_SYNTAX = re.compile(r"[()\[\]{}'\"]")  # Hydra's sweep functions (choice, range, glob), lists and quoting
-
-
-def unknown_choice(override: str) -> str | None:
-    """A message if a command-line override picks a pair or dataset config that does not exist."""
-    prefix = override[: len(override) - len(override.lstrip("+~"))]
-    name, _, value = override[len(prefix):].partition("=")
-    if name not in ("pair", "dataset") or not value or SWEEP_SYNTAX.search(value):  # choice(a,b), glob(*): Hydra's
-        return None
-    known = sorted(p.stem for p in (CONF_DIR / name).glob("*.yaml"))
-    for choice in value.split(","):  # multirun: pair=a,b
-        if choice and choice not in known:
-            close = difflib.get_close_matches(choice, known, n=1)
-            hint = f"did you mean {prefix}{name}={close[0]}? " if close else ""
-            return f"unknown {name} '{choice}': {hint}available: {', '.join(known)} (conf/{name}/)"
-    return None
-
-
-def known_settings(extra: dict | None = None) -> set[str]:
-    """Every dotted key a command line may set without '+': conf/config.yaml's, those of each
-    option in conf/pair/ and conf/dataset/ under the group's name, and `extra` (the section
-    another entry point adds, e.g. harness.exactness's `exactness`)."""
-    def walk(node: dict, prefix: str) -> set[str]:
-        keys = set()
-        for key, value in node.items():
-            keys.add(prefix + str(key))
-            if isinstance(value, dict):
-                keys |= walk(value, f"{prefix}{key}.")
-        return keys
-
-    base = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"), resolve=False)
-    base.pop("defaults", None)
-    base.pop("hydra", None)
-    known = walk(base, "") | walk(extra or {}, "")
-    for group in ("pair", "dataset"):
-        known.add(group)
-        for option in group_options(group).values():
-            known |= walk(option, f"{group}.")
-    return known
-
-
-def group_options(group: str) -> dict[str, dict]:
-    """Each option of a config group (conf/<group>/<name>.yaml) by name, unresolved."""
-    return {p.stem: OmegaConf.to_container(OmegaConf.load(p), resolve=False) for p in sorted((CONF_DIR / group).glob("*.yaml"))}
-
-
-def chosen_options(group: str, argv: list[str]) -> list[str]:
-    """The options of a config group a command line runs: `dataset=a` or `+pair=a` (a multirun's
-    a,b), else conf/config.yaml's default; none when Hydra's sweep syntax chooses them."""
-    chosen = None
-    for arg in argv:
-        name, _, value = arg.lstrip("+").partition("=")
-        if name == group and value:
-            chosen = [] if SWEEP_SYNTAX.search(value) else value.split(",")
-    if chosen is None:
-        config = OmegaConf.load(CONF_DIR / "config.yaml")
-        if group == "pair":
-            return [config.default_pair]
-        defaults = OmegaConf.to_container(config.defaults)
-        chosen = [d[group] for d in defaults if isinstance(d, dict) and group in d]
-    return chosen
-
-
-def group_setting(group: str, override: str, chosen: list[str], options: dict[str, dict]) -> str | None:
-    """A message if an override sets a key under `group.` that a chosen option lacks but another
-    has (Hydra's struct error spans several lines; added with '+', the key would be ignored), e.g.
-    pair.draft.length (a prompt-lookup setting) with a model draft. Keys no option has are left
-    to unknown_setting."""
-    name, equals, _ = override.lstrip("+").partition("=")
-    if not equals or not name.startswith(f"{group}.") or (group == "pair" and override.startswith("+")):
-        return None  # a key added to a pair (+pair.target.device_map=auto) is the pair's to read: check_pair judges it
-    path = name.split(".")[1:]
-
-    def has(keys: dict) -> bool:
-        for part in path:
-            if not isinstance(keys, dict) or part not in keys:
-                return False
-            keys = keys[part]
-        return True
-
-    lacking = [c for c in chosen if c in options and not has(options[c])]
-    having = sorted((o for o, keys in options.items() if has(keys)), key=lambda o: (o != "local", o))  # local: any file
-    if not lacking or not having:
-        return None
-    also = f" (also {', '.join(having[1:])})" if len(having) > 1 else ""
-    choose = "dataset=" if group == "dataset" else "+pair="
-    keys = f", whose keys are {', '.join(sorted(options[lacking[0]]))}" if group == "dataset" else ""
-    return f"unknown setting '{name}' for {choose}{lacking[0]}{keys}: use one that takes it, e.g. {choose}{having[0]} {name}=...{also}"
-
-
-def misplaced(override: str, multirun: bool, sweeps: bool = True) -> str | None:
-    """A message for two common slips Hydra answers in several lines: a pair chosen without its
-    '+', and several values without -m (an escaped comma, `\\,`, is one value)."""
-    name, equals, value = override.partition("=")
-    if name == "pair" and equals:
-        return f"{override}: the pair is chosen with a '+': +pair={value}"
-    several = re.search(r"(?<!\\),", value) and not SWEEP_SYNTAX.search(value)
-    if equals and not multirun and not name.startswith(("hydra", "~")) and several:
-        return (f"{override} lists several values: add -m to run one cell each" if sweeps else
-                f"{override} lists several values, and this command runs one of each (k: use --ks)")
-    return None
-
-
-def moving_results(argv: list[str]) -> str | None:
-    """A message for hydra.job.chdir=true with a relative out_dir: each job runs in its own folder, so the
-    results land in another place every time and cells never resume (Hydra says nothing)."""
-    def value(key: str) -> str | None:
-        return next((a.partition("=")[2] for a in argv if a.lstrip("+").partition("=")[0] == key), None)
-
-    chdir = value("hydra.job.chdir")
-    out_dir = value("out_dir") or str(OmegaConf.load(CONF_DIR / "config.yaml").out_dir)
-    if chdir is None or chdir.strip().lower() not in ("true", "yes", "on", "1") or Path(out_dir).expanduser().is_absolute():
-        return None
-    return (f"hydra.job.chdir={chdir} runs each job in its own folder, where out_dir={out_dir} names another place every "
-            f"time, so cells never resume: leave hydra.job.chdir false, or give an absolute out_dir")
-
-
-def _is_multirun_flag(arg: str) -> bool:
-    """-m or --multirun (or a prefix of it from --m, as Hydra's argparse takes)."""
-    return arg == "-m" or (len(arg) >= 3 and "--multirun".startswith(arg))
-
-
-def is_multirun(argv: list[str]) -> bool:
-    """-m, --multirun (or a prefix of it from --m, as Hydra's argparse takes), or hydra.mode=MULTIRUN."""
-    return any(_is_multirun_flag(arg) or re.fullmatch(r"\+*hydra\.mode=\s*(['\"]?)(RunMode\.)?(MULTIRUN|2)\1\s*", arg)
-               for arg in argv)
-
-
-def unparsable(override: str) -> str | None:
-    """A message if Hydra's override grammar cannot read an override (Hydra answers in three lines),
-    most often a value with braces or brackets left unquoted, e.g. a dataset template."""
-    if "=" not in override or override.startswith("-"):
-        return None
+@functools.cache
+def default_pair(name: str) -> DictConfig:
+    """conf/pair/<name>.yaml as Hydra composes it (its schema first)."""
     try:
-        OverridesParser.create().parse_overrides([override])
-    except OverrideParseException as err:
-        name, _, value = override.partition("=")
-        # Brackets (a template) or a non-ASCII letter (a path, a name), which Hydra's grammar reads only quoted.
-        unquoted = any(c in value for c in "{}[]()") or not value.isascii()
-        unquoted = unquoted and not value.startswith(("'", '"'))
-        fix = (f"quote the value inside the shell's quotes, e.g. '{name}=\"{value}\"'" if unquoted
-               else "see Hydra's override grammar, https://hydra.cc/docs/advanced/override_grammar/basic/")
-        return f"cannot read {override!r} ({str(err).splitlines()[0]}): {fix}"
-    return None
+        with hydra_on_conf():
+            return compose(config_name=f"pair/{name}").pair  # a group's config keeps the group's package
+    except MissingConfigException:
+        raise HarnessError(f"default_pair={name} has no conf/pair/{name}.yaml") from None
 
 
-def unknown_setting(override: str, known: set[str]) -> str | None:
-    """A message if a command-line override sets a key no config has (Hydra's own
-    message spans several lines). Deletions (~key), Hydra's own settings and flags, and keys
-    added under pair are left to Hydra; a key added anywhere else is judged like a setting,
-    since no code would read it (a prompt set reads only the keys conf/dataset/ configs have)."""
-    name, equals, _ = override.partition("=")
-    bare = name.lstrip("+")
-    # A key added (+key=, ++key=) is read only under pair (a model's loading settings, a chat template) and by
-    # Hydra: elsewhere nothing reads it, and it would only give the run another cell key (+temprature=0.7). A
-    # top-level name may also be a config group of the user's (+experiment=short with --config-dir): judged only
-    # when it is close to a setting, as a slip.
-    if name.startswith("+") and not bare.startswith(("pair", "hydra")) and bare != "dataset" and \
-            ("." in bare or difflib.get_close_matches(bare, sorted(known), n=1, cutoff=0.7)):
-        name = bare
-    if not equals or name.startswith(("+", "~", "-", "hydra")) or "/" in name or name in known:
-        return None
-    close = difflib.get_close_matches(name, sorted(k for k in known if not name.startswith(k + ".")), n=1, cutoff=0.7)
-    hint = f"did you mean {close[0]}? " if close else ""  # not the section the key is in (exactness for exactness.bogus)
-    if name.startswith("dataset."):
-        return f"unknown setting '{name}': {hint}(no prompt set reads it; --cfg job prints the settings)"
-    section = name.rpartition(".")[0]
-    siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == section) if section else []
-    if siblings and not section.startswith("pair"):  # a section's key mistyped, e.g. exactness.sample
-        return f"unknown setting '{name}': {hint}{section} has {', '.join(siblings)}"
-    added = f"; +{name}=... adds a new key" if name.startswith("pair.") else ""  # only a pair's keys are read when added
-    return f"unknown setting '{name}': {hint or 'no config has it '}(--cfg job prints them all{added})"
-
-
-def replaces_section(override: str, known: set[str]) -> str | None:
-    """A message for `wandb=disabled`: a value given to a section of settings, which Hydra takes and
-    the run then trips over. `pair` and `dataset` are config groups, whose value is an option's name."""
-    name, equals, value = override.partition("=")
-    name = name.lstrip("+")
-    keys = sorted(k[len(name) + 1:] for k in known if k.startswith(name + ".") and "." not in k[len(name) + 1:])
-    if not equals or name in ("pair", "dataset") or not keys or value.lstrip().startswith("{"):  # {a: 1}: a whole section
-        return None
-    example = next((f"{name}.{k}={v}" for k, v in (("mode", "disabled"), ("id", "<HF id or folder>")) if k in keys), f"{name}.{keys[0]}=...")
-    return f"{override}: {name} is a section, not a setting: set one of its keys ({', '.join(keys)}), e.g. {example}"
-
-
-# The dataset keys every run reads (as attributes: removing one crashed); the others are read with a default.
-DATASET_KEYS_READ = ("name", "source", "num_prompts")
-
-
-def added_or_removed(override: str, known: set[str]) -> str | None:
-    """A message for `+key=` on a key that exists (Hydra: "Could not append") and for `~key` on one
-    of the harness's own settings (a crash later), which Hydra answers in several lines."""
-    name, equals, value = override.partition("=")
-    bare = name.lstrip("+~")
-    if name.startswith("~") and (bare == "dataset" or bare.removeprefix("dataset.") in DATASET_KEYS_READ):  # validate crashed
-        return f"{override}: every run needs {bare}; choose a prompt set (dataset=NAME) or set the key instead"
-    if name.startswith("++") or bare.startswith(("pair", "dataset", "hydra")) or bare not in known:  # ++: Hydra's add-or-set
-        return None  # a pair's or dataset's keys are theirs to add and remove; unknown ones: unknown_setting
-    if name.startswith("+") and equals:
-        return f"{override}: {bare} is already a setting, so drop the '+': {bare}={value}"
-    if name.startswith("~"):
-        return f"{override}: every run needs {bare}; set it instead, e.g. {bare}=..."
-    return None
-
-
-# Hydra's flags that take the next word as their value (`--cfg job`, `-cn config`).
-VALUED_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
-                "--config-dir", "-cd", "--experimental-rerun"}
-
-
-def _takes_value(flag: str | None) -> bool:
-    """A Hydra flag that takes the next word, also shortened as argparse allows (`--cf job`)."""
-    return flag is not None and (flag in VALUED_FLAGS or (flag.startswith("--") and len(flag) > 2
-                                                          and any(f.startswith(flag) for f in VALUED_FLAGS if f.startswith("--"))))
-
-
-def bare_words(argv: list[str]) -> str | None:
-    """A message for a word that is neither a flag, a flag's value nor an override (`k 4` for `k=4`)."""
-    for before, arg in zip([None, *argv], argv):
-        if "=" not in arg and not arg.startswith(("-", "~")) and not _takes_value(before):
-            return f"cannot read {arg!r}: an override is KEY=VALUE, e.g. k=4 (python -m harness --help lists the flags)"
-    return None
-
-
-def check_choices(argv: list[str], extra: dict | None = None, sweeps: bool = True) -> None:
-    """Before Hydra composes, for an entry point's command line: unknown `+pair=`/`dataset=`
-    names, unknown settings and `dataset.` keys the chosen dataset lacks end the process with
-    one `error:` line ("did you mean") and exit 2. `extra`: a section the entry point adds to
-    conf/config.yaml; `sweeps`: whether the entry point runs Hydra multiruns (the bench does not)."""
-    known, multirun = known_settings(extra), sweeps and is_multirun(argv)
-    options = {group: group_options(group) for group in ("pair", "dataset")}
-    chosen = {group: chosen_options(group, argv) for group in ("pair", "dataset")}
-    if not any(arg.startswith("+pair=") for arg in argv):  # pair.* needs the group chosen first, or Hydra's struct error
-        setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.")), None)
-        if setting:
-            default = OmegaConf.load(CONF_DIR / "config.yaml").default_pair
-            print(f"error: {setting} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={default})", file=sys.stderr)
-            sys.exit(2)
-    shown = next((arg for arg in argv if arg in ("--cfg", "-c", "--info", "-i") or arg.startswith(("--cfg=", "--info="))), None)
-    if shown and any(_is_multirun_flag(arg) for arg in argv):  # Hydra: a ValueError traceback (hydra.mode=MULTIRUN it allows)
-        print(f"error: -m runs the cells and {shown} only prints: give one of them (--cfg job without -m shows "
-              f"one cell's config)", file=sys.stderr)
+def check_choices(argv: list[str], config_name: str = "config", sweeps: bool = True) -> None:
+    """`check_command_line` for an entry point: a command line refused ends the process in one line, exit 2."""
+    try:
+        check_command_line(argv, config_name, sweeps)
+    except HarnessError as err:
+        print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    swept_pairs = next((arg for arg in argv if arg.startswith("+pair=") and (re.search(r"(?<!\\),", arg)
-                        or re.match(r"\s*(choice|range|glob)\(", arg.partition("=")[2]))), None)
-    setting = next((arg for arg in argv if arg.lstrip("+~").startswith("pair.") and not arg.startswith("++")), None)
-    if multirun and swept_pairs and setting:  # Hydra applies it before any pair is chosen: "not in struct"
-        key = setting.lstrip("+~").partition("=")[0]
-        # A prompt-lookup key set in every pair would be refused in a model-draft pair (check_pair).
-        lookup_only = key in ("pair.draft.length", "pair.draft.max_ngram", "pair.draft.min_ngram")
-        fix = "sweep one pair per command" if setting.startswith("~") or lookup_only else \
-            f"write it ++{setting.lstrip('+')} to set it in every swept pair, or sweep one pair per command"
-        print(f"error: {setting} cannot go with a sweep over pairs ({swept_pairs}): {fix}", file=sys.stderr)
-        sys.exit(2)
-    if sweeps and (problem := unwritable_output(argv, multirun)):  # an entry point run by Hydra, which makes the folder
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    if problem := moving_results(argv):
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    words = bare_words(argv)
-    if words:
-        print(f"error: {words}", file=sys.stderr)
-        sys.exit(2)
-    for arg in argv:
-        message = (unparsable(arg) or misplaced(arg, multirun, sweeps) or unknown_choice(arg) or replaces_section(arg, known)
-                   or added_or_removed(arg, known)
-                   or next(filter(None, (group_setting(g, arg, chosen[g], options[g]) for g in options)), None)
-                   or unknown_setting(arg, known))
-        if message:
-            print(f"error: {message}", file=sys.stderr)
-            sys.exit(2)
+
+
+def check_command_line(argv: list[str], config_name: str = "config", sweeps: bool = True) -> None:
+    """Compose a command line's config as Hydra will, before torch loads; HarnessError (one line) if it
+    cannot. `config_name`: the entry point's primary config; `sweeps`: whether it runs Hydra multiruns
+    (the bench does not: one value each)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # how Hydra expands a sweep into jobs
+    from hydra._internal.utils import get_args_parser  # the flags as hydra.main reads them (-m, --cfg job, --cf job)
+
+    args = get_args_parser().parse_args(argv)
+    if args.multirun and (args.cfg or args.info):  # Hydra: a ValueError traceback
+        raise HarnessError(
+            f"-m runs the cells and {'--cfg' if args.cfg else '--info'} only prints: give one of them "
+            f"(--cfg job without -m shows one cell's config)"
+        )
+    if args.config_path or args.shell_completion or args.experimental_rerun:
+        return  # another primary config, or nothing composed: Hydra's own
+    overrides = [*args.overrides, *([f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"] if args.config_dir else [])]
+    config_name, prints = args.config_name or config_name, bool(args.cfg or args.info or args.help or args.hydra_help)
+    with hydra_on_conf():
+        hydra = GlobalHydra.instance().hydra
+        parsed = parse(overrides, OverridesParser.create(config_loader=hydra.config_loader))  # the loader: glob(*) lists options
+        swept = [o for o in parsed if o.is_sweep_override()]
+        multirun = args.multirun or bool(swept) and hydra.get_mode(config_name, overrides) == RunMode.MULTIRUN
+        if swept and not (sweeps and multirun):
+            raise HarnessError(
+                f"{swept[0].input_line} lists several values: add -m to run one cell each"
+                if sweeps
+                else f"{swept[0].input_line} lists several values, and this command runs one of each (k: use --ks)"
+            )
+        jobs, sweep_error = [overrides], None
+        if multirun:
+            try:  # the sweep's own config, which Hydra composes before its jobs, and without the swept pairs
+                hydra.compose_config(config_name, overrides, run_mode=RunMode.MULTIRUN)
+            except COMPOSING as err:
+                sweep_error = err
+                override, pairs = (
+                    failing_override(err, parsed),
+                    next((o.input_line for o in swept if o.key_or_group == "pair"), None),
+                )
+                if override and override.key_or_group.startswith("pair.") and pairs:
+                    line = override.input_line
+                    fix = (
+                        "sweep one pair per command"
+                        if override.is_delete() or override.key_or_group in LOOKUP_ONLY  # a model draft refuses those
+                        else f"write it ++{line.lstrip('+')} to set it in every swept pair, or sweep one pair per command"
+                    )
+                    raise HarnessError(f"{line} cannot go with a sweep over pairs ({pairs}): {fix}") from None
+            jobs, seen = [], set()
+            for job in BasicSweeper.split_arguments(parsed, None)[0]:  # each value of each swept setting once
+                if not seen.issuperset(job):
+                    jobs.append(job)
+                    seen.update(job)
+        for number, job in enumerate(jobs):
+            try:
+                check_composed(compose(config_name, job, return_hydra_config=True), multirun, output=number == 0 and not prints)
+            except COMPOSING as err:
+                raise HarnessError(explain(err, config_name, job, parse(job, OverridesParser.create()))) from None
+        if sweep_error is not None:
+            raise HarnessError(explain(sweep_error, config_name, overrides, parsed))
+
+
+def parse(overrides: list[str], parser: OverridesParser) -> list[Override]:
+    """Hydra's reading of each override; HarnessError for one its grammar cannot read."""
+    parsed = []
+    for line in overrides:
+        try:
+            parsed += parser.parse_overrides([line])
+        except OverrideParseException as err:
+            if "=" not in line and not line.startswith("~"):
+                raise HarnessError(
+                    f"cannot read {line!r}: an override is KEY=VALUE, e.g. k=4 (python -m harness --help lists the flags)"
+                ) from None
+            name, _, value = line.partition("=")
+            # Brackets (a template) or a non-ASCII letter (a path, a name), which Hydra's grammar reads only quoted.
+            unquoted = (any(c in value for c in "{}[]()") or not value.isascii()) and not value.startswith(("'", '"'))
+            fix = (
+                f"quote the value inside the shell's quotes, e.g. '{name}=\"{value}\"'"
+                if unquoted
+                else "see Hydra's override grammar, https://hydra.cc/docs/advanced/override_grammar/basic/"
+            )
+            raise HarnessError(f"cannot read {line!r} ({one_line(err)}): {fix}") from None
+    return parsed
+
+
+def failing_override(err: Exception, parsed: list[Override]) -> Override | None:
+    """The override a composition error of Hydra's names, if it names one."""
+    match = re.match(
+        r"(Error merging override |Could not override '|Could not append to config\. An item is already at '|"
+        r"Could not delete from config\. ')([^']+)",
+        one_line(err),
+    )
+    return next((o for o in reversed(parsed) if match[2] in (o.input_line, o.key_or_group)), None) if match else None
+
+
+def explain(err: Exception, config_name: str, overrides: list[str], parsed: list[Override]) -> str:
+    """One line for an exception of Hydra's composition of `overrides`, with the fix."""
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    first = one_line(err) if str(err).strip() else one_line(cause)
+    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):  # +pair=nope, dataset=nope
+        group, _, name = err.missing_cfg_file.rpartition("/")
+        prefix = next(("+" if o.is_add() else "" for o in parsed if o.key_or_group == group), "")
+        close = difflib.get_close_matches(name, err.options or [], n=1)
+        hint = f"did you mean {prefix}{group}={close[0]}? " if close else ""
+        return f"unknown {group} '{name}': {hint}available: {', '.join(sorted(err.options or []))} (conf/{group}/)"
+    override = failing_override(err, parsed)
+    if override is None:
+        return first
+    line, key = override.input_line, override.key_or_group
+    if key == "pair" and "No match in the defaults list" in str(err):
+        return f"{line}: the pair is chosen with a '+': +{line}"
+    if "An item is already at" in first:
+        return f"{line}: {key} is already a setting, so drop the '+': {line.lstrip('+')}"
+    try:  # the config without this override: what the fix can name
+        base = compose(config_name, [o for o in overrides if o != line], return_hydra_config=True)
+    except COMPOSING:
+        return first
+    if key.startswith("pair.") and base.get("pair") is None:
+        return f"{line} sets the pair, so choose the pair first: add +pair=NAME (the default is +pair={base.default_pair})"
+    if override.is_delete():  # a key of a schema
+        return needed(key)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):  # not in struct
+        return unknown_setting(key, base)
+    if isinstance(cause, ValidationError):
+        if isinstance(section := OmegaConf.select(base, key), DictConfig):  # wandb=disabled
+            keys = sorted(section)
+            example = next(
+                (f"{key}.{k}={v}" for k, v in (("mode", "disabled"), ("id", "<HF id or folder>")) if k in keys),
+                f"{key}.{keys[0]}=...",
+            )
+            return f"{line}: {key} is a section, not a setting: set one of its keys ({', '.join(keys)}), e.g. {example}"
+        return f"{key}={cause.value} {MUST.get(key) or MUST_TYPE.get(field_type(base, key)) or f'({one_line(cause)})'}"
+    return first
+
+
+def field_type(cfg: DictConfig, key: str) -> type | None:
+    """The type a schema gives a setting (int for `int | None`), if one types it."""
+    section, _, leaf = key.rpartition(".")
+    schema = OmegaConf.get_type(OmegaConf.select(cfg, section) if section else cfg)
+    hint = typing.get_type_hints(schema).get(leaf) if dataclasses.is_dataclass(schema) else None
+    return next((t for t in typing.get_args(hint) or (hint,) if t is not type(None)), None)
+
+
+def unknown_setting(key: str, cfg: DictConfig) -> str:
+    """The message for a key the composed config `cfg` has no place for: the closest key, or the
+    option of a config group that has it (a prompt-lookup key with a model pair)."""
+    parts, parent, depth = key.split("."), cfg, 0
+    while depth < len(parts) - 1 and isinstance(parent.get(parts[depth]), DictConfig):  # down to the first part it lacks
+        parent, depth = parent[parts[depth]], depth + 1
+    siblings = sorted(k for k in parent if k not in ("hydra", parts[depth]))
+    close = difflib.get_close_matches(parts[depth], siblings, n=1, cutoff=0.7)
+    hint = f"did you mean {'.'.join([*parts[:depth], close[0], *parts[depth + 1 :]])}? " if close else ""
+    if depth and parts[0] in ("pair", "dataset"):
+        group, chosen = parts[0], OmegaConf.select(cfg, f"hydra.runtime.choices.{parts[0]}")
+        options = {p.stem: OmegaConf.load(p) for p in sorted((CONF_DIR / group).glob("*.yaml"))}
+        having = sorted(
+            (
+                o
+                for o, option in options.items()  # ...: a key with a null value, or one only a run resolves
+                if OmegaConf.select(option, ".".join(parts[1:]), default=..., throw_on_resolution_failure=False) is not ...
+            ),
+            key=lambda o: (o != "local", o),
+        )  # local: any file
+        choose = "dataset=" if group == "dataset" else "+pair="
+        if having and chosen in options:
+            keys = f", whose keys are {', '.join(sorted(set(options[chosen]) - {'defaults'}))}" if group == "dataset" else ""
+            also = f" (also {', '.join(having[1:])})" if len(having) > 1 else ""
+            return f"unknown setting '{key}' for {choose}{chosen}{keys}: use one that takes it, e.g. {choose}{having[0]} {key}=...{also}"
+        if group == "dataset":
+            return f"unknown setting '{key}': {hint}(no prompt set reads it; --cfg job prints the settings)"
+        return f"unknown setting '{key}': {hint or 'no config has it '}(--cfg job prints them all; +{key}=... adds a new key)"
+    if depth:  # a section's key mistyped, e.g. wandb.mdoe
+        return f"unknown setting '{key}': {hint}{'.'.join(parts[:depth])} has {', '.join(siblings)}"
+    return f"unknown setting '{key}': {hint or 'no config has it '}(--cfg job prints them all)"
+
+
+def needed(key: str) -> str:
+    """The message for a setting removed (~key)."""
+    instead = (
+        "choose a prompt set (dataset=NAME) or set the key instead"
+        if key.startswith("dataset")
+        else f"set it instead, e.g. {key}=..."
+    )
+    return f"~{key}: every run needs {key}; {instead}"
+
+
+def check_composed(cfg: DictConfig, multirun: bool, output: bool) -> None:
+    """What Hydra lets through but no run can use. A key added where nothing reads it: '+' adds a key
+    even to a schema's section (+temprature=0.7), which would only give the run another cell key. A
+    setting removed (~k). Results that move with each job. `output`: an output folder Hydra could not make."""
+    sections = [
+        ("", cfg),
+        *(
+            (f"{name}.", node)
+            for name, node in cfg.items_ex(resolve=False)
+            if name not in ("hydra", "pair") and isinstance(node, DictConfig)
+        ),
+    ]  # a pair's keys are its own
+    for path, section in sections:
+        schema = OmegaConf.get_type(section)
+        fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else set(section)
+        for key in sorted(
+            set(section) - fields - {"hydra"}
+        ):  # at the top, a config group of the user's (--config-dir) may add keys
+            if path or difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.7):
+                raise HarnessError(unknown_setting(path + key, cfg))
+        for key in sorted(fields - {"pair"}):
+            if key not in section or OmegaConf.is_missing(section, key):  # ~k; ~dataset leaves the schema's ???
+                raise HarnessError(needed(path + key))
+    if cfg.hydra.job.chdir and not Path(str(cfg.out_dir)).expanduser().is_absolute():
+        raise HarnessError(
+            f"hydra.job.chdir=true runs each job in its own folder, where out_dir={cfg.out_dir} names another place "
+            f"every time, so cells never resume: leave hydra.job.chdir false, or give an absolute out_dir"
+        )
+    key = "sweep" if multirun or cfg.hydra.mode == RunMode.MULTIRUN else "run"
+    try:
+        folder = Path(str(cfg.hydra[key].dir)).expanduser()
+    except OmegaConfBaseException:  # an interpolation only a running job resolves (${hydra:...})
+        return
+    if output and (problem := unmakeable(folder)):
+        given = OmegaConf.to_container(cfg.hydra[key])["dir"]
+        raise HarnessError(f"hydra.{key}.dir={given}: {problem}: give hydra.{key}.dir=<a folder that can be made>")
 
 
 def unmakeable(folder: Path) -> str | None:
@@ -340,76 +343,46 @@ def unmakeable(folder: Path) -> str | None:
     return None
 
 
-def unwritable_output(argv: list[str], multirun: bool) -> str | None:
-    """Why Hydra could not make its output folder (a traceback from Hydra), or None: the folder
-    `hydra.run.dir=` / `hydra.sweep.dir=` gives, else conf/config.yaml's under the current folder."""
-    if any(arg in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") or arg.startswith(("--cfg=", "--info="))
-           for arg in argv):
-        return None  # Hydra only prints
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    given = next((arg.partition("=")[2] for arg in argv if arg.lstrip("+").partition("=")[0] == key), None)
-    fixed = (given or "").strip("'\"").partition("${")[0]  # the part before an interpolation (${oc.env:HOME}/runs: none)
-    if given and not fixed:
-        return None
-    problem = unmakeable(Path(fixed).expanduser() if given else Path("multirun" if multirun else "outputs"))
-    where = f"{key}={given}" if given else f"the current folder, {Path.cwd()}"
-    return f"{where}: {problem}: give {key}=<a folder that can be made>" if problem else None
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _number(value: Any) -> bool:
-    """An int or float, not a bool (top_k=true would be top-1, temperature=true a cell apart from 1.0)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-FLOAT32_MAX = struct.unpack("<f", bytes.fromhex("ffff7f7f"))[0]  # float32's largest: a larger temperature is inf in the sampler
-PROMPT_SEED_STRIDE = 1_000_003
-MAX_SEED = (2**64 - 1) // PROMPT_SEED_STRIDE - 1_000  # torch takes seeds below 2**64; leaves room for 10^9 prompt indices
-
-
 def compiled_k_message(k: int) -> str:
-    return (f"k={k} with compile=true: compiled steps take at most {COMPILED_MAX_TOKENS} positions and a verify "
-            f"takes k + 1 = {k + 1}, which would run eagerly: use k <= {COMPILED_MAX_TOKENS - 1}, or compile=false")
+    return (
+        f"k={k} with compile=true: compiled steps take at most {settings.COMPILED_MAX_TOKENS} positions and a verify "
+        f"takes k + 1 = {k + 1}, which would run eagerly: use k <= {settings.COMPILED_MAX_TOKENS - 1}, or compile=false"
+    )
 
 
 def validate(cfg: DictConfig) -> None:
-    data = cfg.dataset
+    """The ranges of a composed config's settings (Hydra has checked their types), then the pair's."""
+    data, k, new, forward = cfg.dataset, cfg.k, cfg.max_new_tokens, cfg.get("forward", "hf")
+    within = {
+        "seed": 0 <= cfg.seed <= settings.MAX_SEED,
+        "k": k >= 1,
+        "device": re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", cfg.device),
+        "temperature": 0 <= cfg.temperature <= settings.FLOAT32_MAX,
+        "top_p": 0 < cfg.top_p <= 1,
+        "top_k": cfg.top_k >= 0,
+        "max_new_tokens": new >= 1,
+        "dataset.num_prompts": data.get("num_prompts") is None or data.num_prompts >= 1,
+        "dataset.max_rows": data.get("max_rows") is None or data.max_rows >= 1,
+        **{
+            key: OmegaConf.select(cfg, key, default="hf") in values for key, values in CHOICES.items()
+        },  # a config without forward: hf
+    }
     checks = [
-        *((isinstance(OmegaConf.select(cfg, name), bool), f"{name}={OmegaConf.select(cfg, name)} must be true or false")
-          for name in ("force", "compile", "prompts.shuffle")),  # Hydra reads off / no as strings, which are truthy
-        (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and 0 <= cfg.seed <= MAX_SEED,
-         f"seed={cfg.seed} must be an integer from 0 to {MAX_SEED} (a prompt's seed is seed x {PROMPT_SEED_STRIDE:_} + its index)"),
-        (_positive_int(cfg.k), f"k={cfg.k} must be a positive integer (e.g. k=4)"),
-        (isinstance(cfg.device, str), f"device={cfg.device} must be auto, cpu, cuda or cuda:N (a GPU by index: device=cuda:0)"),
-        (_number(cfg.temperature) and 0 <= cfg.temperature <= FLOAT32_MAX,
-         f"temperature={cfg.temperature} must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's largest)"),
-        (not _number(cfg.temperature) or cfg.temperature == 0 or cfg.temperature >= 1e-6,
-         f"temperature={cfg.temperature} is greedy in all but name and under float32's range: use temperature=0"),
-        (_number(cfg.top_p) and 0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1] (1 turns it off)"),
-        (isinstance(cfg.top_k, int) and not isinstance(cfg.top_k, bool) and cfg.top_k >= 0, f"top_k={cfg.top_k} must be an integer >= 0 (0 turns it off)"),
-        (_positive_int(cfg.max_new_tokens), f"max_new_tokens={cfg.max_new_tokens} must be a positive integer"),
+        *((ok, f"{key}={OmegaConf.select(cfg, key)} {MUST[key]}") for key, ok in within.items()),
+        (
+            cfg.temperature == 0 or cfg.temperature >= 1e-6,
+            f"temperature={cfg.temperature} is greedy in all but name and under float32's range: use temperature=0",
+        ),
         # k = max_new_tokens stays allowed (a sweep's k=8 on a quick 8-token run); far beyond, measuring the
         # verify costs of k + 1 positions takes minutes for drafts no cycle can make.
-        (not (_positive_int(cfg.k) and _positive_int(cfg.max_new_tokens)) or cfg.k <= cfg.max_new_tokens,
-         f"k={cfg.k} is more than max_new_tokens={cfg.max_new_tokens}, and a cycle drafts at most "
-         f"{cfg.max_new_tokens - 1 if _positive_int(cfg.max_new_tokens) else 0}: lower k or raise max_new_tokens"),
-        (data.num_prompts is None or _positive_int(data.num_prompts), f"dataset.num_prompts={data.num_prompts} must be a positive integer or null (all)"),
-        (data.get("max_rows") is None or _positive_int(data.max_rows), f"dataset.max_rows={data.get('max_rows')} must be a positive integer or null (every row)"),
-        (isinstance(data.get("streaming", False), bool), f"dataset.streaming={data.get('streaming')} must be true or false"),
-        (cfg.cache in ("dynamic", "static"), f"cache={cfg.cache} must be dynamic or static"),
+        (
+            k <= new,
+            f"k={k} is more than max_new_tokens={new}, and a cycle drafts at most {new - 1}: lower k or raise max_new_tokens",
+        ),
         (not cfg.compile or cfg.cache == "static", "compile=true needs fixed shapes: add cache=static"),
         # Longer steps run eagerly (CachedLM.forward): a run labelled compiled would time its full verifies eager.
-        (not cfg.compile or not _positive_int(cfg.k) or cfg.k + 1 <= COMPILED_MAX_TOKENS,
-         compiled_k_message(cfg.k) if _positive_int(cfg.k) else ""),  # messages are made before any check: k=abc
-        (cfg.cpu_linear in CPU_LINEAR_MODES, f"cpu_linear={cfg.cpu_linear} must be one of {', '.join(CPU_LINEAR_MODES)}"),
-        (cfg.get("forward", "hf") in FORWARDS, f"forward={cfg.get('forward')} must be {', '.join(FORWARDS[:-1])} or {FORWARDS[-1]} (auto: lean where it runs, else hf; hf: the models' own modules; lean: harness/lean.py, Llama models)"),
-        (cfg.get("forward", "hf") != "lean" or (cfg.cache == "dynamic" and not cfg.compile), LEAN_EAGER_ONLY),
-        (cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode} must be one of {', '.join(WANDB_MODES)}"),
-        (cfg.prompts.template in ("auto", "chat", "raw"), f"prompts.template={cfg.prompts.template} must be auto, chat or raw"),
-        (cfg.prompts.overlong in ("truncate", "skip"), f"prompts.overlong={cfg.prompts.overlong} must be truncate or skip"),
+        (not cfg.compile or k + 1 <= settings.COMPILED_MAX_TOKENS, compiled_k_message(k)),
+        (forward != "lean" or (cfg.cache == "dynamic" and not cfg.compile), settings.LEAN_EAGER_ONLY),
     ]
     for ok, message in checks:
         if not ok:
@@ -430,12 +403,14 @@ def check_pair(pair: DictConfig) -> None:
         raise HarnessError(f"pair.draft.kind={draft.kind} must be model (with pair.draft.id) or ngram (prompt lookup)")
     if draft.kind == "model" and not draft.get("id"):
         raise HarnessError(f"pair {name} has a model draft without an id: set pair.draft.id (an HF id or a local directory)")
-    if draft.kind == "ngram":
-        low, high = draft.get("min_ngram", 1), draft.get("max_ngram", 3)
-        if not (_positive_int(low) and _positive_int(high) and low <= high):
-            raise HarnessError(f"pair.draft.min_ngram={low} and max_ngram={high} must be integers with 1 <= min_ngram <= max_ngram")
-    check_lookup_length(draft.get("length", "match"))
+    low, high = draft.get("min_ngram", 1), draft.get("max_ngram", 3)
+    if draft.kind == "ngram" and not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+        raise HarnessError(f"pair.draft.min_ngram={low} and max_ngram={high} must be integers with 1 <= min_ngram <= max_ngram")
+    if draft.get("length", "match") not in settings.LOOKUP_LENGTHS:
+        raise HarnessError(f"pair.draft.length={draft.length} {MUST['pair.draft.length']}")
     lookup_only = [key for key in ("length", "max_ngram", "min_ngram") if draft.kind == "model" and key in draft]
     if lookup_only:
-        raise HarnessError(f"pair.draft.{lookup_only[0]} is a prompt-lookup setting and this pair's draft is a model, which would "
-                           f"ignore it: use +pair=smollm2_ngram, or pair.draft.kind=ngram")
+        raise HarnessError(
+            f"pair.draft.{lookup_only[0]} is a prompt-lookup setting and this pair's draft is a model, which would "
+            f"ignore it: use +pair=smollm2_ngram, or pair.draft.kind=ngram"
+        )

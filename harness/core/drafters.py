@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
-from harness.config.checks import check_lookup_length
-from harness.models.cached import CachedLM
+from harness.config.settings import LOOKUP_LENGTHS
 from harness.core.sampling import Sampling, sample, shape_probs
+from harness.models.cached import CachedLM
 
 
 class Drafter(Protocol):
@@ -92,7 +92,8 @@ class NgramDrafter:
     """
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, length: str = "match"):
-        check_lookup_length(length)
+        if length not in LOOKUP_LENGTHS:
+            raise ValueError(f"length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
         self.vocab_size, self.max_ngram, self.min_ngram, self.length = vocab_size, max_ngram, min_ngram, length
         self.verify_cost: list[float] | None = None  # [>= 2] v(1..); cost_aware proposes whole matches until it is set
         self.start(torch.empty(0))  # the per-sequence acceptance counts

@@ -29,12 +29,38 @@ except ImportError:  # pragma: no cover
     _get_current_function_mode_stack = None
 
 _T = torch.Tensor
-READS_TO_HOST = frozenset({
-    _T.item, _T.tolist, _T.numpy, _T.__bool__, _T.__int__, _T.__float__, _T.__index__, _T.__repr__, _T.__format__,
-    _T.cpu, _T.nonzero, torch.nonzero, torch.argwhere, _T.masked_select, torch.masked_select, _T.unique, torch.unique,
-    _T.equal, torch.equal, torch.allclose, _T.allclose, torch.is_nonzero, _T.is_nonzero, _T.__contains__,
-    torch.bincount, _T.bincount, torch.unique_consecutive, _T.unique_consecutive,  # output sizes from the values
-})  # `if t.any():` reads through __bool__; t.any() alone stays on the device
+READS_TO_HOST = frozenset(
+    {
+        _T.item,
+        _T.tolist,
+        _T.numpy,
+        _T.__bool__,
+        _T.__int__,
+        _T.__float__,
+        _T.__index__,
+        _T.__repr__,
+        _T.__format__,
+        _T.cpu,
+        _T.nonzero,
+        torch.nonzero,
+        torch.argwhere,
+        _T.masked_select,
+        torch.masked_select,
+        _T.unique,
+        torch.unique,
+        _T.equal,
+        torch.equal,
+        torch.allclose,
+        _T.allclose,
+        torch.is_nonzero,
+        _T.is_nonzero,
+        _T.__contains__,
+        torch.bincount,
+        _T.bincount,
+        torch.unique_consecutive,
+        _T.unique_consecutive,  # output sizes from the values
+    }
+)  # `if t.any():` reads through __bool__; t.any() alone stays on the device
 _FROM_HOST = frozenset({torch.tensor, torch.as_tensor, _T.new_tensor})  # Python data copied to a device: the host waits
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 _PACKAGE = Path(__file__).resolve().parents[1]  # harness/

@@ -26,15 +26,15 @@ reads per cycle by source line, and on CUDA the device's own count too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from harness.core.drafters import Drafter
-from harness.models.cached import CachedLM
 from harness.core.rule import Verdict, verify, verify_greedy
 from harness.core.sampling import Sampling, sample, shape_probs
+from harness.models.cached import CachedLM
 
 
 @dataclass
@@ -81,7 +81,7 @@ def speculative_decode(
         target.rollback(ids.shape[0] + n)  # keep ids and the n accepted drafts; the next token is fed next cycle
         drafter.rollback(ids.shape[0] + n)
         committed = torch.cat([draft_tokens[:n], verdict.next_token[None]])  # [n + 1]
-        kept, stop = _apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated)
+        kept, stop = apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated)
         ids = torch.cat([ids, committed[: len(kept)]])
         generated += len(kept)
         # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
@@ -113,7 +113,7 @@ def autoregressive_decode(
         logits = target.forward(token[None], num_logits=1)[0]  # [V]
 
 
-def _apply_stops(tokens: list[int], eos_ids: set[int], budget: int) -> tuple[list[int], bool]:
+def apply_stops(tokens: list[int], eos_ids: set[int], budget: int) -> tuple[list[int], bool]:
     """Cut a cycle's tokens at the first EOS (kept) or at the token budget."""
     for i, token in enumerate(tokens[:budget]):
         if token in eos_ids:

@@ -2,7 +2,7 @@
 
 Per prompt, the loop's cycles are reduced to counts (`cycle_counts`); the
 summary is derived from those counts and the paired timings only, so a
-results file can always be re-summarised. Definitions (README, "Metrics"):
+results file can always be re-summarised. Definitions (docs/metrics.md):
 
   acceptance_rate       accepted drafted tokens / drafted tokens, leaving out
                         drafts after an accepted EOS (never to be kept)
@@ -21,23 +21,24 @@ results file can always be re-summarised. Definitions (README, "Metrics"):
   speedup               (spec tokens / spec time) / (baseline tokens / baseline time),
                         overall as a ratio of totals and as the geometric mean
                         of per-prompt ratios, each with a 95% paired bootstrap CI
-  predicted_speedup     (1 - alpha^(k+1)) / (1 - alpha) / (k c + v(k+1)), with
-                        c = draft step / target step and v(n) = target time to
-                        score n positions / target step (Leviathan et al. with
-                        a measured verify cost instead of 1)
+  predicted_speedup     committed tokens / sum over cycles of (k' c + v(k'+1)),
+                        k' the tokens that cycle drafted, c = draft step / target
+                        step, v(n) = target time to score n positions / target
+                        step, after each prompt's first cycle (its prompt pass):
+                        the cost model priced on the cycles actually run, so it
+                        means the same for a fixed-k draft and for one that
+                        proposes fewer (prompt lookup without a match, cost_aware
+                        lookup, the budget's end)
+  predicted_speedup_formula
+                        (1 - alpha^(k+1)) / (1 - alpha) / (k c + v(k+1)): Leviathan
+                        et al. with a measured verify cost instead of 1, the
+                        closed form the report's what-if uses
   decode_speedup        base_tpot_s / spec_tpot_s: the speedup after the first
                         yield, without the prompt's pass and first cycle
-  efficiency            decode_speedup / predicted_speedup (the prediction
-                        prices decode steps only, so it is held against the
-                        decode phase: `speedup` includes prefill, which both
-                        sides pay alike and which pulls it towards 1)
-  predicted_speedup_cycles
-                        committed tokens / sum over cycles of (k' c + v(k'+1)),
-                        k' the tokens that cycle drafted: the same prediction
-                        for the cycles actually run, which also holds when a
-                        drafter proposes fewer than k (prompt lookup without a
-                        match, pair.draft.length=cost_aware, the budget's end)
-  efficiency_cycles     decode_speedup / predicted_speedup_cycles
+  efficiency            decode_speedup / predicted_speedup (the prediction prices
+                        decode steps only, so it is held against the decode phase:
+                        `speedup` includes prefill, which both sides pay alike and
+                        which pulls it towards 1)
 """
 
 from __future__ import annotations
@@ -111,8 +112,14 @@ def _bootstrap(columns: Sequence[np.ndarray], statistic, seed: int) -> tuple[flo
     if len(columns[0]) < 2:
         return float("nan"), float("nan")
     res = stats.bootstrap(
-        columns, statistic, paired=True, vectorized=True, n_resamples=2000,
-        confidence_level=0.95, method="percentile", rng=np.random.default_rng(seed),
+        columns,
+        statistic,
+        paired=True,
+        vectorized=True,
+        n_resamples=2000,
+        confidence_level=0.95,
+        method="percentile",
+        rng=np.random.default_rng(seed),
     )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
@@ -147,11 +154,17 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     kept = np.sum([r["spec"]["position_accepted"] for r in records], axis=0) if records else np.zeros(k)
     alpha = ratio(total("accepted"), total("tested"))
     c, v = costs["cost_ratio"], costs["verify_cost"][k]  # verify_cost[n - 1] = v(n)
-    predicted = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
+    by_formula = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
+    predicted = _predicted_by_cycles(records, c, costs["verify_cost"])
     summary = {
         "num_prompts": len(records),
-        "acceptance_rate": acceptance_rate({"accepted": total("accepted"), "drafted": total("drafted"),
-                                            "drafted_after_eos": sum(r["spec"].get("drafted_after_eos", 0) for r in records)}),
+        "acceptance_rate": acceptance_rate(
+            {
+                "accepted": total("accepted"),
+                "drafted": total("drafted"),
+                "drafted_after_eos": sum(r["spec"].get("drafted_after_eos", 0) for r in records),
+            }
+        ),
         "alpha": alpha,
         "expected_alpha": ratio(total("expected_sum"), total("tested")),
         "position_acceptance": [ratio(a, b) for a, b in zip(kept.tolist(), reached.tolist())],
@@ -172,36 +185,56 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "spec_tpot_s": _tpot(records, "spec"),
         "base_tpot_s": _tpot(records, "base"),
         "cost_ratio": c,
+        "cost_ratio_ci": costs.get("cost_ratio_ci"),
         "verify_cost": v,
+        "verify_cost_ci": (costs.get("verify_cost_ci") or [None] * (k + 1))[k],
+        "verify_cost_dips": costs.get("verify_cost_dips", []),  # n where v(n) is clearly below an earlier v: see the table
+        "target_step_s": costs.get("target_step_s"),
+        "target_step_s_ci": costs.get("target_step_s_ci"),
+        "draft_step_s": costs.get("draft_step_s"),
+        "draft_step_s_ci": costs.get("draft_step_s_ci"),
         "predicted_speedup": predicted,
+        "predicted_speedup_formula": by_formula,
     }
     if records:
         summary.update(speedup_stats(records, seed))
     else:
-        summary.update(speedup=float("nan"), speedup_ci=(float("nan"),) * 2,
-                       speedup_geomean=float("nan"), speedup_geomean_ci=(float("nan"),) * 2)
+        summary.update(
+            speedup=float("nan"),
+            speedup_ci=(float("nan"),) * 2,
+            speedup_geomean=float("nan"),
+            speedup_geomean_ci=(float("nan"),) * 2,
+        )
     summary["decode_speedup"] = ratio(summary["base_tpot_s"], summary["spec_tpot_s"])
     summary["efficiency"] = ratio(summary["decode_speedup"], predicted)
-    summary["predicted_speedup_cycles"] = _predicted_by_cycles(records, k, costs)
-    summary["efficiency_cycles"] = ratio(summary["decode_speedup"], summary["predicted_speedup_cycles"])
+    summary["efficiency_formula"] = ratio(summary["decode_speedup"], by_formula)
     return summary
 
 
-def _predicted_by_cycles(records: Sequence[dict], k: int, costs: dict) -> float:
-    """Committed tokens over what the cycles run cost in target steps, after each prompt's first cycle (the
-    prompt's pass, which decode_speedup leaves out too; results from before first_drafted keep it).
-    nan for records without drafted_hist."""
-    if not records or any("drafted_hist" not in r["spec"] for r in records):
+def _predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -> float:
+    """Committed tokens over what the cycles run cost in target steps (v[j] = v(j + 1)), after each
+    prompt's first cycle (the prompt's pass, which decode_speedup leaves out too)."""
+    if not records:
         return float("nan")
-    c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
-    cycles = np.sum([r["spec"]["drafted_hist"] for r in records], axis=0)  # [k + 1]
+    cycles = np.sum([r["spec"]["drafted_hist"] for r in records], axis=0)  # [k + 1] cycles that drafted 0..k
     committed = sum(r["spec"]["committed"] for r in records)
-    if all("first_drafted" in r["spec"] for r in records):
-        for r in records:
-            cycles[r["spec"]["first_drafted"]] -= 1
-            committed -= r["spec"]["first_committed"]
+    for r in records:
+        cycles[r["spec"]["first_drafted"]] -= 1
+        committed -= r["spec"]["first_committed"]
     cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
     return ratio(committed, cost)
+
+
+def median_ci(samples: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of `samples`: the order statistics whose
+    binomial coverage is at least `confidence` (for 9 samples, the 2nd and 8th: 96%). nan
+    when there are too few samples for that coverage."""
+    x = np.sort(np.asarray(samples, dtype=float))
+    n = len(x)
+    for j in range(n // 2, 0, -1):  # widen from the middle until the coverage suffices
+        if stats.binom.cdf(n - j, n, 0.5) - stats.binom.cdf(j - 1, n, 0.5) >= confidence:  # P(x_(j) <= median <= x_(n-j+1))
+            return float(x[j - 1]), float(x[n - j])
+    return float("nan"), float("nan")
 
 
 def _tpot(records: Sequence[dict], side: str) -> float:

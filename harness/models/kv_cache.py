@@ -40,9 +40,15 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         stored = self._keys
-        fits = (stored is not None and stored.shape[-2] >= self.capacity and stored.device == key_states.device
-                and stored.dtype == key_states.dtype and stored.shape[:2] == key_states.shape[:2]
-                and stored.shape[-1] == key_states.shape[-1] and self._values.shape[-1] == value_states.shape[-1])
+        fits = (
+            stored is not None
+            and stored.shape[-2] >= self.capacity
+            and stored.device == key_states.device
+            and stored.dtype == key_states.dtype
+            and stored.shape[:2] == key_states.shape[:2]
+            and stored.shape[-1] == key_states.shape[-1]
+            and self._values.shape[-1] == value_states.shape[-1]
+        )
         self.length = 0
         if not fits:
             self._allocate(key_states, value_states, self.capacity)

@@ -3,9 +3,9 @@
 HF's forward spends part of a decode step around its matrix products: per
 layer a dozen module calls, keyword plumbing, a cache object's update, a
 mask built per call, output dataclasses. On a 2-core CPU and SmolLM2-135M,
-a one-token step took 32-40 ms through HF's modules and 26-34 ms through
-this forward, on the same weights and the same products (docs/performance.md,
-session 19). This forward runs the same computation with fewer calls:
+a one-token target step took 34.9 ms through HF's modules and 31.0 ms through
+this forward, on the same weights and the same products (docs/design.md, "The
+lean forward"). This forward runs the same computation with fewer calls:
 
 - the q, k and v projections are one product, and so are gate and up: the
   model's own weights are re-pointed as views of one fused tensor per layer,
@@ -23,6 +23,7 @@ checked against HF's logits when a model is wrapped (`check`): a model this
 forward would compute differently is refused in one line rather than run.
 Only `LlamaForCausalLM` is taken (SmolLM2, Llama 2/3, TinyLlama, Vicuna and
 the harness's shared-weights drafts); anything else needs `forward=hf`.
+`LeanBackend` is its CachedLM backend (harness.models.backend).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.models import cpu_linear
 from harness.errors import HarnessError
+from harness.models import cpu_linear
+from harness.models.backend import Backend
 
 ROOM = 256  # the KV storage grows in multiples of this many positions
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
@@ -84,7 +86,7 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """HF's LlamaRMSNorm, rounded where it rounds: normalised in float32, cast back, then scaled
     in the input's dtype. One fused call in float32, where this is the same; in bfloat16 a
     single rounding (F.rms_norm with the weight inside) moved SmolLM2's logits by up to 5.7%
-    of the largest one from HF's, and this order gives HF's bits (docs/performance.md)."""
+    of the largest one from HF's, and this order gives HF's bits (docs/design.md)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
@@ -108,23 +110,20 @@ class LeanLlama:
         attn = self.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        fused = getattr(model, "_harness_lean_fused", None)  # once per model: a copy of a CachedLM shares it
+        fused = getattr(model, "_harness_lean_fused", None)  # once per model: every LeanLlama of it shares it
         if fused is None:
-            fused = [(_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
-                      _fuse([l.mlp.gate_proj, l.mlp.up_proj])) for l in self.layers]
+            fused = [
+                (
+                    _fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                    _fuse([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                )
+                for layer in self.layers
+            ]
             model._harness_lean_fused = fused
         self.fused = fused
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
-
-    def own_storage(self) -> "LeanLlama":
-        """The same model and weights with KV storage of its own (the draft-is-target control)."""
-        other = object.__new__(type(self))
-        other.__dict__.update(self.__dict__)
-        other.capacity, other.keys, other.values = 0, [], []
-        other.reserve(self.capacity)
-        return other
 
     def reserve(self, length: int) -> None:
         """Room for `length` positions, rounded up to ROOM; what is stored is kept."""
@@ -161,8 +160,14 @@ class LeanLlama:
             q, k, v = qkv.view(T, -1, self.head_dim).transpose(0, 1).split(split)  # [heads|kv_heads, T, D]
             keys[:, start:end] = _rotate(k, cos, sin)
             values[:, start:end] = v
-            out = F.scaled_dot_product_attention(_rotate(q, cos, sin).unsqueeze(0), keys[None, :, :end], values[None, :, :end],
-                                                 attn_mask=mask, scale=self.scaling, enable_gqa=True)  # [1, heads, T, D]
+            out = F.scaled_dot_product_attention(
+                _rotate(q, cos, sin).unsqueeze(0),
+                keys[None, :, :end],
+                values[None, :, :end],
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=True,
+            )  # [1, heads, T, D]
             x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, -1))
             h = _rms_norm(x, layer.post_attention_layernorm)
             gate, up = _linear(h, gu_w, gu_b, mlp.gate_proj).chunk(2, dim=-1)  # [T, intermediate] each
@@ -183,13 +188,52 @@ def check(lean: LeanLlama, cache_kwarg: str) -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (27,), generator=torch.Generator().manual_seed(0)).to(device)
     cache = DynamicCache(config=model.config)
-    theirs = [model(input_ids=ids[None, :24], **{cache_kwarg: cache}, use_cache=True).logits[0],
-              model(input_ids=ids[None, 24:], **{cache_kwarg: cache}, use_cache=True).logits[0]]
+    theirs = [
+        model(input_ids=ids[None, :24], **{cache_kwarg: cache}, use_cache=True).logits[0],
+        model(input_ids=ids[None, 24:], **{cache_kwarg: cache}, use_cache=True).logits[0],
+    ]
     ours = [lean(ids[:24], 0, 24), lean(ids[24:], 24, 3)]
     scale = max(t[t.isfinite()].abs().max().item() for t in theirs)
     worst = max(((a - b).nan_to_num(0.0, 0.0, 0.0).abs().max().item() for a, b in zip(theirs, ours)), default=0.0)
     same_infinite = all(torch.equal(a.isfinite(), b.isfinite()) for a, b in zip(theirs, ours))
     tolerance = TOLERANCE.get(lean.model.dtype, TOLERANCE_16BIT)
     if not same_infinite or not worst <= tolerance * max(scale, 1.0):
-        raise HarnessError(f"forward=lean does not reproduce {type(model).__name__}'s logits (largest difference {worst:.3g} "
-                           f"against logits up to {scale:.3g}; allowed {tolerance:g} of that): use forward=hf")
+        raise HarnessError(
+            f"forward=lean does not reproduce {type(model).__name__}'s logits (largest difference {worst:.3g} "
+            f"against logits up to {scale:.3g}; allowed {tolerance:g} of that): use forward=hf"
+        )
+
+
+class LeanBackend(Backend):
+    """The lean forward as a CachedLM backend. A rollback only moves `length`: attention reads the
+    first `length` positions, and later ones are overwritten by the next forward."""
+
+    def __init__(self, lean: LeanLlama, capacity: int):
+        self.lean, self.capacity, self.length = lean, capacity, 0
+
+    @classmethod
+    def checked(cls, model: nn.Module, cache_kwarg: str, max_len: int | None, capacity: int) -> LeanBackend:
+        """The lean forward of this model, refused (HarnessError) if its logits are not HF's."""
+        lean = LeanLlama(model)
+        check(lean, cache_kwarg)
+        lean.reserve(max_len or 1)
+        return cls(lean, capacity)
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        logits = self.lean(input_ids, self.length, num_logits)  # [num_logits, V]
+        self.length += input_ids.shape[0]
+        return logits
+
+    def reset(self, rollback: bool = True) -> None:
+        self.length = 0  # the storage is simply overwritten from position 0 on
+
+    def reserve(self, max_len: int) -> None:
+        self.lean.reserve(max_len)
+
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def copy(self, share_static_cache: bool = False) -> LeanBackend:
+        lean = LeanLlama(self.lean.model)  # the model's fused weights, storage of its own
+        lean.reserve(self.lean.capacity)
+        return LeanBackend(lean, self.capacity)

@@ -1,4 +1,4 @@
-"""Loading target and draft models, and the KV-cached wrapper the loop drives.
+"""Loading target and draft models and their tokenizers, with one line for what cannot be loaded.
 
 A model is named by a spec from the pair config: an HF hub id or a local
 directory (`id`), with `revision`, `dtype`, and optionally a `gguf_file`.
@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from harness.errors import HarnessError
+from harness.models.integrity import unreadable
 
 # Models load as their own PyTorch modules. transformers 5.25 turns hub kernels on by default
 # (`use_kernels=None` -> True): layers swapped for kernels fetched from the hub, which needs the
@@ -59,8 +58,10 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type not in ("cpu", "cuda"):  # MPS, say, has no float64, which the sampler and the rule use
         raise HarnessError(f"device={device} is not supported: the harness runs on cpu or cuda devices")
     if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        raise HarnessError(f"device={device} was asked for but this process sees {torch.cuda.device_count()} GPU(s), "
-                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)")
+        raise HarnessError(
+            f"device={device} was asked for but this process sees {torch.cuda.device_count()} GPU(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)"
+        )
     return resolved
 
 
@@ -83,24 +84,32 @@ def _load_error(model_id: str, role: str, kwargs: dict, err: OSError) -> Harness
             f"that holds it, or give a local directory (pair.{role}.id=/path/to/model)"
         )
     reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    return HarnessError(f"{role} model '{model_id}' could not be loaded: {reason} (check pair.{role}.id and pair.{role}.revision; a gated repo needs `hf auth login`)")
+    return HarnessError(
+        f"{role} model '{model_id}' could not be loaded: {reason} (check pair.{role}.id and pair.{role}.revision; a gated repo needs `hf auth login`)"
+    )
 
 
 @functools.cache
 def hub_reachable() -> bool:
-    """One quick connection attempt, so an offline machine fails in seconds
-    instead of after huggingface_hub's retries (about a minute)."""
-    if any(os.environ.get(v, "0").lower() in ("1", "on", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
-        return False  # huggingface_hub's true values; transformers also honours TRANSFORMERS_OFFLINE
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    proxy = next((os.environ[v] for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(v)), None)
-    where = urlparse(proxy if proxy and "://" in proxy else f"http://{proxy}") if proxy else endpoint  # behind a proxy: reach it
-    port = where.port or (443 if where.scheme == "https" else 80)
-    try:
-        socket.create_connection((where.hostname, port), timeout=3).close()
-        return True
-    except OSError:
+    """Whether the HF hub answers, asked once per process. Never in huggingface_hub's offline mode
+    (HF_HUB_OFFLINE, or TRANSFORMERS_OFFLINE, as it reads them); otherwise one HEAD request to its
+    endpoint (HF_ENDPOINT) through its own HTTP client, so with the proxies and certificates its
+    downloads use, within its metadata timeout (HF_HUB_ETAG_TIMEOUT, 10 s by default; the downloads
+    themselves take HF_HUB_DOWNLOAD_TIMEOUT). Unreachable: models and tokenizers load from the cache alone."""
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.utils import httpx
+
+    if constants.is_offline_mode():
         return False
+    # huggingface_hub cannot make this call itself: a file it holds it takes from the cache after one failed request,
+    # but for a file it lacks it asks again with backoff (six more requests, each with a fixed 60 s timeout that no
+    # setting changes, 23 s of waits between them), so an unreachable hub would cost half a minute or more per load.
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except (httpx.TransportError, OfflineModeIsEnabled):  # refused, timed out, no route, proxy down
+        return False
+    return True  # any answer, an error status included: the hub (or its proxy) is there
 
 
 def _hub_kwargs(spec: ModelSpec, source: str) -> dict:
@@ -130,6 +139,40 @@ def resolve_source(spec: ModelSpec, role: str) -> tuple[str, str | None]:
     return spec.id, spec.gguf_file
 
 
+def _damaged(spec: ModelSpec, role: str, source: str, gguf_file: str | None, weights: bool = True) -> HarnessError | None:
+    """The one line for a model with a file that cannot be read (harness.models.integrity), naming the file
+    and the fix for where it lies: the embedded cache, the HF cache, or a folder of the user's; None if none."""
+    from harness.models.embedded import EMBEDDED
+
+    folder = Path(source) if Path(source).exists() else _hub_cache_folder(spec, gguf_file)
+    found = unreadable(folder, gguf_file, weights) if folder is not None else None
+    if found is None:
+        return None
+    path, problem = found
+    name = spec.id.removeprefix("embedded:")
+    if spec.id.startswith("embedded:") and name in EMBEDDED:
+        fix = f"delete the folder {folder} so that the next run rebuilds it"
+    elif spec.id.startswith("embedded:"):
+        fix = "the harness's installation is damaged: reinstall it"
+    elif not Path(source).exists():
+        fix = f"delete that cache entry (hf cache rm model/{spec.id}) and download it again (hf download {spec.id})"
+    else:
+        fix = f"download or save the model into {folder} again (an interrupted download leaves files cut short or missing), or delete that folder"
+    return HarnessError(f"{role} model '{spec.id}' cannot be read: {path} {problem}: {fix}")
+
+
+def _hub_cache_folder(spec: ModelSpec, gguf_file: str | None) -> Path | None:
+    """The HF cache's snapshot folder for a hub id, where it holds the model's config (or GGUF file)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    name = gguf_file or "config.json"
+    try:
+        found = try_to_load_from_cache(spec.id, name, revision=spec.revision)
+    except ValueError:  # not a valid repo id
+        return None
+    return Path(found).parents[len(Path(name).parts) - 1] if isinstance(found, str) else None
+
+
 def load_tokenizer(spec: ModelSpec, role: str = "target"):
     source, gguf_file = resolve_source(spec, role)
     kwargs = _hub_kwargs(spec, source)
@@ -137,11 +180,17 @@ def load_tokenizer(spec: ModelSpec, role: str = "target"):
         kwargs["gguf_file"] = gguf_file
     try:
         return AutoTokenizer.from_pretrained(source, **kwargs)
-    except OSError as err:
-        raise _load_error(spec.id, role, kwargs, err) from err
-    except ValueError as err:  # e.g. a directory saved without its tokenizer files
-        raise HarnessError(f"{role} model '{spec.id}' has no tokenizer transformers can load ({str(err).splitlines()[0]}): "
-                           f"save its tokenizer beside the weights (tokenizer.save_pretrained)") from err
+    except Exception as err:  # the tokenizers library raises plain Exceptions on a file that does not parse
+        if (damaged := _damaged(spec, role, source, gguf_file, weights=False)) is not None:
+            raise damaged from err
+        if isinstance(err, OSError):
+            raise _load_error(spec.id, role, kwargs, err) from err
+        if isinstance(err, ValueError):  # e.g. a directory saved without its tokenizer files
+            raise HarnessError(
+                f"{role} model '{spec.id}' has no tokenizer transformers can load ({str(err).splitlines()[0]}): "
+                f"save its tokenizer beside the weights (tokenizer.save_pretrained)"
+            ) from err
+        raise
 
 
 def load_model(spec: ModelSpec, device: torch.device, role: str = "target", target: PreTrainedModel | None = None):
@@ -153,7 +202,14 @@ def load_model(spec: ModelSpec, device: torch.device, role: str = "target", targ
 
         if target is None:
             raise HarnessError(f"draft '{spec.id}' shares weights with its target and must be loaded with it")
-        return load_shared_draft(Path(source), target, dtype)
+        try:
+            return load_shared_draft(Path(source), target, dtype)
+        except HarnessError:
+            raise
+        except Exception as err:  # safetensors, json and transformers' errors on a damaged folder
+            if (damaged := _damaged(spec, role, source, None)) is not None:
+                raise damaged from err
+            raise
     kwargs = {**_hub_kwargs(spec, source), "dtype": dtype, **PLAIN}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -161,10 +217,14 @@ def load_model(spec: ModelSpec, device: torch.device, role: str = "target", targ
         kwargs["device_map"] = spec.device_map
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except OSError as err:
-        raise _load_error(spec.id, role, kwargs, err) from err
-    except ValueError as err:
-        raise HarnessError(f"{role} model '{spec.id}' could not be loaded as a causal LM: {err}".splitlines()[0]) from err
+    except Exception as err:  # a damaged file raises whatever its reader raises (SafetensorError, struct.error...)
+        if (damaged := _damaged(spec, role, source, gguf_file)) is not None:
+            raise damaged from err
+        if isinstance(err, OSError):
+            raise _load_error(spec.id, role, kwargs, err) from err
+        if isinstance(err, ValueError):
+            raise HarnessError(f"{role} model '{spec.id}' could not be loaded as a causal LM: {err}".splitlines()[0]) from err
+        raise
     if not spec.device_map:
         model = model.to(device)
     return model.eval()

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from harness.models import cpu_linear
 from harness.errors import HarnessError
+from harness.models import cpu_linear
 
 
 class SubsetHead(nn.Module):
@@ -51,15 +51,22 @@ class SubsetHead(nn.Module):
         return logits
 
 
-def build_shared_draft(target: PreTrainedModel, num_layers: int, head_token_ids: torch.Tensor, init_layers: list[int] | None = None,
-                       layer_types: list[str] | None = None):
+def build_shared_draft(
+    target: PreTrainedModel,
+    num_layers: int,
+    head_token_ids: torch.Tensor,
+    init_layers: list[int] | None = None,
+    layer_types: list[str] | None = None,
+):
     """A new draft: `num_layers` layers (copied from `init_layers` of the target; their attention
     types, full or sliding, from those layers unless `layer_types` says), the target's embedding
     table (shared, not copied) and a subset head."""
     init_layers = init_layers if init_layers is not None else list(range(num_layers))
     settings = {**target.config.to_dict(), "num_hidden_layers": num_layers}
     if layer_types is not None or settings.get("layer_types"):  # Qwen2/3, Mistral-style configs: one type per layer
-        settings["layer_types"] = list(layer_types) if layer_types is not None else [settings["layer_types"][i] for i in init_layers]
+        settings["layer_types"] = (
+            list(layer_types) if layer_types is not None else [settings["layer_types"][i] for i in init_layers]
+        )
     config = AutoConfig.for_model(**settings)
     config.quantization_config = None
     del config.quantization_config
@@ -84,8 +91,12 @@ def save_shared_draft(draft: PreTrainedModel, out: Path, meta: dict, dtype: torc
     draft.config.save_pretrained(out)
     state = {k: (v if k == "head_token_ids" else v.to(dtype)).contiguous().cpu() for k, v in own_state_dict(draft).items()}
     save_file(state, out / "weights.safetensors")
-    meta = {"format": 1, **meta, "target_embedding_sample": embedding_sample(draft.get_input_embeddings().weight),
-            "target_head_sample": embedding_sample(draft.lm_head.weight)}  # the head's rows the draft keeps
+    meta = {
+        "format": 1,
+        **meta,
+        "target_embedding_sample": embedding_sample(draft.get_input_embeddings().weight),
+        "target_head_sample": embedding_sample(draft.lm_head.weight),
+    }  # the head's rows the draft keeps
     (out / "harness_draft.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -122,25 +133,38 @@ def embedding_sample(weight: torch.Tensor) -> list[list[float]]:
 
 def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(path)
-    mismatched = [f"{key} {getattr(config, key, None)} vs {getattr(target.config, key, None)}"
-                  for key in (*SHAPE_KEYS, *SETTING_KEYS) if not _same(getattr(config, key, None), getattr(target.config, key, None))]
+    mismatched = [
+        f"{key} {getattr(config, key, None)} vs {getattr(target.config, key, None)}"
+        for key in (*SHAPE_KEYS, *SETTING_KEYS)
+        if not _same(getattr(config, key, None), getattr(target.config, key, None))
+    ]
     meta_path = path / "harness_draft.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     if not mismatched and not _sample_matches(meta.get("target_embedding_sample"), target.get_input_embeddings().weight):
         mismatched.append("the embedding table's values")  # the same shapes and settings, but not the same weights
     if mismatched:
-        raise HarnessError(f"draft '{path}' shares the weights of the target it was made for, and this target differs "
-                           f"({', '.join(mismatched)}; draft vs target): pair it with that target (see its harness_draft.json)")
+        raise HarnessError(
+            f"draft '{path}' shares the weights of the target it was made for, and this target differs "
+            f"({', '.join(mismatched)}; draft vs target): pair it with that target (see its harness_draft.json)"
+        )
     if dtype != target.dtype:  # the embedding table and head are the target's own tensors
-        raise HarnessError(f"draft '{path}' shares the target's embeddings and head, so it runs in the target's dtype "
-                           f"({str(target.dtype).removeprefix('torch.')}): drop pair.draft.dtype, or set the target's dtype instead")
+        raise HarnessError(
+            f"draft '{path}' shares the target's embeddings and head, so it runs in the target's dtype "
+            f"({str(target.dtype).removeprefix('torch.')}): drop pair.draft.dtype, or set the target's dtype instead"
+        )
     state = load_file(path / "weights.safetensors")
     head_token_ids = state.pop("head_token_ids")
-    draft = build_shared_draft(target, config.num_hidden_layers, head_token_ids.to(next(target.parameters()).device),
-                               layer_types=getattr(config, "layer_types", None))
+    draft = build_shared_draft(
+        target,
+        config.num_hidden_layers,
+        head_token_ids.to(next(target.parameters()).device),
+        layer_types=getattr(config, "layer_types", None),
+    )
     if not _sample_matches(meta.get("target_head_sample"), draft.lm_head.weight):  # an untied target's head: its own check
-        raise HarnessError(f"draft '{path}' shares the weights of the target it was made for, and this target's LM head "
-                           f"differs: pair it with that target (see its harness_draft.json)")
+        raise HarnessError(
+            f"draft '{path}' shares the weights of the target it was made for, and this target's LM head "
+            f"differs: pair it with that target (see its harness_draft.json)"
+        )
     missing, unexpected = draft.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     assert not unexpected and all(k.startswith(("model.embed_tokens", "lm_head")) for k in missing), (missing, unexpected)
     draft.shares_target_weights = True  # same tokenizer as the target by construction

@@ -1,4 +1,4 @@
-"""Experiment tracking: one W&B run per benchmark cell, and claims on cells.
+"""Experiment tracking: one W&B run per benchmark cell.
 
 A cell's W&B run carries
   config    the full resolved Hydra config (Hydra is the one source of truth:
@@ -12,47 +12,72 @@ A cell's W&B run carries
             config.yaml as an artifact (type "cell-results").
 docs/tracking.md lists every key.
 
-Mode `auto` is online with an API key and offline without one (upload later
-with `wandb sync`), so nothing needs a network; `disabled` turns W&B off. A
-W&B failure never fails a benchmark: one warning line, and the results stay in
-the cell directory.
-
-`claim(cell_dir)` keeps two processes that share a results store (one W&B
-agent per GPU, SLURM array tasks) from running the same cell at once.
+Mode `auto` is online when W&B has credentials for its server (what `wandb
+login` or WANDB_API_KEY set up, as W&B itself finds them) and offline without
+(upload later with `wandb sync`), so nothing needs a network; `disabled` turns
+W&B off. A W&B failure never fails a benchmark: one warning line, and the
+results stay in the cell directory.
 """
 
 from __future__ import annotations
 
 import atexit
-import configparser
-import json
 import math
-import netrc
 import os
 import re
-import socket
 import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness.config.settings import WANDB_MODES as MODES
 from harness.core import metrics
-from harness.config.checks import WANDB_MODES as MODES
-from harness.errors import HarnessError
-
+from harness.errors import HarnessError, one_line
 
 # Top-level scalar summary keys: what dashboards plot and sweeps optimise.
 METRICS = (
-    "acceptance_rate", "alpha", "expected_alpha", "tokens_per_cycle", "accepted_per_cycle",
-    "theoretical_tokens_per_cycle", "speedup", "speedup_ci_low", "speedup_ci_high", "speedup_geomean",
-    "speedup_geomean_ci_low", "speedup_geomean_ci_high", "decode_speedup", "predicted_speedup", "efficiency", "predicted_speedup_cycles", "efficiency_cycles", "cost_ratio",
-    "verify_cost", "spec_tpot_s", "base_tpot_s", "spec_ttft_s", "base_ttft_s", "num_prompts", "new_tokens",
-    "cycles", "cycles_without_draft", "target_passes", "draft_passes", "spec_time_s", "base_time_s", "peak_rss_mb",
+    "acceptance_rate",
+    "alpha",
+    "expected_alpha",
+    "tokens_per_cycle",
+    "accepted_per_cycle",
+    "theoretical_tokens_per_cycle",
+    "speedup",
+    "speedup_ci_low",
+    "speedup_ci_high",
+    "speedup_geomean",
+    "speedup_geomean_ci_low",
+    "speedup_geomean_ci_high",
+    "decode_speedup",
+    "predicted_speedup",
+    "efficiency",
+    "predicted_speedup_formula",
+    "efficiency_formula",
+    "cost_ratio",
+    "cost_ratio_ci_low",
+    "cost_ratio_ci_high",
+    "verify_cost",
+    "verify_cost_ci_low",
+    "verify_cost_ci_high",
+    "target_step_s",
+    "target_step_s_ci_low",
+    "target_step_s_ci_high",
+    "draft_step_s",
+    "draft_step_s_ci_low",
+    "draft_step_s_ci_high",
+    "spec_tpot_s",
+    "base_tpot_s",
+    "spec_ttft_s",
+    "base_ttft_s",
+    "num_prompts",
+    "new_tokens",
+    "cycles",
+    "cycles_without_draft",
+    "target_passes",
+    "draft_passes",
+    "spec_time_s",
+    "base_time_s",
+    "peak_rss_mb",
 )
 
 
@@ -78,7 +103,7 @@ class NoTracking:
 
 _active: WandbTracker | None = None  # the run this process has open (one at a time)
 _tried = False  # this process has tried to open a run (W&B on): record_failure then adds none
-_online_failed = False  # an online init failed: this process's later cells go straight to offline
+online_failed = False  # an online init failed: this process's later cells go straight to offline
 
 
 class WandbTracker:
@@ -98,16 +123,21 @@ class WandbTracker:
             return
         spec = record["spec"]
         try:
-            self.run.log({
-                "prompt/n": record["index"] + 1,  # the prompt's place in the cell, also when a resumed run logs from prompt 3 on
-                "prompt/speedup": record["speedup"],
-                "prompt/acceptance_rate": metrics.acceptance_rate(spec),
-                "prompt/tokens_per_cycle": metrics.ratio(spec["committed"], spec["cycles"]),
-                "prompt/new_tokens": spec["new_tokens"],
-            })
+            self.run.log(
+                {
+                    "prompt/n": record["index"]
+                    + 1,  # the prompt's place in the cell, also when a resumed run logs from prompt 3 on
+                    "prompt/speedup": record["speedup"],
+                    "prompt/acceptance_rate": metrics.acceptance_rate(spec),
+                    "prompt/tokens_per_cycle": metrics.ratio(spec["committed"], spec["cycles"]),
+                    "prompt/new_tokens": spec["new_tokens"],
+                }
+            )
         except Exception as err:  # noqa: BLE001 - tracking must never stop a benchmark
             self.broken = True
-            _warn(f"stopped logging prompts of {self.cell_dir.name} ({_first_line(err)}); results stay in {self.cell_dir}")
+            _warn(
+                f"stopped logging prompts of {self.cell_dir.name} ({one_line(err, with_type=True)}); results stay in {self.cell_dir}"
+            )
 
     def finish(self, summary: dict, records: list[dict], status: str = "finished", extra: dict | None = None) -> None:
         """Log the summary, tables, charts (and any `extra` media) and the results artifact, then finish the run."""
@@ -130,11 +160,13 @@ class WandbTracker:
             if artifact is not None:
                 self.run.log_artifact(artifact)
         except Exception as err:  # noqa: BLE001
-            _warn(f"could not log the results of {self.cell_dir.name} ({_first_line(err)}); they are in {self.cell_dir}")
+            _warn(
+                f"could not log the results of {self.cell_dir.name} ({one_line(err, with_type=True)}); they are in {self.cell_dir}"
+            )
         try:
             self.run.finish(exit_code=0 if status == "finished" else 1)
         except Exception as err:  # noqa: BLE001
-            _warn(f"could not finish the run of {self.cell_dir.name} ({_first_line(err)})")
+            _warn(f"could not finish the run of {self.cell_dir.name} ({one_line(err, with_type=True)})")
 
     def __enter__(self) -> WandbTracker:
         return self
@@ -151,7 +183,7 @@ class WandbTracker:
 def start(cfg: DictConfig, cell_dir: str | Path, job_type: str | None = None) -> WandbTracker | NoTracking:
     """Open the W&B run of one cell (or a no-op tracker when W&B is off or fails).
     `job_type` overrides wandb.job_type (the exactness check logs as "exactness")."""
-    global _active, _online_failed, _tried
+    global _active, online_failed, _tried
     cell_dir = Path(cell_dir)
     if _active is not None:  # the previous cell raised and the launcher went on to this one
         _active.finish({}, [], status="failed")
@@ -167,12 +199,12 @@ def start(cfg: DictConfig, cell_dir: str | Path, job_type: str | None = None) ->
         entity=(sweep and os.environ.get("WANDB_ENTITY")) or w.entity,
         group=w.group if w.group else (None if sweep else sweep_name()),
         job_type=job_type or w.job_type,
-        tags=_tags(w.tags),
+        tags=run_tags(w.tags),
         name=w.name or cell_dir.name,
         dir=str(run_dir),  # runs land in <dir>/wandb/
         config=OmegaConf.to_container(cfg, resolve=True),
     )
-    if mode == "online" and _online_failed and not sweep:
+    if mode == "online" and online_failed and not sweep:
         mode = "offline"
     try:
         import wandb
@@ -185,11 +217,11 @@ def start(cfg: DictConfig, cell_dir: str | Path, job_type: str | None = None) ->
                 raise
             # A key but no network (a compute node): keep the run, offline, and
             # do not wait for the server again in this process.
-            _online_failed, mode = True, "offline"
-            _warn(f"online init failed ({_first_line(err)}); logging offline from now on (upload later: wandb sync)")
+            online_failed, mode = True, "offline"
+            _warn(f"online init failed ({one_line(err, with_type=True)}); logging offline from now on (upload later: wandb sync)")
             run = wandb.init(**kwargs, mode=mode, settings=wandb.Settings(silent=True))
     except Exception as err:  # noqa: BLE001 - bad key, full disk, ...: the benchmark goes on
-        _warn(f"no run for {cell_dir.name} ({_first_line(err)}); results stay in {cell_dir}")
+        _warn(f"no run for {cell_dir.name} ({one_line(err, with_type=True)}); results stay in {cell_dir}")
         return NoTracking()
     if sweep:  # a swept config group (dataset=...) shows as its option name: keep its resolved fields too
         shadowed = {f"{k}_config": v for k, v in kwargs["config"].items() if isinstance(v, dict) and run.config.get(k) != v}
@@ -210,9 +242,12 @@ def record_failure(cfg: DictConfig, cell_dir: str | Path, error: str) -> None:
     try:
         tracker = start(cfg, cell_dir)
     except Exception as err:  # noqa: BLE001 - the W&B settings may be what failed
-        _warn(f"no run for the failed cell ({_first_line(err)})")
+        _warn(f"no run for the failed cell ({one_line(err, with_type=True)})")
         return
     tracker.finish({"error": error}, [], status="failed")
+
+
+NO_KEY = "no API key (WANDB_API_KEY or `wandb login`)"
 
 
 def resolve_mode(mode: str) -> str:
@@ -223,34 +258,43 @@ def resolve_mode(mode: str) -> str:
         env = {"dryrun": "offline", "run": "online"}.get(os.environ.get("WANDB_MODE", ""), os.environ.get("WANDB_MODE"))
         if env in ("online", "offline", "disabled"):  # the environment may pin it (CI: disabled)
             return env
-        return "online" if has_api_key() else "offline"
-    if mode == "online" and not has_api_key():
-        _warn("wandb.mode=online but no API key (WANDB_API_KEY or `wandb login`): logging offline instead")
+    if mode in ("auto", "online"):
+        problem = credentials_problem()
+        if problem is None:
+            return "online"
+        if mode == "online" or problem != NO_KEY:  # auto without a key is offline as documented: no warning
+            _warn(f"wandb.mode={mode} but {problem}: logging offline instead")
         return "offline"
     return mode
 
 
-def has_api_key() -> bool:
-    """Whether W&B credentials are configured, without asking the server."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    url = urlsplit(os.environ.get("WANDB_BASE_URL") or _settings_base_url() or "https://api.wandb.ai")
-    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
-    try:  # `wandb login --host http://localhost:8080` files the key under the host with its port, where wandb reads it
-        return path.is_file() and netrc.netrc(path).authenticators(url.netloc) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
+def credentials_problem() -> str | None:
+    """None when W&B has credentials for its server, found as wandb.init finds them (WANDB_API_KEY, an
+    identity token file, the netrc entry `wandb login` wrote for the server W&B is set to use, an
+    api_key setting); else why not, in a few words (NO_KEY, or why W&B refuses the key it found).
+    Neither asks the server nor prompts."""
+    import wandb
+    from wandb.errors import AuthenticationError
+    from wandb.sdk import wandb_setup
 
-
-def _settings_base_url() -> str | None:
-    """The server `wandb login --host=URL` saved in W&B's global settings file (a self-hosted W&B), if any."""
-    folder = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb").expanduser()
-    parser = configparser.ConfigParser()
     try:
-        parser.read(folder / "settings")
-    except (OSError, configparser.Error):
-        return None
-    return parser.get("default", "base_url", fallback=None) or None
+        from wandb.sdk.lib import wbauth
+    except ImportError:  # a wandb without its credentials module (wandb.sdk.lib.wbauth, as in 0.31)
+        return f"wandb {wandb.__version__} cannot tell whether it has a key without asking the server (upgrade wandb)"
+    # The public check, wandb.login(prompt=False, verify=False), also saves W&B's settings file and, to
+    # print who is logged in, asks the server: the function it calls underneath does neither.
+    settings = wandb_setup.singleton().settings  # W&B reads its environment and settings files once per process
+    try:
+        auth = wbauth.authenticate_session(
+            host=wbauth.HostUrl(settings.base_url, app_url=settings.app_url),
+            source="harness",
+            prompt=False,
+            verify=False,
+            update_session=False,
+        )
+    except AuthenticationError as err:  # a key of the wrong form, or both a key and an identity token file
+        return one_line(err).rstrip(".")
+    return None if auth is not None else NO_KEY
 
 
 def sweep_name() -> str | None:
@@ -266,7 +310,7 @@ def sweep_name() -> str | None:
     return None
 
 
-def _tags(tags) -> list[str] | None:
+def run_tags(tags) -> list[str] | None:
     """wandb.tags=[a,b] is a list; wandb.tags=a a string (one tag, not one per character), or a number."""
     if tags is None or tags == "":
         return None
@@ -277,8 +321,8 @@ def _tags(tags) -> list[str] | None:
 def flat_metrics(summary: dict) -> dict:
     """The CI bounds as scalar keys (a W&B sweep metric or a panel needs a scalar)."""
     flat = {}
-    for key in ("speedup", "speedup_geomean"):
-        if f"{key}_ci" in summary:
+    for key in ("speedup", "speedup_geomean", "cost_ratio", "verify_cost", "target_step_s", "draft_step_s"):
+        if summary.get(f"{key}_ci") is not None:
             flat[f"{key}_ci_low"], flat[f"{key}_ci_high"] = summary[f"{key}_ci"]
     return flat
 
@@ -287,24 +331,60 @@ def media(summary: dict, records: list[dict]) -> dict:
     """Tables and charts of a finished cell, keyed as they appear in W&B."""
     import wandb
 
-    columns = ["index", "id", "category", "prompt_tokens", "new_tokens", "base_new_tokens", "acceptance_rate",
-               "tokens_per_cycle", "speedup", "spec_time_s", "base_time_s"]
-    rows = [[r["index"], r["id"], r["category"], r["prompt_tokens"], r["spec"]["new_tokens"], r["base"]["new_tokens"],
-             metrics.acceptance_rate(r["spec"]), metrics.ratio(r["spec"]["committed"], r["spec"]["cycles"]),
-             r["speedup"], r["spec"]["time_s"], r["base"]["time_s"]] for r in records]
+    columns = [
+        "index",
+        "id",
+        "category",
+        "prompt_tokens",
+        "new_tokens",
+        "base_new_tokens",
+        "acceptance_rate",
+        "tokens_per_cycle",
+        "speedup",
+        "spec_time_s",
+        "base_time_s",
+    ]
+    rows = [
+        [
+            r["index"],
+            r["id"],
+            r["category"],
+            r["prompt_tokens"],
+            r["spec"]["new_tokens"],
+            r["base"]["new_tokens"],
+            metrics.acceptance_rate(r["spec"]),
+            metrics.ratio(r["spec"]["committed"], r["spec"]["cycles"]),
+            r["speedup"],
+            r["spec"]["time_s"],
+            r["base"]["time_s"],
+        ]
+        for r in records
+    ]
     logged = {"tables/prompts": wandb.Table(columns=columns, data=rows)}
     categories = summary.get("categories") or {}
     if categories:
         logged["tables/categories"] = wandb.Table(
-            columns=["category", "num_prompts", "acceptance_rate", "tokens_per_cycle", "speedup", "speedup_ci_low", "speedup_ci_high"],
-            data=[[name, m["num_prompts"], m["acceptance_rate"], m["tokens_per_cycle"], m["speedup"], *m["speedup_ci"]]
-                  for name, m in categories.items()],
+            columns=[
+                "category",
+                "num_prompts",
+                "acceptance_rate",
+                "tokens_per_cycle",
+                "speedup",
+                "speedup_ci_low",
+                "speedup_ci_high",
+            ],
+            data=[
+                [name, m["num_prompts"], m["acceptance_rate"], m["tokens_per_cycle"], m["speedup"], *m["speedup_ci"]]
+                for name, m in categories.items()
+            ],
         )
     if "position_acceptance" in summary:
-        positions = wandb.Table(columns=["position", "acceptance"],
-                                data=[[i + 1, a] for i, a in enumerate(summary["position_acceptance"])])
+        positions = wandb.Table(
+            columns=["position", "acceptance"], data=[[i + 1, a] for i, a in enumerate(summary["position_acceptance"])]
+        )
         logged["charts/position_acceptance"] = wandb.plot.line(
-            positions, "position", "acceptance", title="P(draft position accepted | earlier ones accepted)")
+            positions, "position", "acceptance", title="P(draft position accepted | earlier ones accepted)"
+        )
     if "accept_hist" in summary:
         # Cycles that drafted nothing (lookup without a match, the budget's last token) get their own bar:
         # in bin 0 they would read as rejections that alpha does not count.
@@ -322,8 +402,10 @@ def exactness_summary(report: dict) -> dict:
     tvs = [p["tv"]["tv"] for p in report["prompts"].values()]
     return {
         **{k: v for k, v in report.items() if k != "prompts"},
-        "exactness/passed": int(report["passed"]), "exactness/family_p": report["family_p"],
-        "exactness/detectable_tv": report["detectable_tv"], "exactness/tv_max": max(tvs, default=math.nan),
+        "exactness/passed": int(report["passed"]),
+        "exactness/family_p": report["family_p"],
+        "exactness/detectable_tv": report["detectable_tv"],
+        "exactness/tv_max": max(tvs, default=math.nan),
         "exactness/samples": report["samples"],
     }
 
@@ -333,9 +415,21 @@ def exactness_media(report: dict) -> dict:
     import wandb
 
     columns = ["prompt", "test", "cells", "df", "statistic", "p_value", "p_holm", "detectable_tv", "tv", "tv_upper95"]
-    rows = [[name, test, t["cells"], t["df"], t["statistic"], t["p_value"], t["p_holm"], t["detectable_tv"], *(
-             [p["tv"]["tv"], p["tv"]["upper95"]] if test == "joint" else [None, None])]
-            for name, p in report["prompts"].items() for test, t in p["tests"].items()]
+    rows = [
+        [
+            name,
+            test,
+            t["cells"],
+            t["df"],
+            t["statistic"],
+            t["p_value"],
+            t["p_holm"],
+            t["detectable_tv"],
+            *([p["tv"]["tv"], p["tv"]["upper95"]] if test == "joint" else [None, None]),
+        ]
+        for name, p in report["prompts"].items()
+        for test, t in p["tests"].items()
+    ]
     return {"tables/exactness": wandb.Table(columns=columns, data=rows)}
 
 
@@ -352,102 +446,3 @@ def results_artifact(cell_dir: Path, summary: dict, status: str):
     for file in files:
         artifact.add_file(str(file))
     return artifact
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-
-
-# Claims on cells. The cell key is deterministic, so two processes sharing a
-# results store can pick the same cell; the second waits for the first, then
-# finds the cell complete and skips it.
-
-
-CLAIM_POLL_S = 5.0  # how often a waiting process looks at a claim again
-
-
-@contextmanager
-def claim(cell_dir: str | Path, poll_s: float | None = None, stale_s: float = 300.0, quiet: bool = False) -> Iterator[Path]:
-    """Hold `<cell_dir>/.claim` (created with O_EXCL, holding host and pid) while running a cell.
-
-    A claim whose holder is gone is taken over: on the same host when its pid
-    is dead, on any host when its heartbeat (the file's mtime, touched every
-    stale_s / 4 seconds) is older than stale_s.
-    """
-    path = Path(cell_dir) / ".claim"
-    mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    waiting = False
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileNotFoundError:  # the holder's run stopped before writing anything and removed the empty cell
-            path.parent.mkdir(parents=True, exist_ok=True)
-            continue
-        except FileExistsError:
-            holder = _read_claim(path)
-            if _is_stale(path, holder, stale_s):
-                if not quiet:
-                    print(f"[harness] taking over a stale claim on {path.parent.name} ({_who(holder)})", file=sys.stderr)
-                # Nobody took it over meanwhile: the same holder, still stale (a fresh claim another process
-                # has just created and not yet written reads as empty too, but it is not old).
-                if _read_claim(path) == holder and _is_stale(path, holder, stale_s):
-                    path.unlink(missing_ok=True)
-                continue
-            if not waiting and not quiet:
-                print(f"[harness] cell {path.parent.name} is being run by {_who(holder)}; waiting for it", file=sys.stderr)
-            waiting = True
-            time.sleep(CLAIM_POLL_S if poll_s is None else poll_s)
-            continue
-        with os.fdopen(fd, "w") as out:
-            json.dump(mine, out)
-        break
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(path, stop, stale_s / 4), daemon=True)
-    beat.start()
-    try:
-        yield path
-    finally:
-        stop.set()
-        beat.join()
-        if _read_claim(path) == mine:
-            path.unlink(missing_ok=True)
-
-
-def _read_claim(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # gone, or being written: look again on the next poll
-
-
-def _who(holder: dict | None) -> str:
-    return f"{holder.get('host')}:{holder.get('pid')}" if holder else "another process"
-
-
-def _is_stale(path: Path, holder: dict | None, stale_s: float) -> bool:
-    try:
-        age = time.time() - path.stat().st_mtime
-    except OSError:
-        return False  # released meanwhile: the next O_EXCL try takes it
-    if holder is None:
-        return age > 10  # empty or torn: its writer died between creating and writing it
-    if age > stale_s:
-        return True
-    if holder.get("host") != socket.gethostname():
-        return False
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, KeyError, ValueError, TypeError):
-        return False
-    return False
-
-
-def _heartbeat(path: Path, stop: threading.Event, every_s: float) -> None:
-    while not stop.wait(every_s):
-        try:
-            os.utime(path)
-        except OSError:
-            return

@@ -1,0 +1,397 @@
+"""report.md: the decision, what would change it, the fitted model, the what-if, every cell,
+the figures and the methods, as markdown (analysis.report writes it)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from analysis.frames import CELL_CONFIDENCE, Results
+from analysis.names import names
+
+CAPTIONS = {
+    "speedup_vs_k": "Measured speedup against k for each draft, one panel per sampling setting. Bands: "
+    f"{100 * CELL_CONFIDENCE:g}% paired bootstrap interval of each cell (the harness's); dashed: the "
+    "fitted model, which prices the decode phase only (the measured speedup includes each "
+    "prompt's prefill, so long prompts sit further from it).",
+    "acceptance_by_sampling": "α (accepted / tested positions) per draft and sampling setting, pooled over k.",
+    "acceptance_by_category": "α per draft and prompt category, pooled over k.",
+    "position_acceptance": "P(drafted position i accepted | positions before it accepted), pooled over each draft's "
+    "cells. A flat curve at α is the i.i.d. acceptance the formulas assume.",
+    "tokens_per_cycle": "Measured tokens per cycle (bonus included) against (1 − α^(k+1)) / (1 − α). Measured sits "
+    "slightly below where max_new_tokens or EOS cut a last cycle short.",
+    "measured_vs_predicted": "Measured speedup after the first token (TPOT ratio) against the speedup the cost model "
+    "predicts for the cycles the cell ran (harness.core.metrics: each cycle priced at the "
+    "tokens it drafted, with the cell's own c and v), which prices decode steps only. Below "
+    "the diagonal: overhead the model does not count (sampling, bookkeeping, cache rollback).",
+    "speedup_vs_size": "Each draft at its best measured k against its size (parameters; weight memory at the run's "
+    "dtype), one point per dataset. Ringed: the Pareto front of each dataset (no smaller draft is "
+    "faster on it).",
+    "fitted_model": "Left: predicted speedup for k = 1..{max_k} from the fitted α (band: α's interval), c and v; ★ best "
+    "k, ● measured after the first token. Right: the verify cost v(n) measured (dots) and fitted (lines).",
+}
+
+
+def _f(x: Any, fmt: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return format(x, fmt) if fmt else str(x)
+
+
+def _ci(low: Any, high: Any, fmt: str = ".3f") -> str:
+    if low is None or high is None or low != low or high != high:
+        return "–"
+    return f"[{_f(low, fmt)}, {_f(high, fmt)}]"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _count(x: float) -> str:
+    if x != x:
+        return "unknown"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def markdown(
+    results: Results, fits: pd.DataFrame, decisions: list[dict], whatif: pd.DataFrame, figures: dict[str, Path], cfg: dict
+) -> str:
+    cells = results.cells
+    pct = f"{100 * cfg['confidence']:g}%"
+    where = names(cells)
+    out = [
+        "# Which draft to ship",
+        "",
+        f"Source: `{results.source}` ({'W&B' if results.kind == 'wandb' else 'local results'}): {len(cells)} cells; "
+        f"targets {', '.join(sorted(cells['target'].unique()))}; "
+        f"drafts {', '.join(sorted(cells['label'].unique()))}; k {', '.join(map(str, sorted(cells['k'].unique())))}; "
+        f"{', '.join(sorted(cells['sampling'].unique()))}; datasets {', '.join(sorted(cells['dataset'].unique()))}.  ",
+        f"Run conditions: {'; '.join(sorted(cells['setup'].unique()))}.  ",
+        f"Generated {dt.datetime.now():%Y-%m-%d %H:%M} by `python -m analysis.report`; intervals are {pct}, "
+        f"{cfg['n_resamples']} bootstrap resamples, except each cell's own ({100 * CELL_CONFIDENCE:g}%, the harness's).",
+        "",
+        "## Decision",
+        "",
+    ]
+    for d in decisions:
+        out += _decision_section(d)
+    out += _fits_section(_named(fits, where), pct, cfg["max_k"])
+    out += _whatif_section(_named(whatif, where), pct, cfg)
+    out += _cells_section(_named(cells, where))
+    out += ["## Figures", ""]
+    for name, path in figures.items():
+        caption = CAPTIONS.get(name, "").format(max_k=cfg["max_k"])
+        out += [f"### {name.replace('_', ' ').capitalize()}", "", f"![{name}](figures/{path.name})", "", caption, ""]
+    out += _sizes_section(cells)
+    out += _methods_section(pct)
+    if results.notes:
+        out += ["## Left out", ""] + [f"- {n}" for n in results.notes] + [""]
+    return "\n".join(out)
+
+
+def _named(frame: pd.DataFrame, where: pd.DataFrame) -> pd.DataFrame:
+    """The frame with `where` (its target and run conditions where the report has several, else '')."""
+    if frame.empty:
+        return frame
+    return frame.merge(where[["target", "setup", "label", "where"]], on=["target", "setup", "label"], how="left")
+
+
+def _where_column(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """(header, cells) of a "target / conditions" column, only when the rows differ in them."""
+    if frame.empty or not frame["where"].astype(bool).any():
+        return [], [[] for _ in range(len(frame))]
+    return ["target / conditions"], [[w] for w in frame["where"]]
+
+
+def _decision_section(d: dict) -> list[str]:
+    mix = d["mix"]
+    pct = f"{100 * d['confidence']:g}%"  # the cells' own intervals' level when decided from summaries
+    weights = ", ".join(f"{g} {100 * w:.0f}%" for g, w in d["weights"].items()) or "none (cell-level data)"
+    out = [
+        f"### {d['context']}",
+        "",
+        f"**{mix['verdict']}**",
+        "",
+        f"Run conditions: {d['setup']}.",
+        "",
+        f"Traffic mix (share of generated tokens): {weights}. {d['prompts']} prompts, "
+        f"{len(d['candidates'])} candidates (draft × k).",
+        "",
+    ]
+    rows = []
+    for scope, choice in [("**mix**", mix), *d["per_category"].items()]:
+        b, r, c = choice["best"], choice["runner_up"], choice["comparison"]
+        ship = choice["ship"] if choice["k"] is None else f"{choice['ship']} (k={choice['k']})"
+        rows.append(
+            [
+                scope,
+                ship,
+                f"{b['label']} k={b['k']}",
+                _f(b["speedup"]),
+                _ci(b["low"], b["high"]),
+                f"{r['label']} k={r['k']}" if r else "–",
+                _f(c["ratio"]) if c else "–",
+                _ci(c["low"], c["high"]) if c else "–",
+                _f(c["wilcoxon_p"], ".3g") if c else "–",
+            ]
+        )
+    out += [
+        _table(
+            [
+                "scope",
+                "ship",
+                "best",
+                "speedup ↑",
+                f"{pct} CI",
+                "runner-up (other draft)",
+                "ratio best/runner-up",
+                f"{pct} CI",
+                "Wilcoxon p",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    if mix["what_would_change"]:
+        out += ["What would change it:", ""] + [f"- {line}" for line in mix["what_would_change"]] + [""]
+    categories = list(d["categories"])
+    rows = [
+        [c["label"], c["k"], _f(c["speedup"]), _ci(c["low"], c["high"]), *[_f(c["categories"][g]["speedup"]) for g in categories]]
+        for c in d["candidates"]
+    ]
+    out += [
+        "Every candidate (mix speedup, then per category):",
+        "",
+        _table(["draft", "k", "mix ↑", f"{pct} CI", *[f"{g} ↑" for g in categories]], rows),
+        "",
+    ]
+    if d["notes"]:
+        out += ["Notes:", ""] + [f"- {n}" for n in d["notes"]] + [""]
+    return out
+
+
+def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
+    where_header, where_cells = _where_column(fits)
+    rows = [
+        [
+            *w,
+            f.label,
+            f.dataset,
+            f.sampling,
+            f.ks,
+            _f(f.alpha),
+            _ci(f.alpha_low, f.alpha_high),
+            _f(f.cost_ratio, ".4f"),
+            _f(f.verify_slope, ".4f"),
+            f.verify_max_n,
+            f.best_k,
+            _f(f.predicted_best),
+            _ci(f.predicted_best_low, f.predicted_best_high),
+            f"{_f(f.measured_best_speedup)} (k={f.measured_best_k})",
+            _f(f.efficiency, ".2f"),
+            _f(f.break_even_cost_ratio) if f.break_even_cost_ratio > 0 or f.alpha != f.alpha else "none",
+        ]
+        for w, f in zip(where_cells, fits.itertuples())
+    ]
+    return [
+        "## Fitted model",
+        "",
+        "Per target, run conditions, draft, dataset and sampling setting: α pooled over k with a cluster bootstrap "
+        "over prompts; c the median measured cost ratio; v(n) = 1 + b(n − 1), b the median slope of the measured "
+        "verify costs (measured up to "
+        "n = `v measured to`, extrapolated beyond); the "
+        f"predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ {max_k}, its interval from α's.",
+        "",
+        _table(
+            [
+                *where_header,
+                "draft",
+                "dataset",
+                "sampling",
+                "k run",
+                "α ↑",
+                f"{pct} CI",
+                "c ↓",
+                "b ↓",
+                "v measured to",
+                "best k",
+                "predicted ↑",
+                f"{pct} CI",
+                "measured best ↑",
+                "efficiency",
+                "break-even c",
+            ],
+            rows,
+        ),
+        "",
+        "`measured best`: the whole-run speedup (prefill included) of the best k run. `efficiency`: measured "
+        "speedup after the first token (TPOT ratio) / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
+        f"which some k ≤ {max_k} still predicts a speedup above 1 at this α (none: not even a free draft).",
+        "",
+    ]
+
+
+def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
+    out = ["## What-if: other hardware", ""]
+    if whatif.empty:
+        return out + [
+            "α does not depend on the hardware; c and v do. Give another machine's costs to predict the best k and "
+            "speedup there: `--cost-ratio 0.05` (every model draft) or `--cost-ratio DRAFT=0.05`, or step times "
+            "`--target-step-ms 25 --draft-step-ms 3`, optionally `--verify-slope 0.01` (or `whatif:` in "
+            "conf/report.yaml).",
+            "",
+        ]
+    name = whatif["machine"].iloc[0]
+    where_header, where_cells = _where_column(whatif)
+    rows = [
+        [
+            *where,
+            w.label,
+            w.dataset,
+            w.sampling,
+            _f(w.alpha),
+            _f(w.cost_ratio, ".4f"),
+            w.cost_source,
+            _f(w.verify_slope, ".4f"),
+            w.best_k,
+            _f(w.predicted),
+            _ci(w.predicted_low, w.predicted_high),
+            f"{_f(w.here_predicted)} (k={w.here_best_k})",
+        ]
+        for where, w in zip(where_cells, whatif.itertuples())
+    ]
+    return out + [
+        f"Predicted on **{name}** with this sweep's α and the costs given:",
+        "",
+        _table(
+            [
+                *where_header,
+                "draft",
+                "dataset",
+                "sampling",
+                "α",
+                "c there",
+                "c from",
+                "b there",
+                "best k there",
+                "predicted there ↑",
+                f"{pct} CI",
+                "predicted here (best k)",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _cells_section(cells: pd.DataFrame) -> list[str]:
+    """Every cell; its interval is the harness's own (CELL_CONFIDENCE), whatever the report's confidence."""
+    where_header, where_cells = _where_column(cells)
+    rows = [
+        [
+            *w,
+            c.label,
+            c.dataset,
+            c.sampling,
+            c.k,
+            int(c.num_prompts) if c.num_prompts == c.num_prompts else "–",
+            _f(c.alpha),
+            _f(c.tokens_per_cycle, ".2f"),
+            _f(c.theoretical_tokens_per_cycle, ".2f"),
+            _f(c.speedup),
+            _ci(c.speedup_ci_low, c.speedup_ci_high),
+            _f(c.predicted_speedup),
+            _f(c.efficiency, ".2f"),
+            _f(c.cost_ratio, ".4f"),
+            _f(c.verify_cost, ".3f"),
+        ]
+        for w, c in zip(where_cells, cells.itertuples())
+    ]
+    return [
+        "## Cells",
+        "",
+        _table(
+            [
+                *where_header,
+                "draft",
+                "dataset",
+                "sampling",
+                "k",
+                "prompts",
+                "α ↑",
+                "tok/cycle ↑",
+                "theory",
+                "speedup ↑",
+                f"{100 * CELL_CONFIDENCE:g}% CI",
+                "predicted",
+                "efficiency",
+                "c ↓",
+                "v(k+1) ↓",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _sizes_section(cells: pd.DataFrame) -> list[str]:
+    sizes = cells.drop_duplicates("label")
+    rows = [[s.label, s.draft, _count(s.draft_params), _f(s.draft_bytes / 2**20, ".1f")] for s in sizes.itertuples()]
+    return [
+        "## Draft sizes",
+        "",
+        _table(["draft", "id", "parameters", "memory MiB"], rows),
+        "",
+        "The draft's own weights as the run held them in memory (harness.runner.pair.draft_size): weights it "
+        "shares with its target are not counted, and prompt lookup has none.",
+        "",
+    ]
+
+
+def _methods_section(pct: str) -> list[str]:
+    return [
+        "## Definitions and methods",
+        "",
+        "- **Speedup** of a candidate (a draft at one k) on a set of prompts: (spec tokens / spec time) / (baseline "
+        "tokens / baseline time), totals over the prompts; each cell times its own baseline back to back.",
+        "- **Mix speedup**. With w_g the share of generated tokens in category g and τ_g the seconds per token there, "
+        "serving the mix takes Σ_g w_g τ_g per token, so S_mix = Σ_g w_g τ_base,g / Σ_g w_g τ_spec,g: a weighted "
+        "harmonic mean of the per-category speedups S_g, each weighted by its share of the baseline's time "
+        "(w_g τ_base,g / Σ_h w_h τ_base,h). Weights are normalised over the measured categories.",
+        f"- **Intervals** ({pct}): a paired, stratified bootstrap over prompts: every replicate resamples the prompts "
+        "of each category with replacement and applies the same resample to every candidate; percentile intervals. "
+        "A category with one prompt has no interval. Each cell's own interval (Cells table, figures) is the "
+        f"harness's {100 * CELL_CONFIDENCE:g}%.",
+        "- **Context**: one decision per target, sampling setting (at temperature 0, greedy, top-k and top-p are "
+        "ignored) and run conditions (device, dtype, max_new_tokens, cache, compile). With per-prompt rows, a candidate's "
+        "cells are combined prompt by prompt, candidates are paired on the prompts they all ran, and a candidate with fewer "
+        "than half the prompts of the lower median candidate is left out (listed in the notes): of two candidates, neither. "
+        "From summaries alone, each candidate is one cell on the prompt set most candidates ran, and one with fewer than "
+        "half the prompts of the median candidate is left out.",
+        "- **Ship rule**: candidates are ranked by point estimate; the best one whose interval's lower bound is above 1 "
+        "ships (when a higher one is uncertain, the verdict names it); if none, *ship no speculation*. Choosing the "
+        "best of many candidates favours a lucky one, so its interval is slightly optimistic.",
+        "- **Best two drafts**: the shipped candidate against the best candidate of another draft: the bootstrap interval "
+        "of the ratio of their speedups (significant when it excludes 1) and a Wilcoxon signed-rank test of the "
+        "per-prompt log speedup differences (unweighted).",
+        "- **α**: accepted / tested positions, a cycle testing positions up to its first rejection, pooled over prompts "
+        "and k; interval: cluster bootstrap over prompts (scipy.stats.bootstrap), since positions within a prompt are "
+        "correlated. Without per-prompt rows: Wilson, positions taken as independent (too narrow).",
+        "- **Cost model** (per target, run conditions, draft, dataset and sampling): c = draft step / target step "
+        "(median over cells); v(n) = T(n positions) / T(1) fitted as 1 + b(n − 1) through v(1) = 1, b the median of "
+        "the measured points' slopes; S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) (Leviathan et al., with the "
+        "measured verify cost). The interval of S carries α's uncertainty only.",
+        "- **What-if**: α carries over to other hardware, c and v do not; a prompt-lookup draft keeps its measured "
+        "lookup time (it runs on the host) when only a target step time is given.",
+        "",
+    ]

@@ -1,0 +1,76 @@
+"""Timing of decoding: device-synchronised wall time of forwards, rollbacks and loop functions."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from harness.models.cached import CachedLM
+from harness.runner.costs import sync as _sync
+
+
+class TimedLM:
+    """A copy of a CachedLM (CachedLM.copy: the same model, a cache of its own; a static cache
+    stays shared, the compiled steps being bound to it) whose forwards, prefills included, and
+    rollbacks accumulate their device-synchronised wall time. Everything else is the copy's."""
+
+    def __init__(self, lm: CachedLM):
+        self.lm = lm.copy(share_static_cache=True)
+        self.device = self.lm.device
+        self.rollback_s = 0.0
+        self.by_positions: dict[int, list] = {}  # positions fed -> [seconds, forwards]
+
+    def __getattr__(self, name):
+        return getattr(self.lm, name)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(seconds for seconds, _ in self.by_positions.values())
+
+    @property
+    def forwards(self) -> int:
+        return sum(count for _, count in self.by_positions.values())
+
+    def forward(self, input_ids, num_logits=1):
+        _sync(self.device)
+        start = time.perf_counter()
+        out = self.lm.forward(input_ids, num_logits)
+        _sync(self.device)
+        tally = self.by_positions.setdefault(input_ids.shape[0], [0.0, 0])
+        tally[0] += time.perf_counter() - start
+        tally[1] += 1
+        return out
+
+    prefill = CachedLM.prefill  # CachedLM's verb, through this wrapper's timed forward
+
+    def rollback(self, length):
+        start = time.perf_counter()
+        self.lm.rollback(length)
+        _sync(self.device)
+        self.rollback_s += time.perf_counter() - start
+
+
+class Stopwatch:
+    """Wraps functions of the loop module so their time is accounted for."""
+
+    def __init__(self, device):
+        self.device, self.seconds = device, defaultdict(float)
+
+    def wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(self.device)
+            self.seconds[name] += time.perf_counter() - start
+            return out
+
+        return timed
+
+
+def timed_call(fn, device) -> tuple[list[int], float]:
+    """fn()'s result and its device-synchronised wall time in seconds."""
+    _sync(device)
+    start = time.perf_counter()
+    tokens = fn()
+    _sync(device)
+    return tokens, time.perf_counter() - start

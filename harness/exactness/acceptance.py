@@ -1,0 +1,210 @@
+"""Is the acceptance a run reports the draft's own? A teacher-forced check at temperature 0.
+
+The exactness check (harness.exactness.main) and greedy output comparisons
+cannot see a drafter whose context silently differs from the committed
+tokens: a rejected draft left in its KV cache in place of the recovered
+token, or every position shifted by one. The target verifies every draft,
+so the output law stays exact and the greedy output identical; only the
+reported acceptance is wrong, and that is the number drafts are chosen by.
+
+The argument. At temperature 0 the committed tokens are the target's greedy
+tokens, and the loop's draft for position j of a cycle (j = 0 first) is
+the drafter's greedy proposal after the committed prefix up to the cycle
+plus its own drafts 0..j-1. Position j is tested only if drafts 0..j-1 were
+accepted, so they equal the committed tokens there, and a correct drafter's
+draft at any tested position is its proposal after exactly the committed
+prefix up to that position. That proposal is computed here from a fresh
+state, independently of the loop, and must agree with what the loop
+reported at every tested position: accepted (the draft was the committed
+token) for j < num_accepted, rejected at j = num_accepted when the cycle
+tested one more.
+
+  model drafter (ModelDrafter over any CachedLM, a shared-weights draft
+  included): ONE forward of the draft model, through a copy of its CachedLM
+  with an empty cache, over prompt + committed tokens; its argmax at each
+  position is the teacher-forced proposal. The loop's draft ran one token at
+  a time and this pass runs all at once, so float sums differ in order: a
+  disagreement where the draft's two candidates are within its dtype's
+  rounding (harness.bench.contenders.TIE_LOGIT_GAP) is a tie, counted apart, not a
+  failure.
+
+  prompt lookup (NgramDrafter, length=match or cost_aware): a proposal is one
+  match found at the cycle start, so the replay is per cycle: a fresh
+  NgramDrafter with the same settings (and verify_cost) proposes after the
+  committed prefix at each cycle start, with the k the loop allowed it, and
+  its proposal's agreement with the committed tokens must be what the loop
+  reported, its length the number the loop drafted. cost_aware's choice also
+  depends on the acceptance the sequence has had so far: the fresh drafter
+  is told the teacher-forced outcome of each of its own proposals.
+
+Command-line reachability is up to the tools: a finished run of one prompt
+(its cycles) is all this needs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from harness.bench.contenders import TIE_LOGIT_GAP
+from harness.core.drafters import ModelDrafter, NgramDrafter
+from harness.core.loop import Cycle
+from harness.core.sampling import Sampling
+from harness.models.shared_draft import SubsetHead
+
+GREEDY = Sampling(0.0)
+
+
+class Tested(NamedTuple):
+    """One position the loop tested."""
+
+    cycle: int  # index of the cycle
+    offset: int  # drafted position within the cycle, 0..num_drafted-1
+    token: int  # the committed token there
+    reported: bool  # the loop accepted its draft here
+    agrees: bool  # the teacher-forced proposal is the committed token
+    tie: bool = False  # they differ, but the draft's choice was within its dtype's rounding
+    gap: float | None = None  # the draft's logit gap behind that (model drafters only)
+    proposal: int | None = None  # the teacher-forced proposal
+
+
+@dataclass
+class Agreement:
+    """The loop's reported acceptance beside the draft's own, teacher-forced."""
+
+    kind: str  # which check ran
+    positions: list[Tested] = field(default_factory=list)  # every position the loop tested
+    reported: tuple[int, int] = (0, 0)  # (accepted, tested) as the loop yielded them
+    teacher_forced: tuple[int, int] = (0, 0)  # (accepted, tested) from the fresh drafter
+    drafted: list[tuple[int, int, int]] = field(default_factory=list)  # (cycle, loop drafted, fresh drafted) where they differ
+
+    @property
+    def mismatches(self) -> list[Tested]:
+        return [p for p in self.positions if p.reported != p.agrees and not p.tie]
+
+    @property
+    def ties(self) -> list[Tested]:
+        return [p for p in self.positions if p.reported != p.agrees and p.tie]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.drafted
+
+    def describe(self) -> str:
+        """One line: the verdict, the counts and, on failure, the first disagreement."""
+        counts = (
+            f"the loop reported {self.reported[0]} accepted of {self.reported[1]} tested, the teacher-forced "
+            f"draft {self.teacher_forced[0]} of {self.teacher_forced[1]} ({len(self.ties)} ties)"
+        )
+        if self.ok:
+            return f"acceptance is the draft's own ({self.kind}): {counts}"
+        if self.drafted:
+            cycle, loop, fresh = self.drafted[0]
+            first = f"cycle {cycle} drafted {loop} tokens where a fresh drafter proposes {fresh}"
+        else:
+            p = self.mismatches[0]
+            verdict = "accepted" if p.reported else "rejected"
+            gap = f" (a margin of {p.gap:.3g} logits)" if p.gap is not None else ""
+            first = (
+                f"cycle {p.cycle}, drafted position {p.offset}: the loop {verdict} a draft of committed token {p.token}, "
+                f"but the draft's teacher-forced proposal there is {p.proposal}{gap}"
+            )
+        return (
+            f"reported acceptance is not the draft's own ({self.kind}): {counts}; {len(self.mismatches)} positions "
+            f"and {len(self.drafted)} cycles disagree, first {first}"
+        )
+
+
+def teacher_forced_agreement(
+    drafter, prompt_ids: torch.Tensor, cycles: Sequence[Cycle], k: int, max_new_tokens: int, tie_gap: float | None = None
+) -> Agreement:
+    """Check a finished temperature-0 run of one prompt (the loop's `cycles` after `prompt_ids` [T],
+    run with `k` and `max_new_tokens`) against the drafter's own proposals from a fresh state.
+    `drafter` is the one the run used: only its kind, model and settings are read. `tie_gap`:
+    draft logit gaps at or below it are ties (default: TIE_LOGIT_GAP for the draft's dtype)."""
+    if isinstance(drafter, ModelDrafter):
+        return _model_check(drafter, prompt_ids, cycles, k, max_new_tokens, tie_gap)
+    if isinstance(drafter, NgramDrafter):
+        return _lookup_check(drafter, prompt_ids, cycles, k, max_new_tokens)
+    raise TypeError(f"no teacher-forced acceptance check for a {type(drafter).__name__}: it knows ModelDrafter and NgramDrafter")
+
+
+def _cycle_spans(cycles: Sequence[Cycle], k: int, max_new_tokens: int):
+    """Per cycle: (index, cycle, committed tokens before it, the most it could draft)."""
+    start = 0
+    for i, c in enumerate(cycles):
+        yield i, c, start, min(k, max_new_tokens - start - 1)
+        start += len(c.tokens)
+
+
+def _agreeing_prefix(proposal: list[int], committed: list[int]) -> tuple[int, int]:
+    """(accepted, tested) of a proposal against the tokens its cycle committed, as greedy verify counts them."""
+    length = min(len(proposal), len(committed))  # an EOS among the accepted drafts ends the cycle
+    accepted = next((j for j in range(length) if proposal[j] != committed[j]), length)
+    return accepted, min(accepted + 1, length)
+
+
+def _model_check(drafter: ModelDrafter, prompt_ids, cycles, k, max_new_tokens, tie_gap) -> Agreement:
+    head = drafter.lm.model.get_output_embeddings()
+    agreement = Agreement(f"model{' (shared weights)' if isinstance(head, SubsetHead) else ''}: one teacher-forced draft pass")
+    committed = [t for c in cycles for t in c.tokens]
+    if not committed:
+        return agreement
+    lm = copy.copy(drafter.lm)  # the same model and forward, an empty cache of its own
+    lm.reset()
+    ids = torch.cat([prompt_ids.to(lm.device), torch.tensor(committed[:-1], device=lm.device)])  # [T + n - 1]
+    rows = lm.forward(ids, num_logits=len(committed)).float()  # [n, V]: row i scores committed token i
+    lm.reset()
+    proposals = rows.argmax(-1).tolist()  # [n]
+    dtype = next(drafter.lm.model.parameters()).dtype
+    tolerance = TIE_LOGIT_GAP.get(dtype, 1e-3) if tie_gap is None else tie_gap
+    accepted = tested = 0
+    for i, c, start, most in _cycle_spans(cycles, k, max_new_tokens):
+        if c.num_drafted != most:  # a ModelDrafter drafts all it is allowed
+            agreement.drafted.append((i, c.num_drafted, most))
+        a, t = _agreeing_prefix(proposals[start : start + c.num_drafted], c.tokens)
+        accepted, tested = accepted + a, tested + t
+        for j in range(len(c.expected_acceptance)):
+            position, token = start + j, c.tokens[j]
+            reported, agrees = j < c.num_accepted, proposals[start + j] == token
+            gap = None
+            if reported != agrees:
+                row = rows[position]  # [V]
+                if reported:  # the loop drafted `token`: how far the draft's best is above it
+                    gap = float(row.max() - row[token])
+                else:  # the loop drafted something else, unknown: how far the best is above the runner-up
+                    top2 = row.topk(2).values
+                    gap = float(top2[0] - top2[1])
+            tie = gap is not None and gap <= tolerance
+            agreement.positions.append(Tested(i, j, token, reported, agrees, tie, gap, proposals[position]))
+    agreement.reported = (sum(c.num_accepted for c in cycles), sum(len(c.expected_acceptance) for c in cycles))
+    agreement.teacher_forced = (accepted, tested)
+    return agreement
+
+
+def _lookup_check(drafter: NgramDrafter, prompt_ids, cycles, k, max_new_tokens) -> Agreement:
+    fresh = NgramDrafter(drafter.vocab_size, drafter.max_ngram, drafter.min_ngram, drafter.length)
+    fresh.verify_cost = None if drafter.verify_cost is None else list(drafter.verify_cost)
+    agreement = Agreement(f"prompt lookup (length={drafter.length}): a fresh lookup replayed on each committed prefix")
+    fresh.start(prompt_ids)
+    ids = prompt_ids  # [L] committed so far
+    accepted = tested = 0
+    for i, c, _, most in _cycle_spans(cycles, k, max_new_tokens):
+        proposal = fresh.propose(ids, most, GREEDY, torch.Generator())[0].tolist()  # [k'']
+        if len(proposal) != c.num_drafted:
+            agreement.drafted.append((i, c.num_drafted, len(proposal)))
+        a, t = _agreeing_prefix(proposal, c.tokens)
+        accepted, tested = accepted + a, tested + t
+        for j in range(len(c.expected_acceptance)):
+            fresh_token = proposal[j] if j < len(proposal) else None
+            agrees = fresh_token == c.tokens[j]
+            agreement.positions.append(Tested(i, j, c.tokens[j], j < c.num_accepted, agrees, proposal=fresh_token))
+        fresh.rollback(ids.shape[0] + a)  # cost_aware learns the teacher-forced outcome, never the loop's
+        ids = torch.cat([ids, ids.new_tensor(c.tokens)])
+    agreement.reported = (sum(c.num_accepted for c in cycles), sum(len(c.expected_acceptance) for c in cycles))
+    agreement.teacher_forced = (accepted, tested)
+    return agreement

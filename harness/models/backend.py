@@ -1,0 +1,52 @@
+"""What CachedLM (harness.models.cached) drives: one model's forward over a KV cache of its own.
+
+Three backends implement it: HF's modules with a dynamic cache or with a static one, optionally
+compiled (harness.models.hf_backends), and the lean forward (harness.models.lean).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Backend:
+    """One model and its KV cache, batch of one.
+
+    `length` is the number of positions cached. `capacity` is the longest
+    sequence the backend is sized for: a static cache's slots, otherwise the
+    model's context (dynamic and lean storage grow). A new backend holds no
+    sequence and is ready for its first forward.
+    """
+
+    length: int = 0
+    capacity: int
+    compiled = None  # the torch.compile'd step, where steps are compiled (HF backends with compile=True)
+    graphs: bool = False  # compiled with CUDA graphs (mode="reduce-overhead")
+    output_reused: bool = False  # the last forward's logits live in a buffer its next call overwrites (a CUDA graph's)
+    cache = None  # the transformers cache object, where there is one
+    lean = None  # the lean forward (harness.models.lean.LeanLlama), where it runs the steps
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Append input_ids [T] to the cache; logits [num_logits, V] of the last positions (V: the head's rows)."""
+        raise NotImplementedError
+
+    def reset(self, rollback: bool = True) -> None:
+        """Empty the cache: a new sequence starts. rollback=False: it will never be rolled back."""
+        raise NotImplementedError
+
+    def reserve(self, max_len: int) -> None:
+        """Make room for sequences of up to max_len positions."""
+        raise NotImplementedError
+
+    def can_roll_back(self, length: int) -> bool:
+        """Whether a rollback to `length` finds what it restores."""
+        return True
+
+    def rollback(self, length: int) -> None:
+        """Drop cached positions at and beyond `length`."""
+        raise NotImplementedError
+
+    def copy(self, share_static_cache: bool = False) -> Backend:
+        """The same model (and compiled steps) with an empty cache of its own; share_static_cache=True
+        keeps a static cache shared (dynamic caches and lean storage are never shared)."""
+        raise NotImplementedError

@@ -1,0 +1,229 @@
+"""Backends that run a model's own HF modules over a transformers cache (harness.models.backend).
+
+`DynamicBackend`: HF's DynamicCache, its full-attention layers written in place by
+harness.models.kv_cache.GrowingLayer rather than grown by concatenation; a rollback moves their
+length. `StaticBackend`: HF's StaticCache of `capacity` slots, allocated once; positions are
+written by index and a rollback only moves the length back, the causal mask hiding the stale
+slots beyond it, as gpt-fast does. Attention reads every slot of a static cache, so `reserve`
+sizes it to the longest sequence a run needs rather than the model's whole context.
+
+With compiled steps (fixed shapes: the static cache), the forwards of decoding, drafting and
+verifying (after the prompt, at most COMPILED_MAX_TOKENS tokens) run through `torch.compile`; a
+prompt's forward, whose length varies, runs eagerly so that each new prompt length does not cost
+a recompilation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+
+from harness.config.settings import COMPILED_MAX_TOKENS
+from harness.core.host_syncs import unwatched
+from harness.errors import HarnessError
+from harness.models.backend import Backend
+from harness.models.kv_cache import GrowingLayer, in_place
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name under which the model's forward takes its KV cache: `cache` in recent
+    transformers 5.x (5.24), `past_key_values` in earlier ones (5.17) and in classes not yet renamed.
+    A wrong name is swallowed by **kwargs and the model runs without its past, unnoticed."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def compile_steps(model: PreTrainedModel, mode: str | None):
+    """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
+    Hooks registered on the model still run. Calls run `unwatched`: a host-read count
+    (harness.core.host_syncs) active around them would make dynamo compile them anew."""
+    # Input lengths 1..k+1 each compile once, for target and draft alike (one code object: transformers'
+    # forward wrapper), and again for each cache capacity a process reserves (a multirun's cells): allow far
+    # more than dynamo's default of 8, and make running out an error, not an unannounced fall back to eager.
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
+    setattr(config, limit, max(getattr(config, limit), 64 * COMPILED_MAX_TOKENS))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * getattr(config, limit))
+    if hasattr(config, "fail_on_recompile_limit_hit") and not config.suppress_errors:  # torch refuses both at once
+        config.fail_on_recompile_limit_hit = True
+    return functools.partial(unwatched, torch.compile(model, mode=mode, dynamic=False))
+
+
+def hf_backend(model: PreTrainedModel, kwarg: str, static: bool, capacity: int, context: int, compile: bool) -> HFBackend:
+    """The backend for HF's forward: a static cache of `capacity` slots or a dynamic one, steps compiled or not."""
+    device = next(model.parameters()).device
+    cache = StaticCache(config=model.config, max_cache_len=capacity) if static else None  # `reserve` sizes it for a run
+    if cache is not None and compile and any(cache.is_sliding):
+        raise HarnessError(
+            f"{type(model).__name__} has sliding-window layers, whose static cache (transformers' "
+            f"StaticSlidingWindowLayer) compiles a new graph at every length: use compile=false"
+        )
+    graphs = compile and device.type == "cuda"  # CUDA graphs (mode="reduce-overhead"): see CachedLM.warm_up
+    compiled = compile_steps(model, "reduce-overhead" if graphs else None) if compile else None
+    if static:
+        return StaticBackend(model, kwarg, capacity, context, compiled, graphs, cache)
+    return DynamicBackend(model, kwarg, capacity, compiled, graphs)
+
+
+class HFBackend(Backend):
+    """HF's forward on a transformers cache (`self.cache`, which the subclasses make)."""
+
+    def __init__(self, model: PreTrainedModel, kwarg: str, capacity: int, compiled, graphs: bool, cache_checked: bool = False):
+        self.model, self.cache_kwarg, self.capacity = model, kwarg, capacity
+        self.device = next(model.parameters()).device
+        self.compiled, self.graphs = compiled, graphs
+        self.cache_checked = cache_checked  # the first prompt checks that the model really filled the cache
+        self.length = 0
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        step_not_prompt = self.length > 0 and input_ids.shape[0] <= COMPILED_MAX_TOKENS
+        step = self.compiled if self.compiled is not None and step_not_prompt else self.model
+        out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
+        if not self.cache_checked:  # once per model (until it passes): reading the cache's length is a host sync on CUDA
+            if self.cache.get_seq_length() != input_ids.shape[0]:
+                raise HarnessError(
+                    f"{type(self.model).__name__}.forward did not fill the KV cache passed as `{self.cache_kwarg}`: "
+                    "its forward must take the cache as `cache` or `past_key_values` and fill it (HF causal LMs do)"
+                )
+            if not self.cache.is_croppable:
+                raise HarnessError(
+                    f"{type(self.model).__name__} keeps a recurrent state in its cache (linear attention), which "
+                    "cannot be rolled back to drop rejected drafts: speculative decoding here needs an attention model"
+                )
+            self.cache_checked = True
+        self.length += input_ids.shape[0]
+        self.output_reused = step is self.compiled and self.device.type == "cuda"  # a CUDA graph's output buffer
+        return out.logits[0, -num_logits:]  # [num_logits, V]
+
+
+class DynamicBackend(HFBackend):
+    """HF's DynamicCache with in-place full-attention layers, kept across sequences (`growing`)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kwarg: str,
+        capacity: int,
+        compiled=None,
+        graphs: bool = False,
+        growing: dict[int, GrowingLayer] | None = None,
+        cache_checked: bool = False,
+    ):
+        super().__init__(model, kwarg, capacity, compiled, graphs, cache_checked)
+        self.growing = growing if growing is not None else {}  # layer index -> its in-place layer
+        self.reset()
+
+    def reset(self, rollback: bool = True) -> None:
+        self.cache = in_place(DynamicCache(config=self.model.config), self.growing)
+        self.trims = False  # a cache to crop after every cycle, rejection or not
+        if rollback:
+            # Sliding-window layers then keep what leaves the window until the next crop, which can
+            # bring it back; from the first pass on, as the prompt's pass also verifies the first drafts.
+            # Every cycle's rollback crops them back to the window (`trims`).
+            self.cache.activate_past_recording()
+            self.trims = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
+        self.length = 0
+
+    def reserve(self, max_len: int) -> None:
+        """The in-place layers allocate room for max_len positions at their next sequence."""
+        for layer in self.growing.values():
+            layer.reserve(max_len)
+
+    def can_roll_back(self, length: int) -> bool:
+        """Sliding-window layers keep what left their window only until the next rollback: one cycle's worth."""
+        removed = self.length - length
+        if not self.trims or removed <= 0:
+            return True
+        return all(
+            layer.keys.shape[-2] - removed >= min(self.length - removed, layer.sliding_window - 1)
+            for layer in self.cache.layers
+            if getattr(layer, "is_sliding", False) and layer.is_initialized
+        )
+
+    def rollback(self, length: int) -> None:
+        if length < self.length:
+            if not self.can_roll_back(length):  # HF's sliding layer would cut the wrong positions, and attention fail
+                raise HarnessError(
+                    f"{type(self.model).__name__}'s sliding-window layers no longer hold the positions a rollback "
+                    f"from {self.length} to {length} tokens restores: only what the last forward passes fed can be dropped"
+                )
+            self.cache.crop(length - self.length)  # transformers 5: negative = tokens to remove
+            self.length = length
+        elif self.trims and self.length > 0:  # an empty cache (a one-token prompt's draft) has no layer to trim
+            self.cache.crop(0)  # nothing rejected: sliding-window layers drop what left the window
+
+    def copy(self, share_static_cache: bool = False) -> DynamicBackend:
+        growing = {index: GrowingLayer(layer.capacity) for index, layer in self.growing.items()}  # as reserved so far
+        return DynamicBackend(
+            self.model, self.cache_kwarg, self.capacity, self.compiled, self.graphs, growing, self.cache_checked
+        )
+
+
+class StaticBackend(HFBackend):
+    """HF's StaticCache of `capacity` slots; `reserve` resizes it."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kwarg: str,
+        capacity: int,
+        context: int,
+        compiled=None,
+        graphs: bool = False,
+        cache: StaticCache | None = None,
+        cache_checked: bool = False,
+    ):
+        super().__init__(model, kwarg, capacity, compiled, graphs, cache_checked)
+        self.context = context
+        self.text_config = model.config.get_text_config(decoder=True)
+        self.cache = cache if cache is not None else StaticCache(config=model.config, max_cache_len=capacity)
+
+    def reset(self, rollback: bool = True) -> None:
+        self.cache.reset()  # in place: the compiled steps keep their addresses
+        self.length = 0
+
+    def reserve(self, max_len: int) -> None:
+        """Slots for sequences of up to max_len tokens, rounded up to a multiple of 256 so that
+        runs with similar lengths share one compiled shape."""
+        capacity = min(-(-max_len // 256) * 256, self.context)
+        window = getattr(self.text_config, "sliding_window", None)
+        if window and max_len <= window < capacity:  # sliding-window layers roll back only within their window
+            capacity = window
+        if capacity != self.capacity:
+            self.capacity = capacity
+            self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
+            self.length = 0
+        self.check_rollback()
+
+    def check_rollback(self) -> None:
+        """Refuse a cache whose sliding-window layers, shorter than the cache, drop what a rollback restores."""
+        if not self.cache.is_croppable:
+            window = getattr(self.text_config, "sliding_window", None)
+            raise HarnessError(
+                f"{type(self.model).__name__} has sliding-window attention (window {window}) and a static cache "
+                f"of {self.capacity} tokens cannot roll back past the window: use cache=dynamic"
+            )
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        if self.length + input_ids.shape[0] > self.capacity:
+            raise HarnessError(
+                f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence"
+            )
+        if not self.cache_checked:  # before the forward: it depends on the cache alone, and leaves it as it was
+            self.check_rollback()
+        return super().forward(input_ids, num_logits)
+
+    def rollback(self, length: int) -> None:
+        if length < self.length:
+            self.check_rollback()
+            self.cache.crop(length - self.length)  # moves the position; the stale slots are masked, then overwritten
+            self.length = length
+
+    def copy(self, share_static_cache: bool = False) -> StaticBackend:
+        cache = self.cache if share_static_cache else None  # shared: the compiled steps (CUDA graphs) are bound to its tensors
+        return StaticBackend(
+            self.model, self.cache_kwarg, self.capacity, self.context, self.compiled, self.graphs, cache, self.cache_checked
+        )

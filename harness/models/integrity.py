@@ -1,0 +1,86 @@
+"""Which file of a saved model cannot be read, and why.
+
+What an interrupted download or copy leaves (a truncated file), a file of another format under a
+weight file's name (an HTML error page saved as model.safetensors), a shard that
+model.safetensors.index.json lists but the folder lacks, a corrupt GGUF file or a JSON file that
+does not parse. Only headers are read (a safetensors file's header, checked against the file's
+size; a GGUF file's header and tensor table), so the check is cheap; harness.models.loading runs
+it when a load fails, to name the file and the fix rather than pass on a library's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.errors import one_line
+
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+INDEX = "model.safetensors.index.json"
+SHARED_DRAFT = ("harness_draft.json", "weights.safetensors")  # harness.models.shared_draft's own files
+
+
+def unreadable(folder: Path, gguf_file: str | None = None, weights: bool = True) -> tuple[Path, str] | None:
+    """(file, why) for the first file of the model in `folder` that cannot be read; None when all can.
+    weights=False: the JSON files only (what a tokenizer reads)."""
+    checks = [(folder / name, json_problem) for name in JSON_FILES if (folder / name).exists()]
+    if weights and gguf_file:
+        checks.append((folder / gguf_file, gguf_problem))
+    elif weights and (folder / SHARED_DRAFT[0]).exists():
+        checks += [(folder / SHARED_DRAFT[0], json_problem), (folder / SHARED_DRAFT[1], safetensors_problem)]
+    elif weights and (folder / INDEX).exists():
+        if problem := json_problem(folder / INDEX):
+            return folder / INDEX, problem
+        weight_map = json.loads((folder / INDEX).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            return folder / INDEX, "has no weight_map: it is not a safetensors index"
+        checks += [(folder / shard, _listed_shard_problem) for shard in sorted(set(weight_map.values()))]
+    elif weights and (folder / "model.safetensors").exists():
+        checks.append((folder / "model.safetensors", safetensors_problem))
+    for path, problem_of in checks:
+        if problem := problem_of(path):
+            return path, problem
+    return None
+
+
+def json_problem(path: Path) -> str | None:
+    try:
+        json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return f"is not valid JSON ({one_line(err)})"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    from safetensors import SafetensorError, safe_open
+
+    if not path.exists():
+        return "is missing"
+    try:
+        with safe_open(path, "pt"):  # reads the header and checks that the data it describes fills the file
+            pass
+    except (SafetensorError, OSError) as err:
+        return f"is not a readable safetensors file ({one_line(err).removeprefix('Error while deserializing header: ')})"
+    return None
+
+
+def _listed_shard_problem(path: Path) -> str | None:
+    if not path.exists():
+        return f"is missing ({INDEX} lists it)"
+    return safetensors_problem(path)
+
+
+def gguf_problem(path: Path) -> str | None:
+    if not path.exists():
+        return "is missing"
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers needs the gguf package to load the file at all, and says so
+        return None
+    try:
+        GGUFReader(path)  # maps the file; reads its header, metadata and tensor table
+    except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on a damaged file
+        return f"is not a readable GGUF file ({one_line(err, with_type=True)})"
+    return None

@@ -1,0 +1,106 @@
+"""Timing: stamps on a decode from outside, and the cost model's figures.
+
+`timed` stamps each item a decode generator yields, the device synchronised;
+`measure_costs` measures a target step, the verify cost v(n) and the draft's
+cost ratio c (docs/metrics.md) that the summary's predicted speedups use.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from harness.core.metrics import median_ci
+from harness.core.sampling import Sampling
+
+if TYPE_CHECKING:
+    from harness.runner.pair import Pair
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA), so that a clock read after it counts that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(generator, device: torch.device) -> tuple[list, list[float]]:
+    """Drain a decode generator, stamping each yield (device synchronised)."""
+    items, stamps = [], []
+    start = time.perf_counter()
+    for item in generator:
+        sync(device)
+        stamps.append(time.perf_counter() - start)
+        items.append(item)
+    return items, stamps
+
+
+def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rounds: int = 9) -> dict:
+    """Target step time, verify cost v(n) = T(n positions) / T(1), draft cost ratio c.
+
+    Measured at the context length of a real prompt, in interleaved rounds: each
+    round times a target pass over 1..k+1 positions and then a k-token draft, and
+    each figure is the median over rounds (v and c of the ratios within a round).
+    Timed in separate blocks instead, a drift in the machine's speed between blocks
+    lands in the ratios: one compiled run put v(3) 4% under what the loop then paid.
+    """
+    target, device = pair.target, pair.device
+    ids = ids[-max(pair.context - k, 1) :]  # room for the k + 1 positions scored after it (k may exceed max_new_tokens)
+    target.reset()
+    target.prefill(ids[:-1])
+    extra = ids[-1:].repeat(k + 1)  # positions to score; their values do not matter for timing
+    generator = torch.Generator(device).manual_seed(0)
+
+    def seconds(fn) -> float:
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - start
+
+    def score(n: int) -> float:
+        """Seconds of a target pass over n positions; the rollback after it is not timed (a step has none)."""
+        spent = seconds(lambda: target.forward(extra[:n], num_logits=n))
+        target.rollback(ids.shape[0] - 1)
+        return spent
+
+    verify_s, draft_s = [], []  # [rounds, k + 1] scoring 1..k+1 positions; [rounds] per drafted token
+    for _ in range(rounds):
+        verify_s.append([score(n) for n in range(1, k + 2)])
+        # As in the loop, the draft runs right after a target pass: on a CPU the
+        # target's weights have evicted the draft's from the caches (measured
+        # back to back instead, the draft step looks ~25% cheaper than it is).
+        pair.drafter.start(ids)
+        score(k + 1)
+        draft_s.append(seconds(lambda: pair.drafter.propose(ids, k, sampling, generator)) / k)
+    median = statistics.median
+    step_ratios = [d / row[0] for d, row in zip(draft_s, verify_s)]
+    verify_ratios = [[row[n] / row[0] for row in verify_s] for n in range(k + 1)]  # [k + 1][rounds]: v(n) per round
+    costs = {
+        "target_step_s": median(row[0] for row in verify_s),
+        "target_step_s_ci": median_ci([row[0] for row in verify_s]),
+        "draft_step_s": median(draft_s),
+        "draft_step_s_ci": median_ci(draft_s),
+        "cost_ratio": median(step_ratios),
+        "cost_ratio_ci": median_ci(step_ratios),
+        "verify_s": [median(row[n] for row in verify_s) for n in range(k + 1)],  # [k + 1]: scoring 1..k+1 positions
+        "verify_cost": [median(ratios) for ratios in verify_ratios],  # [k + 1]: v(n) = T(n) / T(1)
+        "verify_cost_ci": [median_ci(ratios) for ratios in verify_ratios],
+        "rounds": rounds,
+    }
+    costs["verify_cost_dips"] = verify_cost_dips(costs["verify_cost_ci"])
+    return costs
+
+
+def verify_cost_dips(intervals: list[tuple[float, float]]) -> list[int]:
+    """The n where scoring n positions cost clearly less than scoring fewer (v(n)'s interval
+    wholly below an earlier v(m)'s): a verify-cost curve that is not monotone beyond its own
+    intervals is a measurement problem (a plan or kernel change between row counts, another
+    process on the cores), which the table flags rather than predicting from it silently."""
+    dips = []
+    for n in range(1, len(intervals)):
+        if any(intervals[n][1] < intervals[m][0] for m in range(n)):
+            dips.append(n + 1)  # intervals[i] is v(i + 1)
+    return dips

@@ -1,0 +1,195 @@
+"""A loaded pair: the target, the drafter, the tokenizer, and what sizes and warms them.
+
+`load_pair` loads a pair once per process: every cell of a multirun over one
+pair (k, temperature, prompt sets) reuses it (`loaded_pairs`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness.core.drafters import Drafter, ModelDrafter, NgramDrafter
+from harness.data.prompts import set_pair_template
+from harness.errors import HarnessError
+from harness.models import cpu_linear
+from harness.models.cached import CachedLM
+from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer
+from harness.runner.provenance import device_identity
+
+
+@dataclass
+class Pair:
+    name: str
+    target: CachedLM
+    drafter: Drafter
+    tokenizer: Any
+    eos_ids: set[int]
+    device: torch.device
+    linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the product the linear layers use, and why
+    linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
+
+    @property
+    def context(self) -> int:
+        """The longest sequence both models take: the target's context, or a draft model's if shorter."""
+        if isinstance(self.drafter, ModelDrafter):
+            return min(self.target.context, self.drafter.lm.context)
+        return self.target.context
+
+    def prompt_budget(self, new_tokens: int) -> int:
+        """The longest prompt that leaves room in the pair's context for new_tokens, the same at
+        every k (so every k of a sweep runs the same prompts): the loop and the baseline never
+        hold more than prompt + new_tokens - 1 positions, since a cycle drafts at most the
+        tokens it can still keep (harness.core.loop)."""
+        return self.context - new_tokens + 1
+
+    def reserve(self, longest_prompt: int, new_tokens: int, k: int) -> None:
+        """Size both KV caches (static: their slots; dynamic: the in-place storage allocated ahead) for that
+        prompt and new_tokens (prompt + new_tokens - 1 positions),
+        or for measure_costs' verify of k + 1 positions after it, whichever is longer."""
+        positions = longest_prompt + max(new_tokens - 1, k)
+        self.target.reserve(positions)
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.lm.reserve(positions)
+
+    def warm_up(self, k: int) -> None:
+        """With compile=true, compile every step shape of a k-draft run before anything is
+        timed: verifies of 1..k+1 tokens (k' < k near the token budget) and the draft's
+        one-token steps and two-token catch-up (last draft + bonus)."""
+        self.target.warm_up([(n, n) for n in range(1, k + 2)])
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.lm.warm_up([(1, 1), (2, 1)])
+
+    def models(self) -> list:
+        """The pair's models: the target, and the draft when it is a model."""
+        return [self.target.model] + ([self.drafter.lm.model] if isinstance(self.drafter, ModelDrafter) else [])
+
+    def follow_linear(self, records: list[dict]) -> None:
+        """Set the CPU linear products for a cell whose earlier prompts are `records`: the plan they
+        ran with (a cell never mixes plans: one stored plan replaced by a re-probe, say), else the
+        one chosen at load, which a previous cell in this process may have changed."""
+        linear = self.linear_at_load
+        earlier = {_linear_plan(r) for r in records}
+        at_load = tuple(linear["rows_to"]) if linear.get("rows_to") else None
+        if linear.get("mode") in ("auto", "probe") and len(earlier) == 1 and earlier != {at_load}:
+            rows_to = earlier.pop()
+            linear = {key: value for key, value in linear.items() if key != "rows_to"} | {
+                "product": "transposed" if rows_to else "torch",
+                "why": "resumed: the cell's earlier prompts ran with this plan",
+                **({"rows_to": list(rows_to)} if rows_to else {}),
+            }
+        elif len(earlier) > 1:
+            print(
+                f"[harness] warning: this cell's earlier prompts ran with different CPU linear products "
+                f"({'; '.join(sorted(cpu_linear.describe(plan) for plan in earlier))}); force=true runs it anew with one",
+                file=sys.stderr,
+            )
+        if linear.get("rows_to") != self.linear.get("rows_to"):
+            cpu_linear.apply(self.models(), linear.get("rows_to"))
+        self.linear = linear
+
+    def use_costs(self, costs: dict) -> None:
+        """Hand measure_costs' v(n) to a drafter that weighs its proposals by it
+        (prompt lookup with length=cost_aware proposes whole matches until then)."""
+        if isinstance(self.drafter, NgramDrafter):
+            self.drafter.verify_cost = costs["verify_cost"]
+
+
+loaded_pairs: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun
+
+
+def _linear_plan(record: dict) -> tuple[int, ...] | None:
+    """The cpu_linear plan a prompt record names (its `linear_rows_to`); None: torch's product."""
+    return tuple(record["linear_rows_to"]) if record.get("linear_rows_to") else None
+
+
+def load_pair(
+    pair_cfg: DictConfig,
+    device: torch.device,
+    cache: str = "dynamic",
+    compile: bool = False,
+    linear: str = "auto",
+    forward: str = "hf",
+) -> Pair:
+    """Load (or reuse) a pair. `cache` is dynamic or static; `compile` wraps both forwards;
+    `linear` is the cpu_linear mode (harness.models.cpu_linear); `forward` hf or lean (harness.models.lean)."""
+    key = (
+        json.dumps(OmegaConf.to_container(pair_cfg, resolve=True), sort_keys=True) + f"{device}{cache}{compile}{linear}{forward}"
+    )
+    if key in loaded_pairs:
+        return loaded_pairs[key]
+    loaded_pairs.clear()  # free the previous pair before loading the next
+    print(
+        f"[harness] loading pair {pair_cfg.name}: target {pair_cfg.target.id}, draft {pair_cfg.draft.get('id', pair_cfg.draft.kind)}",
+        file=sys.stderr,
+    )
+    target_spec = ModelSpec.from_config(pair_cfg.target)
+    tokenizer = load_tokenizer(target_spec, "target")
+    if pair_cfg.get("chat_template"):  # the prompt format a target was tuned on, where its tokenizer carries none (Vicuna v1.3)
+        set_pair_template(tokenizer, pair_cfg.chat_template)
+    target_model = load_model(target_spec, device, "target")
+    # The rule compares token ids over the range the tokenizer can produce and
+    # both models score (padded embedding rows beyond it are dropped).
+    vocab_size = min(len(tokenizer), target_model.get_output_embeddings().weight.shape[0])
+    drafter: Drafter
+    if pair_cfg.draft.kind == "ngram":
+        drafter = NgramDrafter(
+            vocab_size,
+            pair_cfg.draft.get("max_ngram", 3),
+            pair_cfg.draft.get("min_ngram", 1),
+            pair_cfg.draft.get("length", "match"),
+        )
+    elif pair_cfg.draft.kind == "model":
+        draft_spec = ModelSpec.from_config(pair_cfg.draft)
+        draft_model = load_model(draft_spec, device, "draft", target=target_model)
+        if not getattr(draft_model, "shares_target_weights", False):
+            shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
+            vocab_size = min(vocab_size, shared)  # a draft scoring fewer is padded (CachedLM): the target keeps its range
+        drafter = ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile, forward=forward))
+    else:
+        raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use model or ngram")
+    eos = target_model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    pair = Pair(
+        pair_cfg.name,
+        CachedLM(target_model, vocab_size, cache, compile=compile, forward=forward),
+        drafter,
+        tokenizer,
+        eos_ids,
+        device,
+    )
+    pair.linear = pair.linear_at_load = cpu_linear.choose(
+        linear, pair.models(), device, device_identity(device)
+    )  # before the first forward compiles
+    if "plan" in pair.linear:
+        source = pair.linear["plan"]["source"]
+        how = (
+            f"timed at 1 to {cpu_linear.FEW_ROWS} rows in {pair.linear['probe']['seconds']:.1f} s, stored for later runs"
+            if source == "probed"
+            else "the plan stored for this machine; cpu_linear=probe times it anew"
+        )
+        print(
+            f"[harness] cpu_linear={linear}: {cpu_linear.describe(pair.linear.get('rows_to'))} ({how}: "
+            f"{pair.linear['plan']['file']})",
+            file=sys.stderr,
+        )
+        if source == "probed" and (warning := cpu_linear.noisy(pair.linear["probe"])):
+            print(f"warning: {warning}", file=sys.stderr)
+    loaded_pairs[key] = pair
+    return pair
+
+
+def draft_size(pair: Pair) -> dict:
+    """Parameters and bytes of the draft's own weights (prompt lookup: 0; weights shared with the target excluded)."""
+    if not isinstance(pair.drafter, ModelDrafter):
+        return {"draft_params": 0, "draft_bytes": 0}
+    shared = {id(p) for p in pair.target.model.parameters()}
+    own = [p for p in pair.drafter.lm.model.parameters() if id(p) not in shared]
+    return {"draft_params": sum(p.numel() for p in own), "draft_bytes": sum(p.numel() * p.element_size() for p in own)}

@@ -1,0 +1,201 @@
+"""What a cell's figures depend on beyond its config, and where they were measured.
+
+The device (`device_name`, `device_identity`: part of the cell key), the machine
+(`machine`), the libraries and the harness's own commit, the run's conditions as
+summary.json records them, and the process's memory (peak and growth per prompt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+import resource
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from harness.runner.pair import Pair
+
+CPUINFO = Path("/proc/cpuinfo")
+ROOT = Path(__file__).resolve().parents[2]  # the harness's checkout
+
+
+def utc_now() -> str:
+    """The time now in UTC, ISO 8601 to the second (e.g. "2025-01-31T12:00:00+00:00")."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _cpuinfo() -> list[dict[str, str]]:
+    """/proc/cpuinfo as one dict per logical CPU (empty where there is no such file)."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return []
+    blocks = []
+    for block in text.split("\n\n"):
+        fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip())
+        if fields:
+            blocks.append(fields)
+    return blocks
+
+
+def cpu_name() -> str:
+    """The CPU's model (e.g. "AMD EPYC 7763 64-Core Processor"), as /proc/cpuinfo or the platform names it
+    (part of a CPU cell's key: `device_identity`)."""
+    names = (cpu.get("model name") for cpu in _cpuinfo())
+    return next((name for name in names if name), None) or platform.processor() or "cpu"
+
+
+def device_name(device: torch.device) -> str:
+    """The model of a GPU (e.g. "NVIDIA H200") or of the CPU (e.g. "AMD EPYC")."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def device_identity(device: torch.device) -> dict:
+    """What of a device a cell's results depend on: its type and model (`device_name`), not its
+    index; on a CPU also the torch threads, which its timings depend on as much."""
+    identity = {"type": device.type, "name": device_name(device)}
+    if device.type == "cpu":
+        identity["threads"] = torch.get_num_threads()
+    return identity
+
+
+def machine() -> dict:
+    """The machine a process runs on: the CPU's model, the physical cores and hardware threads this
+    process may use, the GPUs it sees (model, or models joined by ", ", and count; None and 0
+    without CUDA) and the total memory in GB, e.g. {"cpu": "AMD EPYC", "cores": 2, "threads": 2,
+    "gpu": None, "gpus": 0, "memory_gb": 23.5}."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cpus = {cpu.get("processor"): cpu for cpu in _cpuinfo()}
+    placed = [cpus.get(str(n), {}) for n in usable]
+    if placed and all("core id" in cpu for cpu in placed):  # hyperthreads share a (package, core)
+        cores = len({(cpu.get("physical id"), cpu["core id"]) for cpu in placed})
+    else:
+        cores = len(usable)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = sorted({torch.cuda.get_device_name(n) for n in range(gpus)})
+    try:
+        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (OSError, ValueError):
+        memory_gb = None
+    return {
+        "cpu": cpu_name(),
+        "cores": cores,
+        "threads": len(usable),
+        "gpu": ", ".join(names) or None,
+        "gpus": gpus,
+        "memory_gb": memory_gb,
+    }
+
+
+def libraries() -> str:
+    """The libraries a prompt's timings depend on most, as one record field."""
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+@functools.cache
+def harness_commit(root: Path = ROOT) -> str | None:
+    """The git commit of the harness's checkout (with -dirty for uncommitted changes), if it is one; else
+    SPECBENCH_COMMIT, which a copy of the tree without .git may set (scripts/gpu_check.sh, from its payload)."""
+    if not (root / ".git").exists():
+        return os.environ.get("SPECBENCH_COMMIT") or None
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def conditions(cfg: DictConfig, pair: Pair) -> dict:
+    """What a run's figures depend on beyond its config: the device, the target's dtype, threads,
+    versions, the machine (`machine`), and the CPU linear product the pair's layers use (Pair.linear)."""
+    import transformers
+
+    return {
+        "device": str(pair.device),
+        "device_name": device_name(pair.device),
+        "dtype": str(next(pair.target.model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "seed": cfg.seed,
+        "hostname": platform.node(),
+        "harness_commit": harness_commit(),
+        "machine": machine(),
+        "forward": "lean" if pair.target.lean is not None else "hf",  # as forward=auto resolved, for the target
+        **({"draft_forward": "lean" if pair.drafter.lm.lean is not None else "hf"} if hasattr(pair.drafter, "lm") else {}),
+        **({"linear": pair.linear} if pair.linear else {}),
+        **(
+            {"cuda": torch.version.cuda, "capability": ".".join(map(str, torch.cuda.get_device_capability(pair.device)))}
+            if pair.device.type == "cuda"
+            else {}
+        ),
+    }
+
+
+# Memory.
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak resident memory afresh for this cell (Linux: writing 5 to clear_refs resets
+    VmHWM), so that a multirun's later cells do not report an earlier cell's peak. False where
+    that cannot be done (not Linux, or /proc read-only)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb(since_reset: bool) -> tuple[float, str]:
+    """(peak resident memory in MB, over what): since a successful reset_peak_rss ("cell", Linux
+    VmHWM), else the whole process's ("process", getrusage)."""
+    if since_reset:
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            line = next(row for row in Path("/proc/self/status").read_text().splitlines() if row.startswith("VmHWM:"))
+            return int(line.split()[1]) / 1024, "cell"
+    return process_peak_rss_mb(), "process"
+
+
+def process_peak_rss_mb() -> float:
+    """The process's peak resident memory in MB (getrusage: kB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident memory now (Linux /proc), to show it does not grow across prompts."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def memory_growth(records: list[dict]) -> dict:
+    """Resident memory after the first and last prompt, and its fitted growth
+    per prompt (scipy.stats.linregress over the prompts run in this process)."""
+    rss = [r["rss_mb"] for r in records if r.get("rss_mb") is not None]
+    if len(rss) < 3:
+        return {}
+    from scipy import stats
+
+    return {
+        "rss_first_mb": rss[0],
+        "rss_last_mb": rss[-1],
+        "rss_growth_mb_per_prompt": float(stats.linregress(range(len(rss)), rss).slope),
+    }

@@ -1,0 +1,118 @@
+"""A cell's results on disk: its key and folder, its prompt records, and atomic writes.
+
+Results live in `<out_dir>/<cell key>/`: config.yaml, prompts.jsonl (one record per
+prompt, appended as each finishes), status.json (running | finished | interrupted |
+failed) and summary.json. Each JSON written here carries `schema_version`
+(SCHEMA_VERSION) and `started_utc` (`stamped`).
+
+Torch-free at import, so that what only reads or writes results (the sweep
+aggregate, the analysis) does not load torch; `cell_key` imports what resolves a
+device when it is called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.data.datasets import file_sha256
+
+if TYPE_CHECKING:
+    import torch
+
+SCHEMA_VERSION = 1  # the layout of summary.json, status.json and the prompts.jsonl records
+
+# Keys that do not change a cell's results: they stay out of its key.
+NOT_IN_KEY = ("out_dir", "force", "wandb", "default_pair")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it and a rename: a reader (or a
+    run killed mid-write) sees the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one a process: parallel jobs may write one file at once
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """`obj` as indented JSON, written atomically (`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def stamped(result: dict, started_utc: str) -> dict:
+    """`result` led by the schema version and the UTC time (ISO 8601) its run started."""
+    return {"schema_version": SCHEMA_VERSION, "started_utc": started_utc, **result}
+
+
+def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
+    """`<pair>-k<k>-t<temperature>-<hash>`, the hash over the resolved config less NOT_IN_KEY, with
+    `device` and every dtype as they resolve on this machine (`device_identity`; auto: bfloat16
+    on CUDA, float32 on CPU) rather than as written, so that a CPU and a GPU process sharing
+    out_dir never share a cell. `device`: the resolved device (default: cfg.device resolved here)."""
+    from harness.models.loading import resolve_device, resolve_dtype
+    from harness.runner.provenance import device_identity
+
+    device = device if device is not None else resolve_device(cfg.device)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    keyed = {k: v for k, v in resolved.items() if k not in NOT_IN_KEY}
+    keyed["device"] = device_identity(device)
+    if device.type != "cpu":
+        keyed.pop("cpu_linear", None)  # it changes nothing off the CPU
+    elif keyed.get("cpu_linear") == "probe":
+        keyed["cpu_linear"] = "auto"  # a re-probe of the plan auto uses: the same cell
+    if keyed.get("forward", "hf") == "hf" or (keyed["forward"] == "auto" and device.type != "cpu"):
+        keyed.pop("forward", None)  # HF's forward (auto's off the CPU), as before the setting existed: the same cells
+    pair = keyed["pair"]
+    models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") == "model" else [])
+    for node in (keyed, *models):  # the top-level dtype, and each model's (a pair may pin its own)
+        node["dtype"] = str(resolve_dtype(node.get("dtype") or "auto", device)).removeprefix("torch.")
+    for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
+        if isinstance(keyed.get(name), (int, float)):
+            keyed[name] = float(keyed[name])
+    if keyed["dataset"].get("revision", "") is None:  # unpinned, as before the setting existed: the same cells
+        del keyed["dataset"]["revision"]
+    if (sha256 := dataset_sha256(cfg)) is not None:  # an edited file is another prompt set
+        keyed["dataset"]["file_sha256"] = sha256
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}-{digest}"
+
+
+def cell_path(cfg: DictConfig, out_dir: str | Path | None = None, device: torch.device | None = None) -> Path:
+    """Where a cell's results go: <out_dir>/<cell key> (out_dir: cfg.out_dir unless given)."""
+    return Path(out_dir if out_dir is not None else cfg.out_dir) / cell_key(cfg, device)
+
+
+def dataset_sha256(cfg: DictConfig) -> str | None:
+    """The SHA-256 of the file a prompt set is read from: `dataset.path` of dataset=local or of a
+    hub set read from a local copy (None when prompts come from the hub or the builtin set)."""
+    data_file = Path(str(cfg.dataset.get("path") or "")).expanduser()
+    return file_sha256(data_file) if data_file.is_file() else None
+
+
+def read_records(path: Path, trim: bool = False) -> list[dict]:
+    """The prompt records up to the first line that does not parse (one cut by a kill mid-write:
+    it and everything after it are redone). trim: also cut the file back to those records, each
+    ending its line, so that the records a resumed run appends start on a line of their own."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    records, good = [], 0
+    for line in data.splitlines(keepends=True):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break
+        good += len(line)
+    if trim and (good < len(data) or not data.endswith(b"\n")):
+        with path.open("r+b") as f:
+            f.truncate(good)
+            if good and not data[:good].endswith(b"\n"):
+                f.seek(good)
+                f.write(b"\n")
+    return records
