@@ -99,3 +99,16 @@ def test_a_file_that_is_not_a_plan_is_probed_over(layers):
     path.write_text("{not json")
     assert cpu_linear.choose("auto", models, CPU, IDENTITY)["plan"]["source"] == "probed" and len(calls) == 1
     assert cpu_linear.stored_plan(key)["rows_to"] is not None
+
+
+def test_a_noisy_probe_is_used_but_not_stored(layers, monkeypatch):
+    """A probe whose sweeps disagree (another process on the cores) must not fix the plan of every
+    later run: it serves this run, and the next run probes again."""
+    models, calls = layers
+    noisy = {**cpu_linear.probe(models), "spread": 2 * cpu_linear.NOISY}
+    monkeypatch.setattr(cpu_linear, "probe", lambda models: calls.append(1) or noisy)
+    first = cpu_linear.choose("auto", models, CPU, IDENTITY)
+    assert first["plan"]["source"].startswith("probed, not stored") and first["rows_to"]
+    assert cpu_linear.stored_plan(cpu_linear.plan_key(models, IDENTITY)) is None
+    cpu_linear.choose("auto", models, CPU, IDENTITY)
+    assert len(calls) == 3  # the fixture's probe once, then one probe a run

@@ -261,6 +261,9 @@ def choose(mode: str, models: list[nn.Module], device: torch.device, identity: d
         else:
             found = probe(models)
             rows_to, source = plan(found), "probed"
+            if noisy(found):  # a disturbed probe is used for this run only: the next run probes again
+                source = "probed, not stored (noisy)"
+        if source == "probed":
             from harness.runner.store import write_json_atomic
 
             path = plan_path(key)

@@ -170,17 +170,17 @@ def load_pair(
     )  # before the first forward compiles
     if "plan" in pair.linear:
         source = pair.linear["plan"]["source"]
-        how = (
-            f"timed at 1 to {cpu_linear.FEW_ROWS} rows in {pair.linear['probe']['seconds']:.1f} s, stored for later runs"
-            if source == "probed"
-            else "the plan stored for this machine; cpu_linear=probe times it anew"
-        )
+        timed = f"timed at 1 to {cpu_linear.FEW_ROWS} rows in {pair.linear['probe']['seconds']:.1f} s"
+        how = {
+            "stored": "the plan stored for this machine; cpu_linear=probe times it anew",
+            "probed": f"{timed}, stored for later runs",
+        }.get(source, f"{timed}, not stored: the next run probes again")
         print(
             f"[harness] cpu_linear={linear}: {cpu_linear.describe(pair.linear.get('rows_to'))} ({how}: "
             f"{pair.linear['plan']['file']})",
             file=sys.stderr,
         )
-        if source == "probed" and (warning := cpu_linear.noisy(pair.linear["probe"])):
+        if source != "stored" and (warning := cpu_linear.noisy(pair.linear["probe"])):
             print(f"warning: {warning}", file=sys.stderr)
     loaded_pairs[key] = pair
     return pair
