@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,14 @@ def _where_column(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     return ["target / conditions"], [[w] for w in frame["where"]]
 
 
+def _draft_table(frame: pd.DataFrame, header: list[str], cells: Callable[[Any], list]) -> str:
+    """A table of one row a frame row: its target and run conditions (where the rows differ in them), draft,
+    dataset and sampling, then the columns `header` names, whose values cells(row) gives."""
+    where_header, where_cells = _where_column(frame)
+    rows = [[*where, r.label, r.dataset, r.sampling, *cells(r)] for where, r in zip(where_cells, frame.itertuples())]
+    return _table([*where_header, "draft", "dataset", "sampling", *header], rows)
+
+
 def _decision_section(d: dict) -> list[str]:
     mix = d["mix"]
     pct = f"{100 * d['confidence']:g}%"  # the cells' own intervals' level when decided from summaries
@@ -181,13 +190,8 @@ def _decision_section(d: dict) -> list[str]:
 
 
 def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
-    where_header, where_cells = _where_column(fits)
-    rows = [
-        [
-            *w,
-            f.label,
-            f.dataset,
-            f.sampling,
+    def cells(f) -> list:
+        return [
             f.ks,
             _f(f.alpha),
             _ci(f.alpha_low, f.alpha_high),
@@ -201,7 +205,20 @@ def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
             _f(f.efficiency, ".2f"),
             _f(f.break_even_cost_ratio) if f.break_even_cost_ratio > 0 or f.alpha != f.alpha else "none",
         ]
-        for w, f in zip(where_cells, fits.itertuples())
+
+    header = [
+        "k run",
+        "α ↑",
+        f"{pct} CI",
+        "c ↓",
+        "b ↓",
+        "v measured to",
+        "best k",
+        "predicted ↑",
+        f"{pct} CI",
+        "measured best ↑",
+        "efficiency",
+        "break-even c",
     ]
     return [
         "## Fitted model",
@@ -212,27 +229,7 @@ def _fits_section(fits: pd.DataFrame, pct: str, max_k: int) -> list[str]:
         "n = `v measured to`, extrapolated beyond); the "
         f"predicted speedup S(k) = ((1 − α^(k+1)) / (1 − α)) / (k c + v(k+1)) for k ≤ {max_k}, its interval from α's.",
         "",
-        _table(
-            [
-                *where_header,
-                "draft",
-                "dataset",
-                "sampling",
-                "k run",
-                "α ↑",
-                f"{pct} CI",
-                "c ↓",
-                "b ↓",
-                "v measured to",
-                "best k",
-                "predicted ↑",
-                f"{pct} CI",
-                "measured best ↑",
-                "efficiency",
-                "break-even c",
-            ],
-            rows,
-        ),
+        _draft_table(fits, header, cells),
         "",
         "`measured best`: the whole-run speedup (prefill included) of the best k run. `efficiency`: measured "
         "speedup after the first token (TPOT ratio) / predicted speedup, median over cells. `break-even c`: the largest cost ratio at "
@@ -252,13 +249,9 @@ def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
             "",
         ]
     name = whatif["machine"].iloc[0]
-    where_header, where_cells = _where_column(whatif)
-    rows = [
-        [
-            *where,
-            w.label,
-            w.dataset,
-            w.sampling,
+
+    def cells(w) -> list:
+        return [
             _f(w.alpha),
             _f(w.cost_ratio, ".4f"),
             w.cost_source,
@@ -268,41 +261,21 @@ def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
             _ci(w.predicted_low, w.predicted_high),
             f"{_f(w.here_predicted)} (k={w.here_best_k})",
         ]
-        for where, w in zip(where_cells, whatif.itertuples())
-    ]
+
+    header = ["α", "c there", "c from", "b there", "best k there", "predicted there ↑", f"{pct} CI", "predicted here (best k)"]
     return out + [
         f"Predicted on **{name}** with this sweep's α and the costs given:",
         "",
-        _table(
-            [
-                *where_header,
-                "draft",
-                "dataset",
-                "sampling",
-                "α",
-                "c there",
-                "c from",
-                "b there",
-                "best k there",
-                "predicted there ↑",
-                f"{pct} CI",
-                "predicted here (best k)",
-            ],
-            rows,
-        ),
+        _draft_table(whatif, header, cells),
         "",
     ]
 
 
 def _cells_section(cells: pd.DataFrame) -> list[str]:
     """Every cell; its interval is the harness's own (CELL_CONFIDENCE), whatever the report's confidence."""
-    where_header, where_cells = _where_column(cells)
-    rows = [
-        [
-            *w,
-            c.label,
-            c.dataset,
-            c.sampling,
+
+    def values(c) -> list:
+        return [
             c.k,
             int(c.num_prompts) if c.num_prompts == c.num_prompts else "–",
             _f(c.alpha),
@@ -315,33 +288,21 @@ def _cells_section(cells: pd.DataFrame) -> list[str]:
             _f(c.cost_ratio, ".4f"),
             _f(c.verify_cost, ".3f"),
         ]
-        for w, c in zip(where_cells, cells.itertuples())
+
+    header = [
+        "k",
+        "prompts",
+        "α ↑",
+        "tok/cycle ↑",
+        "theory",
+        "speedup ↑",
+        f"{100 * CELL_CONFIDENCE:g}% CI",
+        "predicted",
+        "efficiency",
+        "c ↓",
+        "v(k+1) ↓",
     ]
-    return [
-        "## Cells",
-        "",
-        _table(
-            [
-                *where_header,
-                "draft",
-                "dataset",
-                "sampling",
-                "k",
-                "prompts",
-                "α ↑",
-                "tok/cycle ↑",
-                "theory",
-                "speedup ↑",
-                f"{100 * CELL_CONFIDENCE:g}% CI",
-                "predicted",
-                "efficiency",
-                "c ↓",
-                "v(k+1) ↓",
-            ],
-            rows,
-        ),
-        "",
-    ]
+    return ["## Cells", "", _draft_table(cells, header, values), ""]
 
 
 def _sizes_section(cells: pd.DataFrame) -> list[str]:

@@ -58,6 +58,19 @@ def composed(*overrides: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
+def table_prompts(table: Path) -> list[dict]:
+    """The prompts of a local table whose columns are uid (the ids), task (the categories) and text."""
+    return load_prompts(
+        composed(
+            "dataset=local",
+            f"dataset.path={table}",
+            "dataset.text_field=text",
+            "dataset.category_field=task",
+            "dataset.id_field=uid",
+        ).dataset
+    )
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -281,15 +294,7 @@ def test_null_fields_and_float_ids(tmp_path):
     assert p["prompt"] == "Hi. [] []"
     table = tmp_path / "p.csv"
     table.write_text("uid,text,task\n1,hello,a\n,world,b\n3,again,a\n")
-    prompts = load_prompts(
-        composed(
-            "dataset=local",
-            f"dataset.path={table}",
-            "dataset.text_field=text",
-            "dataset.category_field=task",
-            "dataset.id_field=uid",
-        ).dataset
-    )
+    prompts = table_prompts(table)
     assert [p["id"] for p in prompts] == ["1", "local-1", "3"]
 
 
@@ -541,15 +546,7 @@ def test_csv_cells_are_read_as_the_file_has_them(tmp_path):
     """pandas would read id 001 as 1, and NA, None or N/A as missing: a category lost, a prompt dropped."""
     table = tmp_path / "c.csv"
     table.write_text("uid,task,text\n001,NA,hello there\n002,EU,N/A\n003,None,plain\n,x,no id\n")
-    prompts = load_prompts(
-        composed(
-            "dataset=local",
-            f"dataset.path={table}",
-            "dataset.text_field=text",
-            "dataset.category_field=task",
-            "dataset.id_field=uid",
-        ).dataset
-    )
+    prompts = table_prompts(table)
     assert [(p["id"], p["category"], p["prompt"]) for p in prompts] == [
         ("001", "NA", "hello there"),
         ("002", "EU", "N/A"),

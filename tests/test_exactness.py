@@ -31,6 +31,18 @@ import numpy as np
 import pytest
 import torch
 from broken import BROKEN, LOSSLESS, VARIANTS, plugged, variant_table
+from conftest import (
+    FAMILY_ALPHA,
+    TINY_CHECK,
+    TINY_K,
+    TINY_LENGTH,
+    TINY_SAMPLES,
+    TINY_SAMPLING,
+    compose_check,
+    exactness_args,
+    missing_rollback_report,
+    tiny_cached_pair,
+)
 from hydra import compose, initialize_config_dir
 from markov import markov_pair
 
@@ -575,9 +587,8 @@ def test_long_continuations_are_not_impossible_by_underflow():
 # family-wise level of 1e-4 (Bonferroni over the grid, Holm inside each
 # check); every broken variant must fail with p < 1e-9 at the same N, and
 # every lossless control must pass. The default suite runs N = 20,000;
-# `-m slow` runs the same tests again at N = 50,000.
+# `-m slow` runs the same tests again at N = 50,000. FAMILY_ALPHA (conftest): 1e-4.
 
-FAMILY_ALPHA = 1e-4
 GRID = [(k, t, top_p) for k in (1, 2, 4) for t in (0.7, 1.0) for top_p in (1.0, 0.9)]
 PER_CHECK_ALPHA = FAMILY_ALPHA / len(GRID)
 SIZES = [pytest.param(20_000, id="N20k"), pytest.param(50_000, id="N50k", marks=pytest.mark.slow)]
@@ -694,38 +705,8 @@ def test_variant_table(markov, capsys):
 # ---------------------------------------------------------------- the real tiny transformer pair, and the CLI
 
 
-def compose_check(tiny_pair, out, *overrides):
-    """The composed config `python -m harness.exactness` sees, on the tiny pair from conftest."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
-            config_name="exactness_check",
-            overrides=[
-                "+pair=llama_7b_68m",
-                f"pair.target.id={tiny_pair['target']}",
-                f"pair.draft.id={tiny_pair['draft']}",
-                f"out_dir={out}",
-                "device=cpu",
-                *overrides,
-            ],
-        )
-
-
-# The tiny pair at k=2, T=1, top-k 5, L=6: 500 continuations (15-60 ms each, with the machine's load).
-TINY_SAMPLES, TINY_SAMPLING, TINY_K, TINY_LENGTH = 500, Sampling(1.0, top_k=5), 2, 6
-
-
 def test_check_passes_on_tiny_transformer_pair(tiny_pair, tmp_path):
-    cfg = compose_check(
-        tiny_pair,
-        tmp_path,
-        f"k={TINY_K}",
-        "temperature=1.0",
-        "top_k=5",
-        f"exactness.length={TINY_LENGTH}",
-        f"exactness.samples={TINY_SAMPLES}",
-        "exactness.num_prompts=1",
-        f"exactness.alpha={FAMILY_ALPHA}",
-    )
+    cfg = compose_check(tiny_pair, tmp_path, *TINY_CHECK)
     report = run_check(cfg, quiet=True)
     assert report["passed"], format_report(report)
     assert report["length"] == TINY_LENGTH and report["samples"] == TINY_SAMPLES and report["prompts"]
@@ -734,35 +715,10 @@ def test_check_passes_on_tiny_transformer_pair(tiny_pair, tmp_path):
     assert run_check(cfg, quiet=True) == saved  # a finished check is read back, not redone
 
 
-def tiny_cached_pair(tiny_pair):
-    """(target CachedLM, ModelDrafter, prompt [6]) on the tiny transformer pair."""
-    from harness.models.cached import CachedLM
-    from harness.models.loading import ModelSpec, load_model
-
-    device = torch.device("cpu")
-    target_model = load_model(ModelSpec(str(tiny_pair["target"])), device)
-    draft_model = load_model(ModelSpec(str(tiny_pair["draft"])), device, "draft")
-    vocab = target_model.config.vocab_size
-    return CachedLM(target_model, vocab), ModelDrafter(CachedLM(draft_model, vocab)), torch.tensor([1, 40, 60, 70, 80, 90])
-
-
 def test_missing_rollback_is_caught_on_tiny_transformer_pair(tiny_pair):
     """The real dynamic cache (DynamicCache with harness.models.kv_cache's layers), not rolled back:
     stale keys and shifted positions, at the N above."""
-    target, drafter, prompt = tiny_cached_pair(tiny_pair)
-    variant = next(v for v in BROKEN if v.name == "no_rollback")
-    with plugged(variant, target, drafter) as (t, d, rule):
-        report = check(
-            t,
-            d,
-            [("prompt", prompt)],
-            k=TINY_K,
-            sampling=TINY_SAMPLING,
-            length=TINY_LENGTH,
-            samples=TINY_SAMPLES,
-            alpha=FAMILY_ALPHA,
-            law_target=target,
-        )
+    report = missing_rollback_report(tiny_pair)
     assert report["testable"] and report["family_p"] < FAMILY_ALPHA, format_report(report)
 
 
@@ -833,22 +789,10 @@ def exactness_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def tiny_args(tiny_pair, out, *extra: str) -> list[str]:
-    return [
-        "+pair=llama_7b_68m",
-        f"pair.target.id={tiny_pair['target']}",
-        f"pair.draft.id={tiny_pair['draft']}",
-        f"out_dir={out}",
-        f"hydra.run.dir={out}/hydra",
-        "device=cpu",
-        *extra,
-    ]
-
-
 @pytest.mark.cli
 def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     out = exactness_cli(
-        *tiny_args(tiny_pair, tmp_path, "k=1", "temperature=1.0", "exactness.samples=100", "exactness.num_prompts=1")
+        *exactness_args(tiny_pair, tmp_path, "k=1", "temperature=1.0", "exactness.samples=100", "exactness.num_prompts=1")
     )
     assert out.returncode == 0, out.stderr
     last = json.loads(out.stdout.strip().splitlines()[-1])
@@ -865,7 +809,7 @@ def test_cost_aware_lookup_is_checked_with_the_proposals_a_run_makes(tiny_pair, 
         cfg = compose(
             config_name="exactness_check",
             overrides=[
-                *tiny_args(tiny_pair, tmp_path)[:3],
+                *exactness_args(tiny_pair, tmp_path)[:3],
                 f"out_dir={tmp_path}",
                 "device=cpu",
                 "wandb.mode=disabled",
@@ -902,12 +846,12 @@ def test_bad_input_is_refused_before_any_work(tiny_pair, tmp_path, override, mes
 
 @pytest.mark.cli
 def test_cli_bad_input_is_one_line_and_exit_2(tiny_pair, tmp_path):
-    out = exactness_cli(*tiny_args(tiny_pair, tmp_path, "temperature=0"))
+    out = exactness_cli(*exactness_args(tiny_pair, tmp_path, "temperature=0"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [
         "error: temperature=0.0 is greedy: the exactness check tests a sampling law, set temperature > 0 (e.g. temperature=1.0)"
     ]
-    out = exactness_cli(*tiny_args(tiny_pair, tmp_path, "exactness.num_promts=1"))  # a typo in the check's own section
+    out = exactness_cli(*exactness_args(tiny_pair, tmp_path, "exactness.num_promts=1"))  # a typo in the check's own section
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: unknown setting 'exactness.num_promts': did you mean exactness.num_prompts? "
         "exactness has alpha, detect_tv, length, max_cells, num_prompts, samples"
@@ -919,7 +863,7 @@ def test_a_multirun_runs_every_job_and_exits_with_the_worst_status(tiny_pair, tm
     """k=0 is bad input (2) and k=1 passes: the sweep goes on past the first, and exits 2."""
     out = exactness_cli(
         "-m",
-        *tiny_args(
+        *exactness_args(
             tiny_pair,
             tmp_path,
             "k=0,1",
@@ -990,7 +934,9 @@ def test_a_check_that_crashes_exits_3_not_1(tiny_pair, tmp_path):
     shutil.copytree(tiny_pair["target"], broken)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "vocab_size": "x"}))  # transformers raises a TypeError
-    out = exactness_cli(*tiny_args(tiny_pair, tmp_path, "temperature=1.0", "exactness.samples=50"), f"pair.target.id={broken}")
+    out = exactness_cli(
+        *exactness_args(tiny_pair, tmp_path, "temperature=1.0", "exactness.samples=50"), f"pair.target.id={broken}"
+    )
     assert out.returncode == 3, out.stderr
     assert "Traceback" in out.stderr and "error: the check itself failed (traceback above): no verdict" in out.stderr
 
@@ -1262,7 +1208,7 @@ def test_a_check_whose_every_test_has_one_cell_gives_no_verdict(tiny_pair, tmp_p
     """20 samples: every cell's expected count would fall short, so each test is one cell (df 0) and could
     not reject anything. That is no pass: the report says NO VERDICT and the command exits 2."""
     out = exactness_cli(
-        *tiny_args(tiny_pair, tmp_path, "k=1", "temperature=1.0", "exactness.samples=20", "exactness.num_prompts=1")
+        *exactness_args(tiny_pair, tmp_path, "k=1", "temperature=1.0", "exactness.samples=20", "exactness.num_prompts=1")
     )
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last["testable"] is False and last["passed"] is False

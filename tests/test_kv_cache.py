@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_model
+from transformers import DynamicCache, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from harness.models.cached import CachedLM, cache_kwarg
@@ -39,22 +40,15 @@ def hf_reference(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def llama(kv_heads: int, attention: str):
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+    return tiny_model(
+        LlamaForCausalLM,
+        40,
+        seed=3,
         num_key_value_heads=kv_heads,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         attn_implementation=attention,
     )
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    return model
 
 
 @pytest.mark.parametrize("capacity", [4, 64])  # 4: storage outgrown several times

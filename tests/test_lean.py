@@ -7,41 +7,32 @@ import json
 
 import pytest
 import torch
-from broken import BROKEN, plugged
+from conftest import FAMILY_ALPHA, TINY_CHECK, compose_check, missing_rollback_report, tiny_cached_pair, tiny_config, tiny_model
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import harness.models.lean
 from harness.config.checks import CONF_DIR, validate, with_default_pair
-from harness.core.drafters import ModelDrafter
 from harness.core.loop import speculative_decode
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError
-from harness.exactness.main import check, format_report, run_check
+from harness.exactness.main import format_report, run_check
 from harness.models.cached import CachedLM
 from harness.models.lean import LeanLlama
-from harness.models.loading import ModelSpec, load_model
 from harness.runner.store import cell_key
 
 VOCAB = 98
 
 
 def llama(**settings) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        **{
-            "vocab_size": VOCAB,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 1024,
-            **settings,
-        }
-    )
-    return LlamaForCausalLM(config).eval()
+    """A tiny Llama model with HF's own initialisation (scale 1.0: no peaked head)."""
+    return tiny_model(LlamaForCausalLM, VOCAB, seed=0, scale=1.0, max_position_embeddings=1024, **settings)
+
+
+def qwen() -> Qwen2ForCausalLM:
+    """Another architecture than Llama's."""
+    return Qwen2ForCausalLM(tiny_config(Qwen2Config, VOCAB, layers=1)).eval()
 
 
 def hf_steps(model, chunks: list[torch.Tensor], crops: dict[int, int]) -> list[torch.Tensor]:
@@ -158,13 +149,8 @@ def test_forward_pre_hooks_see_each_lean_pass():
 
 @pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=5)], ids=["greedy", "sampled"])
 def test_the_loop_commits_the_same_tokens_with_either_forward(tiny_pair, sampling):
-    device = torch.device("cpu")
-
     def run(forward):
-        target = load_model(ModelSpec(str(tiny_pair["target"])), device)
-        draft = load_model(ModelSpec(str(tiny_pair["draft"])), device, "draft")
-        vocab = target.config.vocab_size
-        lm, drafter = CachedLM(target, vocab, forward=forward), ModelDrafter(CachedLM(draft, vocab, forward=forward))
+        lm, drafter, _ = tiny_cached_pair(tiny_pair, forward)
         tokens = []
         for prompt in ([1, 40, 60, 70, 80, 90], [1, 33, 34]):
             gen = torch.Generator().manual_seed(7)
@@ -176,21 +162,12 @@ def test_the_loop_commits_the_same_tokens_with_either_forward(tiny_pair, samplin
 
 
 def test_other_architectures_are_refused_in_one_line():
-    qwen = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).eval()
+    other = qwen()
     with pytest.raises(
         HarnessError, match=r"forward=lean runs Llama-architecture models only: Qwen2ForCausalLM .*use forward=hf"
     ):
-        CachedLM(qwen, VOCAB, forward="lean")
-    assert CachedLM(qwen, VOCAB).lean is None  # forward=hf (the default) runs it
+        CachedLM(other, VOCAB, forward="lean")
+    assert CachedLM(other, VOCAB).lean is None  # forward=hf (the default) runs it
 
 
 def test_a_forward_that_differs_from_hfs_is_refused(monkeypatch):
@@ -210,17 +187,8 @@ def test_auto_is_lean_where_it_runs_and_hfs_forward_elsewhere(monkeypatch, capsy
     HF's forward, without a word, for another architecture or a static cache, and with a warning
     for a Llama model whose logits the lean forward would not reproduce."""
     assert CachedLM(llama(), VOCAB, forward="auto").lean is not None
-    qwen = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).eval()
-    assert CachedLM(qwen, VOCAB, forward="auto").lean is None
+    other = qwen()
+    assert CachedLM(other, VOCAB, forward="auto").lean is None
     assert CachedLM(llama(), VOCAB, cache="static", forward="auto").lean is None
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(harness.models.lean, "_rotate", lambda x, cos, sin: x)
@@ -269,20 +237,7 @@ def test_hfs_forward_keeps_the_cells_it_had_and_lean_and_auto_get_their_own(monk
 
 
 def test_exactness_check_passes_with_the_lean_forward(tiny_pair, tmp_path):
-    from test_exactness import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, compose_check
-
-    cfg = compose_check(
-        tiny_pair,
-        tmp_path,
-        "forward=lean",
-        f"k={TINY_K}",
-        "temperature=1.0",
-        "top_k=5",
-        f"exactness.length={TINY_LENGTH}",
-        f"exactness.samples={TINY_SAMPLES}",
-        "exactness.num_prompts=1",
-        f"exactness.alpha={FAMILY_ALPHA}",
-    )
+    cfg = compose_check(tiny_pair, tmp_path, "forward=lean", *TINY_CHECK)
     report = run_check(cfg, quiet=True)
     assert report["passed"], format_report(report)
     assert json.loads((tmp_path / report["run_dir"].split("/")[-1] / "exactness.json").read_text())["passed"]
@@ -290,24 +245,5 @@ def test_exactness_check_passes_with_the_lean_forward(tiny_pair, tmp_path):
 
 def test_exactness_check_catches_a_missing_rollback_with_the_lean_forward(tiny_pair):
     """The same check, shown to fail: lean storage that is not rolled back (stale keys, shifted positions)."""
-    from test_exactness import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, TINY_SAMPLING
-
-    device = torch.device("cpu")
-    target = load_model(ModelSpec(str(tiny_pair["target"])), device)
-    draft = load_model(ModelSpec(str(tiny_pair["draft"])), device, "draft")
-    vocab = target.config.vocab_size
-    lm, drafter = CachedLM(target, vocab, forward="lean"), ModelDrafter(CachedLM(draft, vocab, forward="lean"))
-    variant = next(v for v in BROKEN if v.name == "no_rollback")
-    with plugged(variant, lm, drafter) as (t, d, rule):
-        report = check(
-            t,
-            d,
-            [("prompt", torch.tensor([1, 40, 60, 70, 80, 90]))],
-            k=TINY_K,
-            sampling=TINY_SAMPLING,
-            length=TINY_LENGTH,
-            samples=TINY_SAMPLES,
-            alpha=FAMILY_ALPHA,
-            law_target=lm,
-        )
+    report = missing_rollback_report(tiny_pair, "lean")
     assert report["testable"] and report["family_p"] < FAMILY_ALPHA, format_report(report)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tokenizer, tiny_model
 
 from harness.core import sampling as sampling_module
 from harness.core.drafters import ModelDrafter, NgramDrafter
@@ -27,8 +28,6 @@ def models(tiny_pair):
 
 
 def ids_of(text: str) -> torch.Tensor:
-    from conftest import make_tokenizer
-
     return torch.tensor(make_tokenizer()(text)["input_ids"])
 
 
@@ -86,25 +85,12 @@ def test_static_cache_gives_the_same_tokens(models, k):
 
 def sliding_window_pair(window: int):
     """A Mistral-style target and perturbed draft whose attention sees only the last `window` tokens."""
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import MistralForCausalLM
 
     def mistral(seed):
-        torch.manual_seed(seed)
-        config = MistralConfig(
-            vocab_size=98,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            sliding_window=window,
-            tie_word_embeddings=False,
+        return tiny_model(
+            MistralForCausalLM, 98, seed, max_position_embeddings=256, sliding_window=window, tie_word_embeddings=False
         )
-        model = MistralForCausalLM(config)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(20.0)
-        return model.eval()
 
     target, draft = mistral(1), mistral(1)
     with torch.no_grad():

@@ -15,21 +15,8 @@ from conftest import make_model, make_tokenizer
 import harness.models.embedded as embedded
 from harness.errors import HarnessError
 from harness.models.loading import ModelSpec, load_model, load_tokenizer
-from harness.models.shared_draft import build_shared_draft, save_shared_draft
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A tiny target and a shared-weights draft made for it, as they should be."""
-    root = tmp_path_factory.mktemp("models")
-    tok = make_tokenizer()
-    target = make_model(len(tok), seed=1)
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    save_shared_draft(build_shared_draft(target, 1, torch.arange(len(tok))), root / "shared_draft", {"made_by": "test"})
-    return root
 
 
 def _truncate(path: Path) -> None:
@@ -51,7 +38,7 @@ def _tiny_gguf(path: Path) -> None:
     writer.close()
 
 
-def _damage(kind: str, saved: Path, folder: Path) -> ModelSpec:
+def _damage(kind: str, saved_models: Path, folder: Path) -> ModelSpec:
     """A copy of the tiny target in `folder`, damaged as `kind` says; the spec that names it."""
     if kind == "missing shard":
         make_model(98, seed=1).save_pretrained(folder, max_shard_size="20KB")
@@ -68,7 +55,7 @@ def _damage(kind: str, saved: Path, folder: Path) -> ModelSpec:
         else:
             (folder / "model.gguf").write_bytes(b"GGUX" + (folder / "model.gguf").read_bytes()[4:])  # a bad magic
         return ModelSpec(str(folder), gguf_file="model.gguf")
-    shutil.copytree(saved / "target", folder)
+    shutil.copytree(saved_models / "target", folder)
     if kind == "truncated":
         _truncate(folder / "model.safetensors")
     else:  # an error page saved under the weights' name
@@ -87,8 +74,8 @@ DAMAGE = {
 
 @pytest.mark.parametrize("kind", DAMAGE)
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_a_model_that_cannot_be_read_is_one_line_naming_the_file_and_the_fix(saved, tmp_path, kind, role):
-    spec = _damage(kind, saved, tmp_path / "model")
+def test_a_model_that_cannot_be_read_is_one_line_naming_the_file_and_the_fix(saved_models, tmp_path, kind, role):
+    spec = _damage(kind, saved_models, tmp_path / "model")
     fix = f"download or save the model into {tmp_path / 'model'} again .*, or delete that folder$"
     with pytest.raises(
         HarnessError, match=f"^{role} model '{spec.id}' cannot be read: {tmp_path / 'model'}/{DAMAGE[kind]}.*: {fix}"
@@ -97,28 +84,28 @@ def test_a_model_that_cannot_be_read_is_one_line_naming_the_file_and_the_fix(sav
 
 
 @pytest.mark.parametrize("file", ["weights.safetensors", "harness_draft.json", "config.json"])
-def test_a_shared_draft_that_cannot_be_read_is_one_line(saved, tmp_path, file):
-    target = load_model(ModelSpec(str(saved / "target")), CPU)
+def test_a_shared_draft_that_cannot_be_read_is_one_line(saved_models, tmp_path, file):
+    target = load_model(ModelSpec(str(saved_models / "target")), CPU)
     folder = tmp_path / "draft"
-    shutil.copytree(saved / "shared_draft", folder)
+    shutil.copytree(saved_models / "shared_draft", folder)
     _truncate(folder / file)
     with pytest.raises(
         HarnessError, match=f"^draft model '{folder}' cannot be read: {folder / file} is not .*: download or save"
     ):
         load_model(ModelSpec(str(folder)), CPU, "draft", target=target)
-    shutil.copy(saved / "shared_draft" / file, folder / file)
+    shutil.copy(saved_models / "shared_draft" / file, folder / file)
     (folder / "weights.safetensors").unlink()
     with pytest.raises(HarnessError, match=f"cannot be read: {folder}/weights.safetensors is missing: download or save"):
         load_model(ModelSpec(str(folder)), CPU, "draft", target=target)
 
 
-def test_a_damaged_embedded_cache_says_to_delete_its_folder(saved, tmp_path, monkeypatch):
+def test_a_damaged_embedded_cache_says_to_delete_its_folder(saved_models, tmp_path, monkeypatch):
     """The dequantised cache under SPECBENCH_CACHE, as embedded_model_dir leaves it once built, with its
     weights cut short (or its tokenizer's file): delete that folder, and the next run rebuilds it."""
     monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
     monkeypatch.setattr(embedded, "find_gguf", lambda: pytest.fail("the cache is built: nothing is dequantised"))
     out = tmp_path / embedded.EMBEDDED["smollm2"]
-    shutil.copytree(saved / "target", out)
+    shutil.copytree(saved_models / "target", out)
     _truncate(out / "model.safetensors")
     fix = f"delete the folder {out} so that the next run rebuilds it$"
     with pytest.raises(HarnessError, match=f"^target model 'embedded:smollm2' cannot be read: {out}/model.safetensors .*: {fix}"):
@@ -146,14 +133,14 @@ def test_a_damaged_gguf_for_the_embedded_cache_says_to_fetch_it_again(tmp_path, 
     assert not (tmp_path / embedded.EMBEDDED["smollm2"]).exists()
 
 
-def test_a_damaged_hf_cache_entry_says_to_delete_it(saved, tmp_path, monkeypatch):
+def test_a_damaged_hf_cache_entry_says_to_delete_it(saved_models, tmp_path, monkeypatch):
     """A hub id whose files the HF cache holds (snapshots/<commit>/, as huggingface_hub lays them out) with
     its weights cut short: remove that cache entry and download it again."""
     from huggingface_hub import constants
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--tiny-org--tiny-model"
-    shutil.copytree(saved / "target", repo / "snapshots" / commit)
+    shutil.copytree(saved_models / "target", repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

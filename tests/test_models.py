@@ -3,106 +3,76 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import make_model, make_tokenizer, tiny_config
 
 import harness.models.embedded as embedded
 import harness.models.loading as models
 from harness.errors import HarnessError
 from harness.models.cached import CachedLM
 from harness.models.loading import PLAIN, ModelSpec, load_model, load_tokenizer
-from harness.models.shared_draft import build_shared_draft, save_shared_draft
+from harness.models.shared_draft import build_shared_draft
 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A tiny target, a shared-weights draft made for it, and broken variants."""
-    root = tmp_path_factory.mktemp("models")
-    tok = make_tokenizer()
-    target = make_model(len(tok), seed=1)
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    draft = build_shared_draft(target, 1, torch.arange(len(tok)))
-    save_shared_draft(draft, root / "shared_draft", {"made_by": "test"})
-    target.save_pretrained(root / "no_tokenizer")
-    (root / "no_weights").mkdir()
-    shutil.copy(root / "target" / "config.json", root / "no_weights")
-    other_tok = make_tokenizer("abcdefghij")
-    make_model(len(other_tok), seed=3).save_pretrained(root / "other_target")  # another vocabulary
-    other_tok.save_pretrained(root / "other_target")
-    return root
-
-
-def test_a_shared_draft_loads_in_its_target_dtype_only(saved):
-    target = load_model(ModelSpec(str(saved / "target")), CPU)
-    draft = load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=target)
+def test_a_shared_draft_loads_in_its_target_dtype_only(saved_models):
+    target = load_model(ModelSpec(str(saved_models / "target")), CPU)
+    draft = load_model(ModelSpec(str(saved_models / "shared_draft")), CPU, "draft", target=target)
     assert draft.get_input_embeddings() is target.get_input_embeddings()
     with pytest.raises(HarnessError, match="runs in the target's dtype \\(float32\\): drop pair.draft.dtype"):
-        load_model(ModelSpec(str(saved / "shared_draft"), dtype="bfloat16"), CPU, "draft", target=target)
+        load_model(ModelSpec(str(saved_models / "shared_draft"), dtype="bfloat16"), CPU, "draft", target=target)
     assert target.get_input_embeddings().weight.dtype == torch.float32  # the target is untouched
 
 
-def test_a_shared_draft_refuses_a_target_it_was_not_made_for(saved):
-    other = load_model(ModelSpec(str(saved / "other_target")), CPU)
+def test_a_shared_draft_refuses_a_target_it_was_not_made_for(saved_models):
+    other = load_model(ModelSpec(str(saved_models / "other_target")), CPU)
     with pytest.raises(HarnessError, match="this target differs \\(vocab_size 98 vs 13"):
-        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=other)
+        load_model(ModelSpec(str(saved_models / "shared_draft")), CPU, "draft", target=other)
 
 
-def test_a_shared_draft_refuses_a_target_of_the_same_shapes_with_other_weights_or_settings(saved):
+def test_a_shared_draft_refuses_a_target_of_the_same_shapes_with_other_weights_or_settings(saved_models):
     """Same shapes, other weights (a base model for its instruct one), or another norm epsilon or rope:
     the draft's layers would run on arithmetic they were not trained for. The same target in bfloat16 loads."""
-    target = load_model(ModelSpec(str(saved / "target")), CPU)
+    target = load_model(ModelSpec(str(saved_models / "target")), CPU)
     twin = make_model(98, seed=7)
     with pytest.raises(HarnessError, match="this target differs \\(the embedding table's values"):
-        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin)
+        load_model(ModelSpec(str(saved_models / "shared_draft")), CPU, "draft", target=twin)
     twin.load_state_dict(target.state_dict())
     twin.config.rms_norm_eps = 0.1
     with pytest.raises(HarnessError, match="this target differs \\(rms_norm_eps 1e-06 vs 0.1"):
-        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin)
+        load_model(ModelSpec(str(saved_models / "shared_draft")), CPU, "draft", target=twin)
     twin.config.rms_norm_eps = 9.999999974752427e-07  # 1e-6 as a GGUF file's float32 holds it: the same arithmetic
-    assert load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin) is not None
+    assert load_model(ModelSpec(str(saved_models / "shared_draft")), CPU, "draft", target=twin) is not None
     with torch.no_grad():
         twin.lm_head.weight.mul_(2)  # an untied target whose head is another one's
     with pytest.raises(HarnessError, match="this target's LM head differs"):
-        load_model(ModelSpec(str(saved / "shared_draft")), CPU, "draft", target=twin)
-    bf16 = load_model(ModelSpec(str(saved / "target"), dtype="bfloat16"), CPU)
-    assert load_model(ModelSpec(str(saved / "shared_draft"), dtype="bfloat16"), CPU, "draft", target=bf16) is not None
+        load_model(ModelSpec(str(saved_models / "shared_draft")), CPU, "draft", target=twin)
+    bf16 = load_model(ModelSpec(str(saved_models / "target"), dtype="bfloat16"), CPU)
+    assert load_model(ModelSpec(str(saved_models / "shared_draft"), dtype="bfloat16"), CPU, "draft", target=bf16) is not None
 
 
 def test_a_shared_draft_of_a_target_with_layer_types_keeps_its_layers_types():
     """Qwen2-style configs list one attention type per layer: the draft takes those of the layers it copies."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=98,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=8,
-        max_window_layers=2,
-    )
+    config = tiny_config(Qwen2Config, 98, layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2)
     target = Qwen2ForCausalLM(config).eval()
     draft = build_shared_draft(target, 2, torch.arange(98), init_layers=[0, 3])
     assert draft.config.layer_types == [target.config.layer_types[0], target.config.layer_types[3]]
 
 
-def test_what_cannot_be_loaded_says_why(saved):
+def test_what_cannot_be_loaded_says_why(saved_models):
     with pytest.raises(HarnessError, match="could not be loaded: Error no file named model.safetensors") as err:
-        load_model(ModelSpec(str(saved / "no_weights")), CPU)
+        load_model(ModelSpec(str(saved_models / "no_weights")), CPU)
     assert "HF cache" not in str(err.value)  # it is a local folder: not an offline hub miss
     with pytest.raises(HarnessError, match="draft model .* has no tokenizer .*tokenizer.save_pretrained"):
-        load_tokenizer(ModelSpec(str(saved / "no_tokenizer")), "draft")
+        load_tokenizer(ModelSpec(str(saved_models / "no_tokenizer")), "draft")
 
 
 def test_a_hub_id_neither_cached_nor_reachable_is_one_line_from_the_cache_alone(monkeypatch, tmp_path):
@@ -218,7 +188,7 @@ def test_an_unreachable_hub_is_told_within_huggingface_hubs_timeout(hub, monkeyp
         mute.close()
 
 
-def test_models_load_as_their_own_modules_whatever_transformers_defaults_to(saved, monkeypatch, tmp_path):
+def test_models_load_as_their_own_modules_whatever_transformers_defaults_to(saved_models, monkeypatch, tmp_path):
     """transformers 5.25 swaps layers for hub kernels unless told not to (it needs the `kernels` package
     and the hub): the pair's models and the embedded model's dequantisation both say use_kernels=False."""
     real, calls = models.AutoModelForCausalLM.from_pretrained, []
@@ -228,7 +198,7 @@ def test_models_load_as_their_own_modules_whatever_transformers_defaults_to(save
         return real(*args, **kwargs)
 
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", spy)
-    load_model(ModelSpec(str(saved / "target")), CPU)
+    load_model(ModelSpec(str(saved_models / "target")), CPU)
     monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
     monkeypatch.setattr(embedded, "find_gguf", lambda: tmp_path / "fake.gguf")
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: make_tokenizer())

@@ -639,15 +639,15 @@ def fake_runs(sweep: Path, with_artifacts: bool = True) -> list[FakeRun]:
     return runs
 
 
-def test_a_pointer_is_read_from_where_its_job_ran(tmp_path, monkeypatch):
-    """With out_dir=results a job is given results/<key>: a report run from another folder, which holds
-    a cell of the same key under its own results/, reads the job's cell (the pointer's absolute path
-    first while the job's folder is where it ran), not the one beside the report."""
-    exp = tmp_path / "exp"
+def pointed_cell(exp: Path, hydra_yaml: bool = True) -> Path:
+    """A cell (alpha 4/5) under exp/results and the pointer its sweep job left, exp/multirun/d/t/0/cell.json,
+    as a job given out_dir=results writes it; with the job's .hydra/hydra.yaml (run from exp) where `hydra_yaml`."""
     cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
     job = exp / "multirun" / "d" / "t" / "0"
-    (job / ".hydra").mkdir(parents=True)
-    (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n    output_dir: {job}\n")
+    job.mkdir(parents=True)
+    if hydra_yaml:
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n    output_dir: {job}\n")
     (job / "cell.json").write_text(
         json.dumps(
             {
@@ -661,6 +661,15 @@ def test_a_pointer_is_read_from_where_its_job_ran(tmp_path, monkeypatch):
             }
         )
     )
+    return cell
+
+
+def test_a_pointer_is_read_from_where_its_job_ran(tmp_path, monkeypatch):
+    """With out_dir=results a job is given results/<key>: a report run from another folder, which holds
+    a cell of the same key under its own results/, reads the job's cell (the pointer's absolute path
+    first while the job's folder is where it ran), not the one beside the report."""
+    exp = tmp_path / "exp"
+    cell = pointed_cell(exp)
     monkeypatch.chdir(tmp_path)  # not where the sweep ran
     assert list(load(exp / "multirun").cells["cell"]) == [cell.name]
     other = write_cell(tmp_path / "results", "a", "model", Fraction(1, 5), 2, 0.05, SLOPE)
@@ -671,22 +680,7 @@ def test_a_moved_experiment_is_found_through_the_path_its_job_was_given(tmp_path
     """Pointers hold the cell's absolute path and the one the job was given (out_dir=results): after
     the experiment folder is moved or copied, the second, relative to the folders above the pointer."""
     exp = tmp_path / "exp"
-    cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
-    job = exp / "multirun" / "d" / "t" / "0"
-    job.mkdir(parents=True)
-    (job / "cell.json").write_text(
-        json.dumps(
-            {
-                "job": 0,
-                "status": "finished",
-                "overrides": ["k=2"],
-                "error": None,
-                "cell": cell.name,
-                "cell_dir": str(cell),
-                "cell_dir_given": f"results/{cell.name}",
-            }
-        )
-    )
+    cell = pointed_cell(exp, hydra_yaml=False)
     shutil.move(str(exp), str(tmp_path / "moved"))
     monkeypatch.chdir(tmp_path)
     results = load(tmp_path / "moved" / "multirun")
@@ -697,23 +691,7 @@ def test_a_copied_experiment_reads_its_own_cells_not_the_originals(tmp_path, mon
     """An experiment archived by copy, then the same config rerun in place: the copy's pointers still
     name the original folder, which now holds the rerun's cell. The copy's own cell comes first."""
     exp = tmp_path / "exp"
-    cell = write_cell(exp / "results", "a", "model", Fraction(4, 5), 2, 0.05, SLOPE)
-    job = exp / "multirun" / "d" / "t" / "0"
-    (job / ".hydra").mkdir(parents=True)
-    (job / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {exp}\n    output_dir: {job}\n")
-    (job / "cell.json").write_text(
-        json.dumps(
-            {
-                "job": 0,
-                "status": "finished",
-                "overrides": ["k=2"],
-                "error": None,
-                "cell": cell.name,
-                "cell_dir": str(cell),
-                "cell_dir_given": f"results/{cell.name}",
-            }
-        )
-    )
+    cell = pointed_cell(exp)
     shutil.copytree(exp, tmp_path / "archive")
     shutil.rmtree(cell)
     write_cell(exp / "results", "a", "model", Fraction(1, 5), 2, 0.05, SLOPE)  # the rerun, in place
@@ -846,47 +824,18 @@ def test_a_dataset_is_named_by_the_settings_that_change_its_text(tmp_path):
             }
         }
 
-    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, categories=("math",), config=hub("gsm8k"), dataset="g1")
-    write_cell(
-        tmp_path,
-        "b",
-        "model",
-        Fraction(4, 5),
-        2,
-        0.05,
-        SLOPE,
-        categories=("math",),
-        seed=1,
-        config=hub("gsm8k", split="train"),
-        dataset="g2",
-    )
-    c = write_cell(
-        tmp_path,
-        "c",
-        "model",
-        Fraction(4, 5),
-        2,
-        0.05,
-        SLOPE,
-        categories=("math",),
-        seed=2,
-        config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"),
-        dataset="g3",
-    )  # a local copy: its file, whatever its split says
+    def hub_cell(name, seed, dataset, config, category="math"):
+        """Draft `name`'s cell (alpha 3/5 for a, 4/5 for the others) on the set `config` describes."""
+        alpha = Fraction(3, 5) if name == "a" else Fraction(4, 5)
+        return write_cell(
+            tmp_path, name, "model", alpha, 2, 0.05, SLOPE, categories=(category,), seed=seed, config=config, dataset=dataset
+        )
+
+    hub_cell("a", 0, "g1", hub("gsm8k"))
+    hub_cell("b", 1, "g2", hub("gsm8k", split="train"))
+    c = hub_cell("c", 2, "g3", hub("gsm8k", path="/data/gsm8k_copy.jsonl"))  # a local copy: its file, whatever its split says
     (c / "summary.json").write_text(json.dumps({**json.loads((c / "summary.json").read_text()), "dataset_sha256": "cc" * 32}))
-    write_cell(
-        tmp_path,
-        "d",
-        "model",
-        Fraction(4, 5),
-        2,
-        0.05,
-        SLOPE,
-        categories=("math",),
-        seed=3,
-        config=hub("gsm8k", template="Q: {question}\nA:"),
-        dataset="g4",
-    )
+    hub_cell("d", 3, "g4", hub("gsm8k", template="Q: {question}\nA:"))
     results = load(tmp_path)
     assert sorted(results.cells["dataset"]) == [
         "gsm8k[source=gsm8k_copy.jsonl, template=none]",
@@ -896,19 +845,7 @@ def test_a_dataset_is_named_by_the_settings_that_change_its_text(tmp_path):
     ]
     assert results.prompts.groupby("prompt_key")["cell"].nunique().max() == 1
     copies = [
-        write_cell(
-            tmp_path,
-            name,
-            "model",
-            Fraction(4, 5),
-            2,
-            0.05,
-            SLOPE,
-            categories=("math",),
-            seed=seed,
-            config=hub("gsm8k", path="/data/gsm8k_copy.jsonl"),
-            dataset=dataset,
-        )
+        hub_cell(name, seed, dataset, hub("gsm8k", path="/data/gsm8k_copy.jsonl"))
         for name, seed, dataset in (("e", 4, "g5"), ("f", 5, "g6"))
     ]
     for cell, digest in zip(copies, ("ee" * 32, "ff" * 32)):  # the copy edited between runs: two contents
@@ -926,19 +863,7 @@ def test_a_dataset_is_named_by_the_settings_that_change_its_text(tmp_path):
         ("b", "gsm8k", "math", {}),
         ("b", "cnn", "summarization", {"template": "Summarize:\n\n{article}"}),
     ):
-        write_cell(
-            tmp_path,
-            name,
-            "model",
-            Fraction(3, 5) if name == "a" else Fraction(4, 5),
-            2,
-            0.05,
-            SLOPE,
-            categories=(category,),
-            config=hub(dataset, **fields),
-            dataset=dataset,
-            seed=len(list(tmp_path.glob("*"))) if tmp_path.exists() else 0,
-        )
+        hub_cell(name, len(list(tmp_path.glob("*"))) if tmp_path.exists() else 0, dataset, hub(dataset, **fields), category)
     results = load(tmp_path)
     assert set(results.cells["dataset"]) == {"gsm8k", "cnn"} and results.cells["setup"].nunique() == 1
     (d,) = decide_mod.decide(results.cells, results.prompts, None, {"math": 0.5, "summarization": 0.5}, n_resamples=100)
@@ -1236,6 +1161,15 @@ def test_one_cell_key_under_two_device_labels_keeps_both(tmp_path):
     assert not results.notes and results.prompts["cell"].nunique() == 2
 
 
+def two_setups(root: Path, first: dict, second: dict):
+    """Draft a's cell at k=2 written twice under `root`, with `first`'s and then `second`'s write_cell
+    settings (the second's cell key tagged -other), and loaded."""
+    for settings, tag in ((first, ""), (second, "-other")):
+        config = {"cache": "dynamic", "compile": False}
+        write_cell(root, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, tag=tag, **{"config": config, **settings})
+    return load(root)
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -1248,22 +1182,7 @@ def test_one_cell_key_under_two_device_labels_keeps_both(tmp_path):
     ],
 )
 def test_each_run_condition_splits_contexts_and_fits(tmp_path, change):
-    write_cell(
-        tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, per_category=3, config={"cache": "dynamic", "compile": False}
-    )
-    write_cell(
-        tmp_path,
-        "a",
-        "model",
-        Fraction(3, 5),
-        2,
-        0.05,
-        SLOPE,
-        per_category=3,
-        tag="-other",
-        **{"config": {"cache": "dynamic", "compile": False}, **change},
-    )
-    results = load(tmp_path)
+    results = two_setups(tmp_path, {}, change)
     assert results.cells["setup"].nunique() == 2
     fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=50)
     assert len(fits) == 2
@@ -1273,21 +1192,7 @@ def test_each_run_condition_splits_contexts_and_fits(tmp_path, change):
 def test_cpu_threads_split_contexts(tmp_path):
     """A CPU's timings depend on its torch threads, which the harness keys cells by:
     the same CPU at 2 and at 4 threads is two setups, never pooled."""
-    for threads, tag in ((2, ""), (4, "-4threads")):
-        write_cell(
-            tmp_path,
-            "a",
-            "model",
-            Fraction(3, 5),
-            2,
-            0.05,
-            SLOPE,
-            per_category=3,
-            tag=tag,
-            conditions={**CPU, "threads": threads},
-            config={"cache": "dynamic", "compile": False},
-        )
-    results = load(tmp_path)
+    results = two_setups(tmp_path, {"conditions": {**CPU, "threads": 2}}, {"conditions": {**CPU, "threads": 4}})
     assert results.cells["setup"].nunique() == 2
     assert {"Synthetic CPU, 2 threads", "Synthetic CPU, 4 threads"} == set(results.cells["device_name"])
     fits, _ = fit_mod.fit(results.cells, results.prompts, n_resamples=50)
@@ -1297,37 +1202,19 @@ def test_cpu_threads_split_contexts(tmp_path):
 def test_the_cpu_linear_product_splits_contexts(tmp_path):
     """cpu_linear changes a CPU's step times as much as its threads do: cells run with the
     transposed product are another setup than those with torch's."""
-    for linear, tag in (({"product": "torch"}, ""), ({"product": "transposed"}, "-transposed")):
-        write_cell(
-            tmp_path,
-            "a",
-            "model",
-            Fraction(3, 5),
-            2,
-            0.05,
-            SLOPE,
-            per_category=3,
-            tag=tag,
-            conditions={**CPU, "linear": linear},
-            config={"cache": "dynamic", "compile": False},
-        )
-    results = load(tmp_path)
+    results = two_setups(
+        tmp_path,
+        {"conditions": {**CPU, "linear": {"product": "torch"}}},
+        {"conditions": {**CPU, "linear": {"product": "transposed"}}},
+    )
     assert sorted(results.cells["device_name"]) == ["Synthetic CPU, 2 threads", "Synthetic CPU, 2 threads, W @ x.T"]
     assert results.cells["setup"].nunique() == 2
 
 
 def test_ship_rule_ships_the_best_confident_candidate(tmp_path):
     """ "a" measures highest but varies wildly by prompt; "b" is a little slower and steady."""
-    write_cell(
-        tmp_path,
-        "a",
-        "model",
-        Fraction(3, 5),
-        2,
-        0.05,
-        SLOPE,
-        time_factors=[0.45, 0.5, 0.55, 1.9, 1.0, 0.5, 0.45, 0.5, 0.55, 1.9, 1.0, 0.5],
-    )
+    wild = [0.45, 0.5, 0.55, 1.9, 1.0, 0.5, 0.45, 0.5, 0.55, 1.9, 1.0, 0.5]  # a's time / the baseline's, prompt by prompt
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, time_factors=wild)
     write_cell(tmp_path, "b", "model", Fraction(3, 5), 2, 0.30, SLOPE, seed=5)
     results = load(tmp_path)
     (d,) = decide_mod.decide(results.cells, results.prompts, None, None, n_resamples=1000)
@@ -1463,18 +1350,8 @@ def test_alpha_interval_leaves_out_prompts_that_tested_nothing():
 
 def test_weights_of_one_context_leave_the_others_on_equal_weights(tmp_path):
     write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE)
-    write_cell(
-        tmp_path,
-        "a",
-        "model",
-        Fraction(3, 5),
-        2,
-        0.05,
-        SLOPE,
-        temperature=1.0,
-        categories=("writing", "roleplay"),
-        dataset="mt_bench",
-    )
+    mt_bench = {"temperature": 1.0, "categories": ("writing", "roleplay"), "dataset": "mt_bench"}  # a second context
+    write_cell(tmp_path, "a", "model", Fraction(3, 5), 2, 0.05, SLOPE, **mt_bench)
     results = load(tmp_path)
     t0, t1 = decide_mod.decide(results.cells, results.prompts, None, {"chat": 0.7, "code": 0.3}, n_resamples=100)
     assert t0["weights"] == pytest.approx({"chat": 0.7, "code": 0.3})
