@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from omegaconf import OmegaConf
+from scipy import stats
 
 import harness.bench.contenders as contenders
 import harness.bench.goals as bench_goals
@@ -20,6 +21,7 @@ import harness.bench.main as bench
 import harness.bench.parts as parts
 import harness.runner.costs as runner_costs
 import harness.runner.provenance as provenance
+from harness.core import metrics
 from harness.core.loop import autoregressive_decode
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError
@@ -97,10 +99,22 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
             sum(limit["measured_speedup_per_rep"]) / 2
         )  # the median of two
         assert 0 < limit["alpha"] <= 1 and limit["efficiency"] > 0 and 0 <= limit["overhead_fraction"] < 1
+        assert limit["measured_speedup_cv"] == pytest.approx(stats.variation(limit["measured_speedup_per_rep"], ddof=1))
     for k, limit in result["limits"].items():  # in-loop v(n) from the verify passes over n positions; v(k + 1) in the formula
         in_loop = limit["in_loop"]
         assert k + 1 in in_loop["verify_cost_by_positions"] and set(in_loop["verify_cost_by_positions"]) <= set(range(1, k + 2))
-        assert in_loop["verify_cost"] == in_loop["verify_cost_by_positions"][k + 1] and in_loop["efficiency_cycles"] > 0
+        assert in_loop["verify_cost"] == in_loop["verify_cost_by_positions"][k + 1] and in_loop["efficiency_formula"] > 0
+        for figures, c, v in (
+            (limit, limit["cost_ratio"], limit["verify_cost"]),
+            (in_loop, in_loop["cost_ratio"], in_loop["verify_cost"]),
+        ):
+            # a run summary's names and meanings: the closed form under _formula, each efficiency measured / its prediction
+            assert figures["predicted_speedup_formula"] == metrics.predicted_speedup(limit["alpha"], k, c, v)
+            assert figures["efficiency"] == limit["measured_speedup"] / figures["predicted_speedup"]
+            assert figures["efficiency_formula"] == limit["measured_speedup"] / figures["predicted_speedup_formula"]
+            assert not {"predicted_speedup_cycles", "efficiency_cycles"} & set(figures)
+    for name, per_rep in result["ratio_per_rep"].items():
+        assert result["ratio_cv"][name] == pytest.approx(stats.variation(per_rep, ddof=1))
     assert result["memory"]["prompts"] == 4
     for k in (1, 2):  # no lookup policy takes fewer passes than the floor
         floor = result["lookup_floor"][k]

@@ -58,6 +58,87 @@ def test_probes_of_one_machine_agree():
     assert plans == {(0, *range(1, 13), *[0] * (len(ROWS) - 12))}
 
 
+def steady_sweeps(true_ms: dict[str, list[float]], reps: int = cpu_linear.REPS) -> dict:
+    """A probe's result whose sweeps scatter by 1% around true times, in a fixed pattern: the
+    sweeps of every row count and product are true time x (0.99, 0.9933, ..., 1.01)."""
+    factors = np.linspace(0.99, 1.01, reps)
+    sweeps = {name: [list(t * factors) for t in times] for name, times in true_ms.items()}
+    return {"rows": list(ROWS), **{name: [float(np.median(s)) for s in runs] for name, runs in sweeps.items()}, "sweeps": sweeps}
+
+
+def disturb(found: dict, name: str, m: int, factor: float, sweep: int = 0) -> dict:
+    """The probe `found` with one sweep of product `name` at `m` rows taken `factor` times as long."""
+    sweeps = {key: [list(s) for s in runs] for key, runs in found["sweeps"].items()}
+    sweeps[name][ROWS.index(m)][sweep] *= factor
+    return {**found, "sweeps": sweeps}
+
+
+def extremes_say_clearly_faster(fast: list[float], slow: list[float], margin: float) -> bool:
+    """The comparison on the sweeps' extremes: the slowest of one against the fastest of the other."""
+    return max(fast) < margin * min(slow)
+
+
+def test_one_disturbed_sweep_does_not_flip_the_product():
+    """At one row the transposed product takes 6 ms and torch's 10: clearly the transposed one. One
+    sweep of it taken 2x as long (another process woke up), or one sweep of torch's taken 0.5x (a
+    timer read early), moves the extremes past the margin, and the plan stays."""
+    true = {"torch_ms": [10.0] * len(ROWS), "transposed_ms": [6.0] * len(ROWS)}
+    quiet = steady_sweeps(true)
+    assert cpu_linear.plan(quiet) == (0, *ROWS)
+    for name, factor in (("transposed_ms", 2.0), ("torch_ms", 0.5)):
+        found = disturb(quiet, name, 1, factor)
+        transposed, torch_sweeps = found["sweeps"]["transposed_ms"][0], found["sweeps"]["torch_ms"][0]
+        assert not extremes_say_clearly_faster(transposed, torch_sweeps, cpu_linear.MARGIN)  # the extremes would flip it
+        assert cpu_linear.plan(found) == (0, *ROWS), name
+    both = disturb(disturb(quiet, "transposed_ms", 1, 2.0), "torch_ms", 1, 0.5, sweep=3)  # one on each side
+    assert cpu_linear.plan(both) == (0, *ROWS)
+
+
+def test_one_disturbed_sweep_does_not_flip_a_padding():
+    """Three rows run at 10 ms and four at 5 (torch's product: 20 everywhere): three is padded to four.
+    One sweep at four rows taken 3x as long does not undo the padding; one sweep at three rows taken
+    0.4x as long does not either; nor does a 3x sweep at five rows pad three to five."""
+    transposed = [5.0] * len(ROWS)
+    transposed[ROWS.index(3)] = 10.0
+    true = {"torch_ms": [20.0] * len(ROWS), "transposed_ms": transposed}
+    quiet = steady_sweeps(true)
+    assert cpu_linear.plan(quiet)[3] == 4
+    for m, factor in ((4, 3.0), (3, 0.4)):
+        found = disturb(quiet, "transposed_ms", m, factor)
+        at = found["sweeps"]["transposed_ms"]
+        assert not extremes_say_clearly_faster(at[ROWS.index(4)], at[ROWS.index(3)], 1 / cpu_linear.NEAR)
+        assert cpu_linear.plan(found) == cpu_linear.plan(quiet), (m, factor)
+    assert cpu_linear.plan(disturb(quiet, "transposed_ms", 5, 3.0)) == cpu_linear.plan(quiet)
+
+
+def test_a_clear_difference_still_decides():
+    """What one sweep cannot do, a difference in every sweep does: torch's product at one row where
+    it is truly faster, a padding where the padded count is truly faster; the same with a disturbed
+    sweep on top. A difference in all sweeps but one decides too; one within the margin does not."""
+    torch_ms, transposed = [10.0] * len(ROWS), [6.0] * len(ROWS)
+    torch_ms[ROWS.index(1)] = 4.0  # one row: torch's product is faster than any transposed one
+    transposed[ROWS.index(6)] = 9.0  # six rows: seven (6 ms) is clearly faster
+    quiet = steady_sweeps({"torch_ms": torch_ms, "transposed_ms": transposed})
+    want = (0, 0, *range(2, 6), 7, *range(7, len(ROWS) + 1))
+    assert cpu_linear.plan(quiet) == want
+    assert cpu_linear.plan(disturb(quiet, "torch_ms", 1, 2.0)) == want  # one slow sweep of torch's: still torch's
+    assert cpu_linear.plan(disturb(quiet, "transposed_ms", 7, 2.0)) == want  # one slow sweep at 7: still padded
+    # All but one sweep of torch's product at one row 3x as slow (12 ms): the transposed product wins there.
+    slower = {key: [list(s) for s in runs] for key, runs in quiet["sweeps"].items()}
+    slower["torch_ms"][0] = [3 * t for t in slower["torch_ms"][0][:-1]] + slower["torch_ms"][0][-1:]
+    assert cpu_linear.plan({**quiet, "sweeps": slower})[1] == 1
+    # Transposed 5% faster at every row count, in every sweep: within MARGIN, torch's product.
+    assert cpu_linear.plan(steady_sweeps({"torch_ms": torch_ms, "transposed_ms": [9.5] * len(ROWS)})) is None
+
+
+def test_the_comparison_uses_the_second_extremes():
+    assert cpu_linear.inner_range([5.0, 1.0, 9.0, 2.0, 3.0]) == (2.0, 5.0)
+    assert cpu_linear.inner_range([4.0, 1.0]) == (1.0, 4.0)  # too few sweeps to leave one out
+    assert cpu_linear.inner_range([7.0]) == (7.0, 7.0)  # a probe stored with medians only
+    assert cpu_linear.clearly_faster([1.0, 1.0, 5.0], [2.0, 2.0, 0.1], 0.9)
+    assert not cpu_linear.clearly_faster([1.0, 1.9, 5.0], [2.0, 2.0, 0.1], 0.9)
+
+
 @pytest.fixture
 def layers(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECBENCH_PLANS", str(tmp_path / "plans"))

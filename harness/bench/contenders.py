@@ -9,7 +9,7 @@ import torch
 from transformers import CompileConfig
 from transformers import __version__ as transformers_version
 
-from harness.core.drafters import ModelDrafter, NgramDrafter
+from harness.core.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError, one_line
@@ -78,7 +78,8 @@ def contenders(pair, ks: list[int], max_new: int, verify_cost: list[float]) -> t
     ours_base / hf_base decode with the target alone; ours_spec_kK / hf_assisted_kK with the
     pair's draft model (when it has one); ours_ngram_kK / hf_lookup_kK by prompt lookup; and
     ours_ngram_cost_aware_kK, a lookup proposing only what pays for its verification (`verify_cost`,
-    v(n) measured), against the same HF lookup. Compiled (compile=true), HF gets generate()'s own
+    v(n) measured), against the same HF lookup; ours_head_kK, the pair's feature head, against our
+    target alone (HF's generate() has no EAGLE path). Compiled (compile=true), HF gets generate()'s own
     compiled path (hf_compiled)."""
     target, eos, n = pair.target, sorted(pair.eos_ids), max_new
     draft_model = pair.drafter.lm.model if isinstance(pair.drafter, ModelDrafter) else None
@@ -102,6 +103,9 @@ def contenders(pair, ks: list[int], max_new: int, verify_cost: list[float]) -> t
             named[f"ours_spec_k{k}"] = ours_spec(pair.drafter, k)
             named[f"hf_assisted_k{k}"] = hf_assisted(target.model, draft_model, k, n, eos, **hf)
             rivals[f"ours_spec_k{k}"] = f"hf_assisted_k{k}"
+        if isinstance(pair.drafter, FeatureDrafter):  # HF's generate() has no feature-head (EAGLE) path: ours alone
+            named[f"ours_head_k{k}"] = ours_spec(pair.drafter, k)
+            rivals[f"ours_head_k{k}"] = "ours_base"
         named[f"ours_ngram_k{k}"] = ours_spec(ngram, k)
         named[f"hf_lookup_k{k}"] = lambda ids, k=k: hf_generate(
             target.model, ids, n, eos, prompt_lookup_num_tokens=k, max_matching_ngram_size=3, **hf

@@ -34,8 +34,11 @@ Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
      much a better choice of match could still gain.
   2. limit, per k: decode-phase speedup (prefill excluded) against the speedup
      predicted from the measured acceptance, draft cost ratio c and verify-cost
-     curve v(n), both by Leviathan et al.'s formula from alpha and by accounting
-     for the cycles actually run; efficiency = measured / predicted.
+     curve v(n), with a run summary's names: predicted_speedup accounts for the
+     cycles actually run, predicted_speedup_formula is Leviathan et al.'s closed
+     form from alpha; efficiency (efficiency_formula) = measured / each.
+  Each speedup (the ratios, the limits' measured speedup) comes with its
+  coefficient of variation over the repetitions (ratio_cv, measured_speedup_cv).
   3. overhead, per k: the share of decode time spent outside model forward
      passes, and where it goes (the rule, cache rollback, stop handling, the rest).
   4. memory: resident memory (and CUDA allocated memory) after each of
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -62,7 +66,7 @@ from transformers.utils import logging as hf_logging
 
 from harness.bench.contenders import lookup_room
 from harness.bench.goals import goals
-from harness.bench.parts import limit, memory, sync_audit, throughput
+from harness.bench.parts import SPREAD_NOTE, limit, memory, sync_audit, throughput
 from harness.config.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
 from harness.core.drafters import ModelDrafter
 from harness.data.datasets import load_prompts
@@ -89,7 +93,8 @@ def setup(cfg, args, argv, prompts, encoded) -> dict:
         "grad_mode": "torch.inference_mode, every contender",
         "statistic": "tokens_per_s: median over reps of total tokens / total time; ratios: median over reps of the paired "
         "per-rep ratio (ratio_of_medians: of the medians); limits: median over reps of the decode-phase speedup, "
-        "acceptance, costs and overhead over all reps",
+        "acceptance, costs and overhead over all reps; predicted_speedup priced on the cycles run and "
+        "predicted_speedup_formula the closed form, as in a run's summary; " + SPREAD_NOTE,
         "command": "python -m harness.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
 
@@ -244,11 +249,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_summary(result: dict) -> None:
     """The figures a person reads, one line each, then the whole JSON (less the per-repetition rates) as the last line."""
+    if result.get("ratios") or result.get("limits"):
+        print(SPREAD_NOTE)
     for name, value in result.get("ratios", {}).items():
         per_rep = result["ratio_per_rep"][name]
         parts = result["ratio_parts"][name]
         print(
-            f"{name:<36}{value:8.3f}   (per repetition {min(per_rep):.3f} to {max(per_rep):.3f}, ratio of medians "
+            f"{name:<36}{value:8.3f} cv {percent(result['ratio_cv'][name])}   (per repetition {min(per_rep):.3f} to "
+            f"{max(per_rep):.3f}, ratio of medians "
             f"{result['ratio_of_medians'][name]:.3f}; "
             f"{parts['fewer_target_passes']:.3f} from target passes per token x {parts['cheaper_time_per_pass']:.3f} from time per pass)"
         )
@@ -271,10 +279,11 @@ def print_summary(result: dict) -> None:
     for k, lim in result.get("limits", {}).items():
         per_rep = lim["measured_speedup_per_rep"]
         print(
-            f"k={k}: alpha {lim['alpha']:.3f}  decode speedup {lim['measured_speedup']:.3f} ({min(per_rep):.3f} to {max(per_rep):.3f})  "
-            f"predicted {lim['predicted_speedup']:.3f} (cycles {lim['predicted_speedup_cycles']:.3f})  "
-            f"efficiency {lim['efficiency']:.3f} (cycles {lim['efficiency_cycles']:.3f}; in-loop costs {lim['in_loop']['efficiency']:.3f}, "
-            f"cycles {lim['in_loop']['efficiency_cycles']:.3f})  overhead {100 * lim['overhead_fraction']:.1f}% ({lim['overhead_per_cycle_ms']:.2f} ms/cycle)"
+            f"k={k}: alpha {lim['alpha']:.3f}  decode speedup {lim['measured_speedup']:.3f} cv {percent(lim['measured_speedup_cv'])} "
+            f"({min(per_rep):.3f} to {max(per_rep):.3f})  "
+            f"predicted {lim['predicted_speedup']:.3f} (formula {lim['predicted_speedup_formula']:.3f})  "
+            f"efficiency {lim['efficiency']:.3f} (formula {lim['efficiency_formula']:.3f}; in-loop costs {lim['in_loop']['efficiency']:.3f}, "
+            f"formula {lim['in_loop']['efficiency_formula']:.3f})  overhead {100 * lim['overhead_fraction']:.1f}% ({lim['overhead_per_cycle_ms']:.2f} ms/cycle)"
         )
         v_apart = " ".join(f"{v:.3f}" for v in lim["verify_costs"])
         v_loop = " ".join(
@@ -302,6 +311,11 @@ def print_summary(result: dict) -> None:
             f"goal: {name} {'>=' if g['side'] == 'min' else '<='} {g['goal']}: worst {g['value']:.3f}  {'met' if g['met'] else 'NOT MET'}"
         )
     print(json.dumps({k: v for k, v in result.items() if k not in ("tokens_per_s_all_reps",)}, default=str))
+
+
+def percent(cv: float) -> str:
+    """A coefficient of variation as a percentage; n/a with one repetition."""
+    return "n/a" if math.isnan(cv) else f"{100 * cv:.1f}%"
 
 
 def cli() -> None:

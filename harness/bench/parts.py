@@ -8,6 +8,8 @@ import sys
 import time
 import warnings
 from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +29,78 @@ from harness.runner.cell import run_prompt
 from harness.runner.costs import measure_costs, sync
 from harness.runner.provenance import current_rss_mb, peak_rss_mb, reset_peak_rss
 
+SPREAD_NOTE = (
+    "cv: the coefficient of variation of a speedup over the repetitions (sample standard deviation / mean, "
+    "scipy.stats.variation with ddof=1); a difference between two drafts smaller than about twice it is noise on this machine"
+)
+
+
+def median_and_cv(per_rep: Sequence[float]) -> tuple[float, float]:
+    """A figure's median over repetitions and their coefficient of variation (scipy.stats.variation,
+    ddof=1: sample standard deviation / mean); the cv is nan with fewer than two repetitions."""
+    values = [float(v) for v in per_rep]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.median(values), float(stats.variation(values, ddof=1)) if len(values) > 1 else float("nan")
+
+
+@dataclass
+class Tally:
+    """What the throughput part has counted so far."""
+
+    tokens_per_s: dict[str, list[float]]  # contender -> [reps] its total tokens / total time in each repetition
+    forwards: dict[str, int] = field(default_factory=dict)  # contender -> target passes in a repetition
+    tokens_per_rep: dict[str, int] = field(default_factory=dict)  # contender -> tokens in a repetition
+    fewest: dict[int, int] = field(default_factory=dict)  # k -> target passes of a lookup that knew the output
+    same_as_hf: dict[str, int] = field(default_factory=dict)  # comparison -> prompt runs with the very same tokens
+    ties: list[dict] = field(default_factory=list)  # greedy outputs parted at a numerical tie
+
+
+def throughput_figures(tally: Tally, pairs: dict[str, tuple[str, str]], reps_done: int, prompts: int) -> dict:
+    """The throughput figures over the repetitions so far; `pairs` names each comparison (ours, HF's)."""
+    tokens_per_s, forwards, tokens_per_rep, fewest = tally.tokens_per_s, tally.forwards, tally.tokens_per_rep, tally.fewest
+    median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
+    # Contenders alternate within a repetition, so each repetition gives a paired ratio, and a ratio is
+    # their median: a drift of the machine's speed between repetitions cancels within each pair. The
+    # ratio of the contenders' medians does not: with such a drift both medians fall in one repetition
+    # and give that one repetition's ratio.
+    per_rep = {name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])] for name, (ours, theirs) in pairs.items()}
+    spread = {name: median_and_cv(v) for name, v in per_rep.items()}
+    ratios = {name: m for name, (m, _) in spread.items()}
+    # ours/HF tokens per second = (HF's target passes per token / ours) x (HF's time per pass / ours):
+    # how much of a lead comes from verifying more tokens per pass, how much from a cheaper pass.
+    fewer_passes = {
+        name: (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
+        for name, (ours, theirs) in pairs.items()
+    }
+    return {
+        "reps_done": reps_done,
+        "tokens_per_s": median,
+        "tokens_per_s_all_reps": tokens_per_s,
+        "target_forwards_per_rep": forwards,
+        "tokens_per_rep": tokens_per_rep,
+        "ratios": ratios,
+        "ratio_cv": {name: cv for name, (_, cv) in spread.items()},  # over the per-rep ratios: SPREAD_NOTE
+        "ratio_of_medians": {name: median[ours] / median[theirs] for name, (ours, theirs) in pairs.items()},
+        "ratio_parts": {
+            name: {"fewer_target_passes": part, "cheaper_time_per_pass": ratios[name] / part}
+            for name, part in fewer_passes.items()
+        },
+        "ratio_per_rep": per_rep,
+        "greedy_ties": tally.ties,
+        # How far any prompt lookup could go here: HF's target passes over the fewest possible.
+        "lookup_floor": {
+            k: {
+                "hf_passes": forwards[f"hf_lookup_k{k}"],
+                "ours_passes": forwards[f"ours_ngram_k{k}"],
+                "fewest_passes": fewest[k],
+                "most_fewer_passes_than_hf": forwards[f"hf_lookup_k{k}"] / fewest[k],
+            }
+            for k in fewest
+        },
+        "same_output_as_hf": {name: count / (reps_done * prompts) for name, count in tally.same_as_hf.items()},
+    }
+
 
 def throughput(pair, encoded, args, device, on_rep=None) -> dict:
     """Part 1: every contender on every prompt, interleaved prompt by prompt (order alternating), over
@@ -43,57 +117,11 @@ def throughput(pair, encoded, args, device, on_rep=None) -> dict:
 
     pairs = {f"{ours} / {theirs}": (ours, theirs) for ours, theirs in rivals.items()}  # how results name each comparison
     counter = ForwardCounter(target.model)
-    ties: list[dict] = []
-    same_as_hf = {name: 0 for name in pairs}  # prompt runs where ours and HF's counterpart gave the very same tokens
-    tokens_per_s: dict[str, list[float]] = {name: [] for name in contenders}
-    forwards: dict[str, int] = {}
-    tokens_per_rep: dict[str, int] = {}
-    fewest = {k: 0 for k in args.ks}  # the target passes of a lookup that knew the output (fewest_lookup_passes)
-
-    def figures(reps_done: int) -> dict:
-        """The throughput figures over the repetitions so far."""
-        median = {name: statistics.median(v) for name, v in tokens_per_s.items()}
-        # Contenders alternate within a repetition, so each repetition gives a paired ratio, and a ratio is
-        # their median: a drift of the machine's speed between repetitions cancels within each pair. The
-        # ratio of the contenders' medians does not: with such a drift both medians fall in one repetition
-        # and give that one repetition's ratio.
-        per_rep = {
-            name: [a / b for a, b in zip(tokens_per_s[ours], tokens_per_s[theirs])] for name, (ours, theirs) in pairs.items()
-        }
-        ratios = {name: statistics.median(v) for name, v in per_rep.items()}
-        # ours/HF tokens per second = (HF's target passes per token / ours) x (HF's time per pass / ours):
-        # how much of a lead comes from verifying more tokens per pass, how much from a cheaper pass.
-        fewer_passes = {
-            name: (forwards[theirs] / tokens_per_rep[theirs]) / (forwards[ours] / tokens_per_rep[ours])
-            for name, (ours, theirs) in pairs.items()
-        }
-        return {
-            "reps_done": reps_done,
-            "tokens_per_s": median,
-            "tokens_per_s_all_reps": tokens_per_s,
-            "target_forwards_per_rep": forwards,
-            "tokens_per_rep": tokens_per_rep,
-            "ratios": ratios,
-            "ratio_of_medians": {name: median[ours] / median[theirs] for name, (ours, theirs) in pairs.items()},
-            "ratio_parts": {
-                name: {"fewer_target_passes": part, "cheaper_time_per_pass": ratios[name] / part}
-                for name, part in fewer_passes.items()
-            },
-            "ratio_per_rep": per_rep,
-            "greedy_ties": ties,
-            # How far any prompt lookup could go here: HF's target passes over the fewest possible.
-            "lookup_floor": {
-                k: {
-                    "hf_passes": forwards[f"hf_lookup_k{k}"],
-                    "ours_passes": forwards[f"ours_ngram_k{k}"],
-                    "fewest_passes": fewest[k],
-                    "most_fewer_passes_than_hf": forwards[f"hf_lookup_k{k}"] / fewest[k],
-                }
-                for k in args.ks
-            },
-            "same_output_as_hf": {name: count / (reps_done * len(encoded)) for name, count in same_as_hf.items()},
-        }
-
+    tally = Tally(
+        tokens_per_s={name: [] for name in contenders},
+        fewest={k: 0 for k in args.ks},
+        same_as_hf={name: 0 for name in pairs},
+    )
     for rep in range(args.reps):
         totals = {name: [0, 0.0, 0] for name in contenders}
         for i, ids in enumerate(encoded):
@@ -109,22 +137,22 @@ def throughput(pair, encoded, args, device, on_rep=None) -> dict:
             for name, tokens in outputs.items():
                 tie = same_greedy_output(target, ids, outputs["ours_base"], tokens, name, i)
                 if tie is not None:
-                    ties.append({**tie, "rep": rep})
+                    tally.ties.append({**tie, "rep": rep})
             for name, (ours, theirs) in pairs.items():
-                same_as_hf[name] += outputs[ours] == outputs[theirs]
+                tally.same_as_hf[name] += outputs[ours] == outputs[theirs]
             if rep == 0:
                 for k in args.ks:
-                    fewest[k] += fewest_lookup_passes(ids.tolist(), outputs["ours_base"], k)
+                    tally.fewest[k] += fewest_lookup_passes(ids.tolist(), outputs["ours_base"], k)
         for name, (tokens, seconds, passes) in totals.items():
-            tokens_per_s[name].append(tokens / seconds)
-            forwards[name], tokens_per_rep[name] = passes, tokens
+            tally.tokens_per_s[name].append(tokens / seconds)
+            tally.forwards[name], tally.tokens_per_rep[name] = passes, tokens
         print(
-            f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tokens_per_s.items()),
+            f"[bench] rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tally.tokens_per_s.items()),
             file=sys.stderr,
         )
         if on_rep is not None and rep + 1 < args.reps:  # a run cut off later (the GPU check's timeouts) keeps these
-            on_rep(figures(rep + 1))
-    return figures(args.reps)
+            on_rep(throughput_figures(tally, pairs, rep + 1, len(encoded)))
+    return throughput_figures(tally, pairs, args.reps, len(encoded))
 
 
 def decode_phase(generator, device, lms: list[TimedLM], watch: Stopwatch) -> dict:
@@ -168,7 +196,9 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     gives its first token, and speculative decoding's first cycle is the
     prompt's pass plus k drafts; both are left out, with the tokens they yield.
     The measured speedup is the median over `reps` passes over the prompts (one
-    pass of 6 prompts x 32 tokens moved by +-3% on this project's 2-core machine).
+    pass of 6 prompts x 32 tokens moved by +-3% on this project's 2-core machine),
+    with its coefficient of variation over them (SPREAD_NOTE). The predictions and
+    efficiencies have a run summary's names and meanings (`predictions`).
     """
     costs = measure_costs(pair, encoded[0], k, GREEDY)
     c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
@@ -178,6 +208,7 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     saved = loop.verify_greedy, loop.apply_stops
     loop.verify_greedy, loop.apply_stops = watch.wrap("rule", loop.verify_greedy), watch.wrap("stops", loop.apply_stops)
     decode_cycles, all_cycles, spent = [], [], defaultdict(float)
+    runs = []  # each speculative run's counts (metrics.cycle_counts), as a run's records hold them
     per_rep = []  # [reps] (spec tokens, spec s, base tokens, base s) of the decode phase
     try:
         for rep in range(reps):
@@ -194,6 +225,7 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
                         )
                         decode_cycles += run["items"][1:]
                         all_cycles += run["items"]
+                        runs.append({"spec": metrics.cycle_counts(run["items"], k)})
                         totals[0] += sum(len(cy.tokens) for cy in run["items"][1:])
                         totals[1] += run["decode_s"]
                         for key, value in run["decode_spent"].items():
@@ -220,14 +252,9 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
         # draft's queued forwards: the measured speedup comes from the same passes uninstrumented.
         instrumented = {"measured_speedup_instrumented": statistics.median(speedups)}
         speedups = [plain_decode_speedup(pair, encoded, k, n, device, rep) for rep in range(reps)]
-    measured = statistics.median(speedups)
+    measured, measured_cv = median_and_cv(speedups)
     counts = metrics.cycle_counts(all_cycles, k)
-    alpha = counts["accepted"] / counts["tested"]
-    by_formula = metrics.predicted_speedup(alpha, k, c, v[k])
-    # Cycle accounting: each cycle costs k' draft steps and one verify of k'+1 positions,
-    # in units of one target step; the baseline costs one step per token.
-    cycle_cost = sum(cy.num_drafted * c + v[cy.num_drafted] for cy in decode_cycles)
-    by_cycles = ratio(spec_tokens, cycle_cost)
+    alpha = ratio(counts["accepted"], counts["tested"])
     # The same prediction from what the forwards cost inside the loop: on a CPU the two
     # models evict each other's weights from the caches, so a step costs more in the
     # loop than in measure_costs' isolated repetitions.
@@ -242,8 +269,8 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
         if spent.get(f"forwards_0@{n}")
     }
     v_loop = v_loop_n.get(k + 1, ratio(ratio(spent["forward_0"], spent["forwards_0"]), step_in_loop))
-    by_formula_loop = metrics.predicted_speedup(alpha, k, c_loop, v_loop)
-    by_cycles_loop = ratio(spec_tokens, sum(cy.num_drafted * c_loop + v_loop_n[cy.num_drafted + 1] for cy in decode_cycles))
+    # A v(n) the decode phase never verified prices no cycle there (0 cycles x anything).
+    v_loop_by_cycles = [v_loop_n.get(j + 1, 0.0) for j in range(k + 1)]
     outside = {"rule": spent["rule"], "rollback": spent["rollback"], "stops": spent["stops"]}
     outside["rest (tensor glue, python)"] = spec_s - spent["forward"] - sum(outside.values())
     return {
@@ -255,21 +282,16 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
         "verify_costs": v,
         "target_step_s": costs["target_step_s"],
         "measured_speedup": measured,
+        "measured_speedup_cv": measured_cv,  # over measured_speedup_per_rep: SPREAD_NOTE
         "measured_speedup_per_rep": speedups,
-        "predicted_speedup": by_formula,
-        "efficiency": measured / by_formula,
-        "predicted_speedup_cycles": by_cycles,
-        "efficiency_cycles": measured / by_cycles,
+        **predictions(runs, alpha, k, c, v, v[k], measured),
         "in_loop": {
             "target_step_s": step_in_loop,
             "cost_ratio": c_loop,
             "verify_cost": v_loop,
             "verify_cost_by_positions": v_loop_n,  # {n: v(n)} from the loop's own verify passes
             "draft_forwards_per_drafted_token": spent["forwards_1"] / max(drafted, 1),
-            "predicted_speedup": by_formula_loop,
-            "efficiency": measured / by_formula_loop,
-            "predicted_speedup_cycles": by_cycles_loop,
-            "efficiency_cycles": measured / by_cycles_loop,
+            **predictions(runs, alpha, k, c_loop, v_loop_by_cycles, v_loop, measured),
         },
         "spec_decode_s": spec_s,
         "base_decode_s": base_s,
@@ -280,6 +302,21 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
         "overhead_per_cycle_ms": 1000 * ratio(spec_s - spent["forward"], len(decode_cycles)),
         "decode_cycles": len(decode_cycles),
         **instrumented,
+    }
+
+
+def predictions(runs: list[dict], alpha: float, k: int, c: float, v: Sequence[float], v_k1: float, measured: float) -> dict:
+    """The cost model's predictions under a run summary's names and meanings (harness.core.metrics):
+    `predicted_speedup` priced on the cycles run after each prompt's first (`runs`: each speculative
+    run's cycle_counts; v[j] = v(j + 1)), `predicted_speedup_formula` the closed form from alpha and
+    v(k + 1) = `v_k1`, and the measured decode-phase speedup's `efficiency` against each."""
+    by_cycles = metrics.predicted_by_cycles(runs, c, v)
+    by_formula = metrics.predicted_speedup(alpha, k, c, v_k1)
+    return {
+        "predicted_speedup": by_cycles,
+        "predicted_speedup_formula": by_formula,
+        "efficiency": ratio(measured, by_cycles),
+        "efficiency_formula": ratio(measured, by_formula),
     }
 
 

@@ -155,7 +155,7 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     alpha = ratio(total("accepted"), total("tested"))
     c, v = costs["cost_ratio"], costs["verify_cost"][k]  # verify_cost[n - 1] = v(n)
     by_formula = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
-    predicted = _predicted_by_cycles(records, c, costs["verify_cost"])
+    predicted = predicted_by_cycles(records, c, costs["verify_cost"])
     summary = {
         "num_prompts": len(records),
         "acceptance_rate": acceptance_rate(
@@ -211,7 +211,7 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     return summary
 
 
-def _predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -> float:
+def predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -> float:
     """Committed tokens over what the cycles run cost in target steps (v[j] = v(j + 1)), after each
     prompt's first cycle (the prompt's pass, which decode_speedup leaves out too)."""
     if not records:

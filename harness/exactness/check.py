@@ -320,3 +320,84 @@ def format_report(report: dict) -> str:
     if "run_dir" in r:
         lines.append(f"results: {r['run_dir']}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the teacher-forced acceptance check
+
+
+def acceptance_check(pair, prompts: Sequence[tuple[str, torch.Tensor]], k: int, max_new_tokens: int) -> dict:
+    """Decode each prompt greedily with the pair and `k`, then check its cycles against the drafter's
+    own proposals from a fresh state (harness.exactness.acceptance.teacher_forced_agreement). Per
+    drafted position (1..k): the positions the loop tested, the drafts it reported accepted, the
+    drafts a fresh drafter agrees with, and the disagreements, those within the draft's rounding
+    (ties) apart. Passes when no position disagrees beyond a tie and every cycle drafted as many
+    tokens as a fresh drafter proposes."""
+    from harness.core.loop import speculative_decode
+    from harness.exactness.acceptance import GREEDY, teacher_forced_agreement
+
+    positions = [{"tested": 0, "reported_accepted": 0, "teacher_forced_agrees": 0, "ties": 0, "disagree": 0} for _ in range(k)]
+    per_prompt, kind = {}, None
+    for name, ids in prompts:
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, GREEDY, max_new_tokens, pair.eos_ids, None))
+        agreement = teacher_forced_agreement(pair.drafter, ids, cycles, k, max_new_tokens, target=pair.target)
+        kind = agreement.kind
+        for p in agreement.positions:
+            row = positions[p.offset]
+            row["tested"] += 1
+            row["reported_accepted"] += int(p.reported)
+            row["teacher_forced_agrees"] += int(p.agrees)
+            row["ties"] += int(p.tie)
+            row["disagree"] += int(p.reported != p.agrees and not p.tie)
+        per_prompt[name] = {
+            "passed": agreement.ok,
+            "verdict": agreement.describe(),
+            "reported": list(agreement.reported),  # (accepted, tested) as the loop yielded them
+            "teacher_forced": list(agreement.teacher_forced),  # (accepted, tested) by the fresh drafter
+            "ties": len(agreement.ties),
+            "disagree": len(agreement.mismatches),
+            "drafted_differs": [list(d) for d in agreement.drafted],  # [cycle, loop drafted, fresh drafted]
+        }
+    return {
+        "check": "acceptance",
+        "kind": kind,
+        "k": k,
+        "max_new_tokens": max_new_tokens,
+        "positions": positions,
+        "prompts": per_prompt,
+        "passed": all(p["passed"] for p in per_prompt.values()),
+    }
+
+
+def format_acceptance(report: dict) -> str:
+    """The acceptance check's table: per drafted position, the acceptance the loop reported beside
+    the teacher-forced agreement, then the verdict and, on failure, each failing prompt's first disagreement."""
+    r = report
+
+    def share(count: int, tested: int) -> str:
+        return f"{count} ({count / tested:.3f})" if tested else "0"
+
+    lines = [
+        f"teacher-forced acceptance check, {r['kind']}: k={r['k']}, greedy, up to {r['max_new_tokens']} new tokens, "
+        f"{len(r['prompts'])} prompts",
+        "",
+        f"{'position':>8}{'tested':>8}{'reported accepted':>20}{'teacher-forced agrees':>24}{'ties':>6}{'disagree':>10}",
+    ]
+    for i, row in enumerate(r["positions"], 1):
+        lines.append(
+            f"{i:>8}{row['tested']:>8}{share(row['reported_accepted'], row['tested']):>20}"
+            f"{share(row['teacher_forced_agrees'], row['tested']):>24}{row['ties']:>6}{row['disagree']:>10}"
+        )
+    failing = {name: p for name, p in r["prompts"].items() if not p["passed"]}
+    if failing:
+        lines += ["", *(f"  {name[:21]}: {p['verdict']}" for name, p in failing.items())]
+    disagree = sum(row["disagree"] for row in r["positions"])
+    lines.append("")
+    lines.append(
+        "PASS: the acceptance the loop reports is the draft's own at every tested position"
+        if r["passed"]
+        else f"FAIL: reported acceptance is not the draft's own: {disagree} positions disagree beyond a tie, "
+        f"{sum(len(p['drafted_differs']) for p in failing.values())} cycles drafted other lengths ({len(failing)} prompts)"
+    )
+    if "run_dir" in r:
+        lines.append(f"results: {r['run_dir']}")
+    return "\n".join(lines)

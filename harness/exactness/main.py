@@ -60,6 +60,16 @@ writes `exactness.json` into `<out_dir>/exactness-<cell key>/`, prints a
 table and exits 0 when the check passes, 1 when it rejects exactness and 2
 on bad input. docs/exactness.md explains how to read it.
 
+    python -m harness.exactness +pair=smollm2 k=4 acceptance=true
+
+runs the teacher-forced acceptance check instead (harness.exactness.acceptance,
+`acceptance_check`): the first exactness.num_prompts prompts decoded greedily
+(temperature=0, max_new_tokens tokens) with the pair and k, each prompt's cycles
+replayed by a fresh drafter; it prints, per drafted position, the acceptance
+the loop reported beside the teacher-forced agreement (and the ties), writes
+`acceptance.json` into `<out_dir>/acceptance-<cell key>/`, and exits 1 when
+they disagree.
+
 The draws, the exact law and the cells are in harness.exactness.law, the
 statistics in harness.exactness.stats, the tests and the report in
 harness.exactness.check; this module is the command line.
@@ -68,6 +78,7 @@ harness.exactness.check; this module is the command line.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import sys
 import time
@@ -83,7 +94,7 @@ import harness.tracking.tracker as tracking
 from harness.config.checks import CONF_DIR
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError
-from harness.exactness.check import check, format_report, no_verdict_error, size_samples
+from harness.exactness.check import acceptance_check, check, format_acceptance, format_report, no_verdict_error, size_samples
 
 # Defaults of the `exactness` config node, overridable as exactness.<key>=...
 DEFAULTS = {
@@ -98,8 +109,10 @@ DEFAULTS = {
 # The primary config is conf/config.yaml plus this node, so every run option
 # (+pair=, k=, temperature=, top_k=, top_p=, seed=, out_dir=, ...) means here
 # what it means for `python -m harness`.
+# `acceptance=true` runs the teacher-forced acceptance check instead of the law's.
 ConfigStore.instance().store(
-    name="exactness_check", node={"defaults": ["config", "/schema/exactness_check@_here_", "_self_"], "exactness": DEFAULTS}
+    name="exactness_check",
+    node={"defaults": ["config", "/schema/exactness_check@_here_", "_self_"], "exactness": DEFAULTS, "acceptance": False},
 )
 
 
@@ -110,11 +123,17 @@ def validate_exactness(cfg: DictConfig) -> None:
     def is_int(x):
         return isinstance(x, int) and not isinstance(x, bool)
 
+    acceptance = cfg.get("acceptance", False)
     checks = [
         (not unknown, f"unknown exactness option(s) {sorted(unknown)}: known are {', '.join(DEFAULTS)}"),
         (
-            cfg.temperature > 0,
+            acceptance or cfg.temperature > 0,
             f"temperature={cfg.temperature} is greedy: the exactness check tests a sampling law, set temperature > 0 (e.g. temperature=1.0)",
+        ),
+        (
+            not acceptance or cfg.temperature == 0,
+            f"acceptance=true checks greedy decoding (the draft's proposals replayed at temperature 0): "
+            f"temperature={cfg.temperature} must be 0",
         ),
         (
             e.samples is None or (is_int(e.samples) and e.samples >= 20),
@@ -201,21 +220,22 @@ def chosen_prompts(cfg: DictConfig) -> list[dict]:
     return select(load_prompts(cfg.dataset), cfg.exactness.num_prompts, cfg.seed, cfg.prompts.shuffle)
 
 
-def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict]) -> list[tuple[str, torch.Tensor]]:
+def encode_prompts(
+    cfg: DictConfig, pair, length: int, chosen: list[dict], setting: str = "exactness.length"
+) -> list[tuple[str, torch.Tensor]]:
     """The chosen prompts (chosen_prompts), as `python -m harness` encodes them, within the context left by
-    `length` tokens of continuation: cut (prompts.overlong=truncate) or left out (skip)."""
+    `length` tokens of continuation (the `setting` that gives it): cut (prompts.overlong=truncate) or left out (skip)."""
     from harness.data.prompts import as_tensor, encode_within
 
     budget = pair.prompt_budget(length)
     if budget < 1:
         raise HarnessError(
-            f"exactness.length={length} leaves no room for a prompt in the pair's {pair.context}-token context: "
-            f"lower exactness.length"
+            f"{setting}={length} leaves no room for a prompt in the pair's {pair.context}-token context: lower {setting}"
         )
     encoded = [
         (
             p["id"],
-            encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong, "exactness.length"),
+            encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong, setting),
         )
         for p in chosen
     ]
@@ -223,7 +243,7 @@ def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict]) -> li
     if not kept:
         raise HarnessError(
             f"every chosen prompt is longer than the context budget ({budget} tokens) and prompts.overlong=skip: "
-            f"lower exactness.length or use prompts.overlong=truncate"
+            f"lower {setting} or use prompts.overlong=truncate"
         )
     return kept
 
@@ -231,7 +251,8 @@ def encode_prompts(cfg: DictConfig, pair, length: int, chosen: list[dict]) -> li
 def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     """Load the configured pair, run the check on its first prompts, write
     exactness.json into the run directory and return the report. A run
-    directory that already holds a report is not redone unless force=true."""
+    directory that already holds a report is not redone unless force=true.
+    With acceptance=true: the teacher-forced acceptance check, into acceptance.json."""
     from harness.config.checks import validate, with_default_pair
     from harness.models.loading import resolve_device
     from harness.runner.costs import measure_costs
@@ -248,8 +269,12 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     dtype_note = full_precision_for_truncation(cfg, device)
     if dtype_note and not quiet:
         print(f"[harness] {dtype_note}", file=sys.stderr)
-    e = cfg.exactness
-    run_dir = Path(cfg.out_dir) / f"exactness-{cell_key(cfg)}"
+    e, acceptance = cfg.exactness, bool(cfg.get("acceptance", False))
+    keyed = copy.deepcopy(cfg)
+    if not acceptance:
+        keyed.pop("acceptance", None)  # a law check's cell key as before the setting existed: its results are found
+    name = "acceptance" if acceptance else "exactness"
+    run_dir = Path(cfg.out_dir) / f"{name}-{cell_key(keyed)}"
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -259,12 +284,12 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
             created = False
     except OSError as err:
         raise HarnessError(f"cannot write results to {run_dir}: {err.strerror}; set out_dir=<a writable directory>") from None
-    report_path = run_dir / "exactness.json"
+    report_path = run_dir / f"{name}.json"
     if report_path.exists() and not cfg.force:
         if not quiet:
-            print(f"[harness] exactness check already done, not re-run (force=true to redo): {run_dir}", file=sys.stderr)
+            print(f"[harness] {name} check already done, not re-run (force=true to redo): {run_dir}", file=sys.stderr)
         return json.loads(report_path.read_text())
-    length = e.length if e.length is not None else cfg.k + 2
+    length = cfg.max_new_tokens if acceptance else e.length if e.length is not None else cfg.k + 2
     try:
         chosen = chosen_prompts(cfg)  # first: a dataset problem should stop the check before a model loads
         # The pair exactly as `python -m harness` loads it: same cache kind, same compilation.
@@ -276,7 +301,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
             cfg.get("cpu_linear", "auto"),
             cfg.get("forward", "hf"),
         )
-        prompts = encode_prompts(cfg, pair, length, chosen)
+        prompts = encode_prompts(cfg, pair, length, chosen, "max_new_tokens" if acceptance else "exactness.length")
     except BaseException:  # a check that cannot start leaves no empty folder of its own making
         if created:
             with contextlib.suppress(OSError):
@@ -288,6 +313,18 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))  # as run_cell does: the proposals a run makes
 
     started = time.perf_counter()
+    if acceptance:
+        report = acceptance_check(pair, prompts, cfg.k, length)
+        report.update(
+            pair=cfg.pair.name,
+            target=cfg.pair.target.id,
+            draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
+            time_s=time.perf_counter() - started,
+            conditions=conditions(cfg, pair),
+            run_dir=str(run_dir),
+        )
+        write_json_atomic(report_path, report)
+        return report
     samples = e.samples
     if samples is None:
         samples = size_samples(
@@ -378,7 +415,7 @@ def main(cfg: DictConfig) -> None:
         traceback.print_exc()
         print("error: the check itself failed (traceback above): no verdict", file=sys.stderr)
         return end_job(3)
-    print(format_report(report))
+    print(format_acceptance(report) if report.get("check") == "acceptance" else format_report(report))
     print(json.dumps({k: v for k, v in report.items() if k not in ("prompts", "conditions")}))
     if not report.get("testable", True):  # a report stored before the key existed had a verdict
         print(f"error: {no_verdict_error(report)}", file=sys.stderr)
@@ -390,6 +427,7 @@ def cli() -> None:
     """`python -m harness.exactness`: exits 1 when a check rejects the law, 2 on bad input."""
     from harness.config.checks import check_choices
 
+    EXIT_CODES.clear()  # a second call in one process (tests) starts with no job's status
     check_choices(sys.argv[1:], config_name="exactness_check")
     main()
     sys.exit(max(EXIT_CODES, default=0))

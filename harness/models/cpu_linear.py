@@ -154,7 +154,10 @@ def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int 
 
 def noisy(found: dict) -> str | None:
     """A warning when a probe's sweeps disagreed by more than NOISY (another process using the
-    cores, say): its plan may then be off, and so may the run's timings."""
+    cores, say): its plan may then be off, and so may the run's timings. The spread comes from
+    the extremes (slowest / fastest), not from the sweeps `clearly_faster` compares: the one
+    disturbed sweep the plan leaves aside still says that the machine was busy during the probe,
+    and may be during the run, so such a probe serves its run but is not stored (`choose`)."""
     spread = found.get("spread", 1.0)
     if spread <= NOISY:
         return None
@@ -165,24 +168,34 @@ def noisy(found: dict) -> str | None:
     )
 
 
+def inner_range(sweeps: list[float]) -> tuple[float, float]:
+    """(second-fastest, second-slowest) of a set of sweeps: one disturbed sweep, however far off,
+    leaves both within the other sweeps' range, as it does not the fastest or the slowest. With
+    fewer than three sweeps there is no such pair: (fastest, slowest)."""
+    times = sorted(sweeps)
+    return (times[1], times[-2]) if len(times) >= 3 else (times[0], times[-1])
+
+
+def clearly_faster(fast: list[float], slow: list[float], margin: float) -> bool:
+    """Sweeps `fast` beat sweeps `slow` by `margin` beyond the sweeps' own scatter, not only at the
+    medians: the second-slowest of `fast` under `margin` times the second-fastest of `slow`. One
+    disturbed sweep on each side (a slow one among `fast`, a fast one among `slow`) cannot decide
+    it; a difference in all the other sweeps still does."""
+    return inner_range(fast)[1] < margin * inner_range(slow)[0]
+
+
 def plan(found: dict) -> tuple[int, ...] | None:
     """rows_to from a probe. For each row count M: the transposed product padded to M' > M rows
-    only where M' is clearly faster than M (its slowest sweep under 1 / NEAR of the fastest sweep
-    at M: beyond the sweeps' own scatter, not only at the medians), at the fewest
-    rows among the paddings not clearly slower than the fastest one; then that product only
-    where it is clearly faster than torch's at M (the same tests, with MARGIN). Anything within
-    the probe's noise keeps the simpler choice (no padding; torch's product), so that probes on
-    one machine agree. None: torch's product at every row count."""
+    only where M' is clearly faster than M (`clearly_faster` by 1 / NEAR: beyond the sweeps' own
+    scatter), at the fewest rows among the paddings not clearly slower than the fastest one;
+    then that product only where it is clearly faster than torch's at M (`clearly_faster` by
+    MARGIN). Anything within the probe's noise keeps the simpler choice (no padding; torch's
+    product), so that probes on one machine agree. None: torch's product at every row count."""
     torch_ms = dict(zip(found["rows"], found["torch_ms"]))
     sweeps = found.get("sweeps") or {}
     sweeps_of = {
         name: dict(zip(found["rows"], sweeps.get(name) or [[t] for t in found[name]])) for name in ("torch_ms", "transposed_ms")
     }
-
-    def clearly_faster(fast: list[float], slow: list[float], margin: float) -> bool:
-        # Beyond the sweeps' own scatter: the slowest sweep of one beats the fastest of the other by the margin.
-        return max(fast) < margin * min(slow)
-
     rows_to = [0] * (FEW_ROWS + 1)
     transposed = sweeps_of["transposed_ms"]
     for m in torch_ms:
