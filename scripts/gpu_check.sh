@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The performance check on a machine with a GPU, in one command (under 10 minutes on one H200):
 #   bash scripts/gpu_check.sh            # writes results/bench/gpu_*.json ($OUT/ when set) and prints the figures
-# Runs harness.bench on the embedded default pair (offline: no hub access needed)
+# Runs harness.bench on the embedded pair with a model draft, smollm2 (offline: no hub access needed)
 #   1. eager (HF's forward), dynamic cache: ours vs HF generate / assisted / prompt lookup, efficiency,
 #      overhead, memory over 100 prompts, and the host syncs per cycle;
 #   2. static cache + torch.compile of both models, against HF generate's own compiled
@@ -105,7 +105,7 @@ part() {
         echo "[gpu_check] ${SECONDS}s in: no time left for the $name part (${left}s)"; return 1
     fi
     echo "[gpu_check] ${SECONDS}s in: the $name part gets ${left}s"
-    timeout "$left" $PY -m harness.bench --out "$dir/$file.json" "$@" device=$device 2>&1 | tee "$dir/$file.log" || status=1
+    timeout "$left" $PY -m harness.bench --out "$dir/$file.json" "$@" +pair=smollm2 device=$device 2>&1 | tee "$dir/$file.log" || status=1
 }
 status=0
 part eager gpu_eager "$t1" 60 "${eager[@]}" forward=hf || exit 1  # forward=auto is hf on a GPU: said, for the rehearsal too

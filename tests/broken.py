@@ -132,6 +132,10 @@ class NoRollback:
         self.length += input_ids.shape[0]
         return self.lm.forward(input_ids, num_logits)
 
+    def forward_features(self, input_ids, num_logits, layers):
+        self.length += input_ids.shape[0]
+        return self.lm.forward_features(input_ids, num_logits, layers)
+
     def prefill(self, input_ids):
         self.length += input_ids.shape[0]
         return self.lm.prefill(input_ids)

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from harness.config.checks import CONF_DIR, check_command_line, validate, with_default_pair
+from harness.config.settings import DRAFT_KINDS
 from harness.errors import HarnessError
 from harness.runner.store import cell_key
 
@@ -23,6 +24,8 @@ PUBLISHED = {
     "vicuna_7b_68m": ("lmsys/vicuna-7b-v1.3", "double7/vicuna-68m"),
     "llama31_8b_32_1b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
     "qwen25_7b_05b": ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    "vicuna_7b_eagle": ("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3"),
+    "llama31_8b_eagle3": ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
 }
 
 
@@ -47,7 +50,7 @@ def test_every_pair_composes(pair):
     OmegaConf.resolve(cfg)
     validate(cfg)
     assert cfg.pair.name == pair
-    assert cfg.pair.target.id and cfg.pair.draft.kind in ("model", "ngram")
+    assert cfg.pair.target.id and cfg.pair.draft.kind in DRAFT_KINDS
     assert cell_key(cfg).startswith(pair)
 
 
@@ -72,7 +75,7 @@ def test_published_pairs_name_real_hub_ids():
 
 def test_no_pair_means_the_embedded_default():
     cfg = with_default_pair(composed([]))
-    assert cfg.pair.name == "smollm2" and cfg.pair.target.id == "embedded:smollm2"
+    assert cfg.pair.name == "smollm2_eagle" and cfg.pair.target.id == "embedded:smollm2"
 
 
 def test_documented_command_composes():

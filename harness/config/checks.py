@@ -399,18 +399,23 @@ def check_pair(pair: DictConfig) -> None:
         raise HarnessError(f"pair {name} has no target: set pair.target.id (an HF id or a local directory)")
     if not isinstance(draft, DictConfig) or draft.get("kind") is None:
         raise HarnessError(f"pair {name} has no draft: set pair.draft.kind=model with pair.draft.id, or pair.draft.kind=ngram")
-    if draft.kind not in ("model", "ngram"):
-        raise HarnessError(f"pair.draft.kind={draft.kind} must be model (with pair.draft.id) or ngram (prompt lookup)")
-    if draft.kind == "model" and not draft.get("id"):
-        raise HarnessError(f"pair {name} has a model draft without an id: set pair.draft.id (an HF id or a local directory)")
+    if draft.kind not in settings.DRAFT_KINDS:
+        raise HarnessError(
+            f"pair.draft.kind={draft.kind} must be model (with pair.draft.id), ngram (prompt lookup), "
+            f"or eagle / eagle3 (a feature head, with pair.draft.id)"
+        )
+    if draft.kind != "ngram" and not draft.get("id"):
+        raise HarnessError(
+            f"pair {name} has a {draft.kind} draft without an id: set pair.draft.id (an HF id or a local directory)"
+        )
     low, high = draft.get("min_ngram", 1), draft.get("max_ngram", 3)
     if draft.kind == "ngram" and not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
         raise HarnessError(f"pair.draft.min_ngram={low} and max_ngram={high} must be integers with 1 <= min_ngram <= max_ngram")
     if draft.get("length", "match") not in settings.LOOKUP_LENGTHS:
         raise HarnessError(f"pair.draft.length={draft.length} {MUST['pair.draft.length']}")
-    lookup_only = [key for key in ("length", "max_ngram", "min_ngram") if draft.kind == "model" and key in draft]
+    lookup_only = [key for key in ("length", "max_ngram", "min_ngram") if draft.kind != "ngram" and key in draft]
     if lookup_only:
         raise HarnessError(
-            f"pair.draft.{lookup_only[0]} is a prompt-lookup setting and this pair's draft is a model, which would "
+            f"pair.draft.{lookup_only[0]} is a prompt-lookup setting and this pair's draft is a {draft.kind} draft, which would "
             f"ignore it: use +pair=smollm2_ngram, or pair.draft.kind=ngram"
         )

@@ -24,6 +24,10 @@ FORWARDS = ("auto", "hf", "lean")  # harness.models.lean: the models' own module
 LEAN_EAGER_ONLY = (
     "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"
 )
+FEATURES_EAGER_ONLY = (
+    "a feature head reads the target's hidden states from an eager forward: use compile=false with draft kinds eagle and eagle3"
+)
+DRAFT_KINDS = ("model", "ngram", "eagle", "eagle3")  # harness.runner.pair: a separate model, prompt lookup, feature heads
 WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
 LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.core.drafters.NgramDrafter)
 COMPILED_MAX_TOKENS = (
@@ -92,6 +96,7 @@ class Exactness:  # the `exactness` section of harness.exactness (its DEFAULTS)
 @dataclass
 class ExactnessCheck(Settings):  # harness.exactness's config: conf/config.yaml and its section
     exactness: Exactness = MISSING
+    acceptance: bool = MISSING  # true: the teacher-forced acceptance check (greedy) instead of the law check
 
 
 @dataclass
@@ -137,7 +142,7 @@ class HubTarget(Model):  # a model by HF id or local folder
 
 @dataclass
 class ModelDraft:
-    kind: str = MISSING  # model or ngram
+    kind: str = MISSING  # DRAFT_KINDS but ngram: model, eagle, eagle3
     id: str = MISSING
     dtype: str | None = MISSING
 

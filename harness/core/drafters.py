@@ -9,6 +9,10 @@ Every drafter has the same three verbs, and the loop knows nothing else:
                                           what it has seen are committed.
 A drafter may propose fewer than k tokens (prompt lookup finds no match):
 the cycle then verifies what there is, down to a plain target step.
+
+A drafter that reads the target (a feature head) also names the target
+layers it reads (`reads_target`) and is handed their hidden states at the
+committed positions after each verify (`observe`); the others have neither.
 """
 
 from __future__ import annotations
@@ -56,20 +60,90 @@ class ModelDrafter:
         feed = ids[self.lm.length :]  # [>= 1] committed tokens not yet cached
         for _ in range(k):
             logits = self.lm.forward(feed, num_logits=1)[0]  # [V]
-            if sampling.greedy:
-                token = logits.argmax()
-            else:
-                q = shape_probs(logits, sampling)  # [V]
-                token = sample(q, generator)
-                probs.append(q)
+            token = draw(logits, sampling, generator, probs)
             tokens.append(token)
             feed = token[None]
-        if not tokens:
-            return ids.new_empty(0), None
-        return torch.stack(tokens), (torch.stack(probs) if probs else None)
+        return stacked(ids, tokens, probs)
 
     def rollback(self, length: int) -> None:
         self.lm.rollback(length)
+
+
+def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator, probs: list) -> torch.Tensor:
+    """One draft token from logits [V]: the argmax when greedy, else a sample from q, which joins `probs`."""
+    if sampling.greedy:
+        return logits.argmax()
+    q = shape_probs(logits, sampling)  # [V]
+    probs.append(q)
+    return sample(q, generator)
+
+
+def stacked(ids: torch.Tensor, tokens: list, probs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A proposal's (tokens [k'], q [k', V] or None) from the drawn tokens."""
+    if not tokens:
+        return ids.new_empty(0), None
+    return torch.stack(tokens), (torch.stack(probs) if probs else None)
+
+
+class FeatureDrafter:
+    """A feature head (harness.models.eagle.FeatureHead) drafting from the target's hidden states.
+
+    Pair i of the head reads the target's feature at position i and the committed token i + 1. After
+    a verify the loop hands over the features of the committed positions (`observe`): with L tokens
+    committed, those of positions 0..L-2, the last one having been fed with the next verify. A
+    proposal first feeds the head the pairs it has not seen, up to pair L-2 (their last output
+    scores the first draft), then feeds its own output and each draft, one at a time. Only pairs
+    built on the target's features stay in its cache: `rollback` drops the drafted ones, whatever
+    was accepted, so that accepted drafts are read again next cycle with the target's features.
+    The first cycle drafts nothing: the target has not read the prompt yet. No host sync happens here.
+    """
+
+    def __init__(self, head):
+        self.head = head
+        self.reads_target = tuple(head.reads)  # the target layers whose features it reads (CachedLM.forward_features)
+        self.features: torch.Tensor | None = None  # [capacity, F] the committed positions' features, 0..known-1
+        self.known = 0
+        self.pairs = 0  # pairs in the head's cache built on the target's features
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        self.head.reset()
+        self.known = self.pairs = 0
+
+    def observe(self, features: torch.Tensor, start: int) -> None:
+        """The features [n, F] of committed positions start..start+n-1 (the target's cache held `start`)."""
+        if start > self.known:  # a target that kept a prefix it read before this sequence began
+            raise RuntimeError(
+                f"a feature head needs the target to read every position: features from {start}, known to {self.known}"
+            )
+        self.known = start
+        end = self.known + features.shape[0]
+        if self.features is None or end > self.features.shape[0]:
+            grown = features.new_empty(
+                max(end, 2 * (0 if self.features is None else self.features.shape[0]), 256), features.shape[1]
+            )
+            if self.features is not None:
+                grown[: self.known] = self.features[: self.known]
+            self.features = grown
+        self.features[self.known : end] = features
+        self.known = end
+
+    def propose(self, ids, k, sampling, generator):
+        L = ids.shape[0]
+        if k == 0 or L < 2 or self.known < L - 1:  # no feature of the last pair yet (the first cycle)
+            return ids.new_empty(0), None
+        start = self.head.length  # == self.pairs after a rollback
+        logits, out = self.head.step(ids[start + 1 : L], self.features[start : L - 1], from_target=True)  # [V], [n, H]
+        self.pairs = L - 1
+        tokens, probs = [], []
+        for j in range(k):
+            token = draw(logits, sampling, generator, probs)
+            tokens.append(token)
+            if j + 1 < k:
+                logits, out = self.head.step(token[None], out[-1:], from_target=False)
+        return stacked(ids, tokens, probs)
+
+    def rollback(self, length: int) -> None:
+        self.head.crop(min(self.pairs, length - 1))
 
 
 class NgramDrafter:

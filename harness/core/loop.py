@@ -13,6 +13,11 @@ before x_1..x_k, so the prompt's prefill and the first verify are one pass
 (as in HF's assisted generation). Rolling back is cropping both caches to
 the committed length minus one.
 
+A feature head (harness.core.drafters.FeatureDrafter) reads the target's hidden states: the verify
+pass captures the layers it names, and after the rollback the drafter is handed those of the
+committed positions only (the unseen tokens and the accepted drafts), on the device. Its first
+cycle drafts nothing, since the target has not read the prompt yet.
+
 Host synchronisation (what a CUDA device waits for): drafting, shaping,
 sampling and verifying are all device ops, so the draft's k forwards are
 queued without waiting. Per cycle the host reads back two things it must
@@ -61,6 +66,7 @@ def speculative_decode(
 ) -> Iterator[Cycle]:
     target.reset()  # the first cycle's verify pass is also the prompt's prefill
     drafter.start(prompt_ids)
+    reads = getattr(drafter, "reads_target", ())  # a feature head's target layers (Drafter): only it costs a capture
     ids = prompt_ids  # [L] committed so far
     generated = 0
     while generated < max_new_tokens:
@@ -69,7 +75,11 @@ def speculative_decode(
         draft_tokens, draft_probs = drafter.propose(ids, k_cycle, sampling, generator)  # [k'], [k', V]
         k_cycle = draft_tokens.shape[0]
         unseen = ids[target.length :]  # the whole prompt in the first cycle, then the last committed token
-        logits = target.forward(torch.cat([unseen, draft_tokens]), num_logits=k_cycle + 1)  # [k'+1, V]
+        fed = torch.cat([unseen, draft_tokens])  # [u + k']
+        if reads:
+            logits, features = target.forward_features(fed, k_cycle + 1, reads)  # [k'+1, V], [u + k', F]
+        else:
+            logits = target.forward(fed, num_logits=k_cycle + 1)  # [k'+1, V]
         if sampling.greedy:
             verdict: Verdict = verify_greedy(draft_tokens, logits.argmax(-1))
         else:
@@ -80,6 +90,8 @@ def speculative_decode(
         n = verdict.num_accepted
         target.rollback(ids.shape[0] + n)  # keep ids and the n accepted drafts; the next token is fed next cycle
         drafter.rollback(ids.shape[0] + n)
+        if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
+            drafter.observe(features[: unseen.shape[0] + n], ids.shape[0] - unseen.shape[0])
         committed = torch.cat([draft_tokens[:n], verdict.next_token[None]])  # [n + 1]
         kept, stop = apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated)
         ids = torch.cat([ids, committed[: len(kept)]])

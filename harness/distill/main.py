@@ -81,6 +81,13 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--out", type=Path, required=True, help="output directory of the draft")
+    ap.add_argument(
+        "--kind",
+        choices=["shared", "eagle3"],
+        default="shared",
+        help="shared: a few layers over the target's embeddings (harness.models.shared_draft); eagle3: a feature head",
+    )
+    ap.add_argument("--ttt-steps", type=int, default=3, help="eagle3: drafting steps unrolled in training")
     ap.add_argument("--target", default="smollm2", help="embedded target name")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument(
@@ -164,6 +171,10 @@ def main(argv=None) -> None:
     weighted = sum(w.sum().item() for w in data["weights"])
     coverage = data["mass"][head_ids].sum().item() / weighted
     print(f"[distill] head: {head_ids.numel()} tokens covering {coverage:.4f} of the teacher mass", flush=True)
+    if args.kind == "eagle3":
+        from harness.distill.head_main import distil_head
+
+        return distil_head(args, command, started, target, data, eval_data, head_ids, coverage)
     torch.manual_seed(args.seed)
     draft = build_shared_draft(target, args.layers, head_ids, init_layers)
     baseline = None

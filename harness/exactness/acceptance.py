@@ -37,6 +37,13 @@ tested one more.
   depends on the acceptance the sequence has had so far: the fresh drafter
   is told the teacher-forced outcome of each of its own proposals.
 
+  feature head (FeatureDrafter): ONE forward of the target, through a copy
+  of its CachedLM, over prompt + committed tokens gives the features of every
+  committed position. For each cycle starting after L committed tokens, a
+  fresh copy of the head reads pairs 0..L-2 at once from those features and
+  proposes; its later proposals read its own outputs and the committed
+  tokens, as the loop's did when they were accepted. Ties as for models.
+
 Command-line reachability is up to the tools: a finished run of one prompt
 (its cycles) is all this needs.
 """
@@ -51,7 +58,7 @@ from typing import NamedTuple
 import torch
 
 from harness.bench.contenders import TIE_LOGIT_GAP
-from harness.core.drafters import ModelDrafter, NgramDrafter
+from harness.core.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.core.loop import Cycle
 from harness.core.sampling import Sampling
 from harness.models.shared_draft import SubsetHead
@@ -120,17 +127,28 @@ class Agreement:
 
 
 def teacher_forced_agreement(
-    drafter, prompt_ids: torch.Tensor, cycles: Sequence[Cycle], k: int, max_new_tokens: int, tie_gap: float | None = None
+    drafter,
+    prompt_ids: torch.Tensor,
+    cycles: Sequence[Cycle],
+    k: int,
+    max_new_tokens: int,
+    tie_gap: float | None = None,
+    target=None,
 ) -> Agreement:
     """Check a finished temperature-0 run of one prompt (the loop's `cycles` after `prompt_ids` [T],
     run with `k` and `max_new_tokens`) against the drafter's own proposals from a fresh state.
-    `drafter` is the one the run used: only its kind, model and settings are read. `tie_gap`:
-    draft logit gaps at or below it are ties (default: TIE_LOGIT_GAP for the draft's dtype)."""
+    `drafter` is the one the run used: only its kind, model and settings are read; a feature head
+    also needs the run's `target` (CachedLM). `tie_gap`: draft logit gaps at or below it are ties
+    (default: TIE_LOGIT_GAP for the draft's dtype)."""
     if isinstance(drafter, ModelDrafter):
         return _model_check(drafter, prompt_ids, cycles, k, max_new_tokens, tie_gap)
     if isinstance(drafter, NgramDrafter):
         return _lookup_check(drafter, prompt_ids, cycles, k, max_new_tokens)
-    raise TypeError(f"no teacher-forced acceptance check for a {type(drafter).__name__}: it knows ModelDrafter and NgramDrafter")
+    if isinstance(drafter, FeatureDrafter):
+        if target is None:
+            raise TypeError("a feature head's teacher-forced check needs the run's target")
+        return _feature_check(drafter, target, prompt_ids, cycles, k, max_new_tokens, tie_gap)
+    raise TypeError(f"no teacher-forced acceptance check for a {type(drafter).__name__}")
 
 
 def _cycle_spans(cycles: Sequence[Cycle], k: int, max_new_tokens: int):
@@ -159,31 +177,68 @@ def _model_check(drafter: ModelDrafter, prompt_ids, cycles, k, max_new_tokens, t
     ids = torch.cat([prompt_ids.to(lm.device), torch.tensor(committed[:-1], device=lm.device)])  # [T + n - 1]
     rows = lm.forward(ids, num_logits=len(committed)).float()  # [n, V]: row i scores committed token i
     lm.reset()
-    proposals = rows.argmax(-1).tolist()  # [n]
     dtype = next(drafter.lm.model.parameters()).dtype
     tolerance = TIE_LOGIT_GAP.get(dtype, 1e-3) if tie_gap is None else tie_gap
-    accepted = tested = 0
     for i, c, start, most in _cycle_spans(cycles, k, max_new_tokens):
         if c.num_drafted != most:  # a ModelDrafter drafts all it is allowed
             agreement.drafted.append((i, c.num_drafted, most))
-        a, t = _agreeing_prefix(proposals[start : start + c.num_drafted], c.tokens)
-        accepted, tested = accepted + a, tested + t
-        for j in range(len(c.expected_acceptance)):
-            position, token = start + j, c.tokens[j]
-            reported, agrees = j < c.num_accepted, proposals[start + j] == token
-            gap = None
-            if reported != agrees:
-                row = rows[position]  # [V]
-                if reported:  # the loop drafted `token`: how far the draft's best is above it
-                    gap = float(row.max() - row[token])
-                else:  # the loop drafted something else, unknown: how far the best is above the runner-up
-                    top2 = row.topk(2).values
-                    gap = float(top2[0] - top2[1])
-            tie = gap is not None and gap <= tolerance
-            agreement.positions.append(Tested(i, j, token, reported, agrees, tie, gap, proposals[position]))
+        _compare(agreement, i, c, rows[start : start + c.num_drafted], tolerance)
+    return _totals(agreement, cycles)
+
+
+def _compare(agreement: Agreement, i: int, c: Cycle, rows: torch.Tensor, tolerance: float) -> None:
+    """Cycle i's tested positions against the teacher-forced draft's rows [drafted, V] (row j: its proposal at j)."""
+    proposals = rows.argmax(-1).tolist()
+    a, t = _agreeing_prefix(proposals, c.tokens)
+    agreement.teacher_forced = (agreement.teacher_forced[0] + a, agreement.teacher_forced[1] + t)
+    for j in range(len(c.expected_acceptance)):
+        token = c.tokens[j]
+        reported, agrees = j < c.num_accepted, proposals[j] == token
+        gap = None
+        if reported != agrees:
+            row = rows[j]  # [V]
+            if reported:  # the loop drafted `token`: how far the draft's best is above it
+                gap = float(row.max() - row[token])
+            else:  # the loop drafted something else, unknown: how far the best is above the runner-up
+                top2 = row.topk(2).values
+                gap = float(top2[0] - top2[1])
+        tie = gap is not None and gap <= tolerance
+        agreement.positions.append(Tested(i, j, token, reported, agrees, tie, gap, proposals[j]))
+
+
+def _totals(agreement: Agreement, cycles) -> Agreement:
     agreement.reported = (sum(c.num_accepted for c in cycles), sum(len(c.expected_acceptance) for c in cycles))
-    agreement.teacher_forced = (accepted, tested)
     return agreement
+
+
+def _feature_check(drafter: FeatureDrafter, target, prompt_ids, cycles, k, max_new_tokens, tie_gap) -> Agreement:
+    agreement = Agreement("feature head: the target's features from one pass, a fresh head per cycle")
+    committed = [t for c in cycles for t in c.tokens]
+    if not committed:
+        return agreement
+    lm = target.copy()  # the same model and forward, an empty cache of its own
+    lm.reset()
+    ids = torch.cat([prompt_ids.to(lm.device), torch.tensor(committed, device=lm.device)])  # [N]
+    _, features = lm.forward_features(ids[:-1], 1, drafter.reads_target)  # [N - 1, F]: position i's, i = 0..N-2
+    lm.reset()
+    dtype = next(drafter.head.parameters()).dtype
+    tolerance = TIE_LOGIT_GAP.get(dtype, 1e-3) if tie_gap is None else tie_gap
+    P = prompt_ids.shape[0]
+    for i, c, start, most in _cycle_spans(cycles, k, max_new_tokens):
+        L = P + start  # committed before the cycle
+        expected = most if i > 0 and L >= 2 else 0  # the first cycle drafts nothing: the target has not read the prompt
+        if c.num_drafted != expected:
+            agreement.drafted.append((i, c.num_drafted, expected))
+        if c.num_drafted == 0 or expected == 0:
+            continue
+        head = drafter.head.fresh()
+        logits, out = head.step(ids[1:L], features[: L - 1], from_target=True)  # pairs 0..L-2
+        rows = [logits]
+        for j in range(1, c.num_drafted):  # its own output and the committed token (= its draft where tested)
+            logits, out = head.step(ids[L + j - 1 : L + j], out[-1:], from_target=False)
+            rows.append(logits)
+        _compare(agreement, i, c, torch.stack(rows).float(), tolerance)
+    return _totals(agreement, cycles)
 
 
 def _lookup_check(drafter: NgramDrafter, prompt_ids, cycles, k, max_new_tokens) -> Agreement:

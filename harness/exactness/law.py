@@ -78,13 +78,16 @@ def prompt_kept(target, drafter, prompt_ids: torch.Tensor):
     """(target, drafter) whose CachedLM caches keep the prompt between continuations.
 
     Only plain CachedLMs are wrapped: a test's deliberately broken target
-    wrapper (one that does not roll back, say) keeps its own reset.
+    wrapper (one that does not roll back, say) keeps its own reset. A target
+    read by a feature head (`reads_target`) reads the whole prompt every time:
+    the head needs its features from position 0.
     """
     lm = getattr(drafter, "lm", None)
     if isinstance(lm, CachedLM):
         drafter.lm = PromptKept(lm, prompt_ids)
+    keeps = isinstance(target, CachedLM) and not getattr(drafter, "reads_target", ())
     try:
-        yield (PromptKept(target, prompt_ids) if isinstance(target, CachedLM) else target), drafter
+        yield (PromptKept(target, prompt_ids) if keeps else target), drafter
     finally:
         if isinstance(lm, CachedLM):
             drafter.lm = lm

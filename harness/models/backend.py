@@ -30,6 +30,13 @@ class Backend:
         """Append input_ids [T] to the cache; logits [num_logits, V] of the last positions (V: the head's rows)."""
         raise NotImplementedError
 
+    def forward_features(
+        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, and the hidden states [T, len(layers) * hidden] at every fed position: for each
+        index i < L (the model's layer count) the input of layer i, for i = L the final normed state."""
+        raise NotImplementedError
+
     def reset(self, rollback: bool = True) -> None:
         """Empty the cache: a new sequence starts. rollback=False: it will never be rolled back."""
         raise NotImplementedError

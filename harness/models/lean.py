@@ -139,8 +139,9 @@ class LeanLlama:
         self.keys, self.values, self.capacity = keys, values, capacity
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, start: int, num_logits: int) -> torch.Tensor:
-        """Positions start.. of input_ids [T] after `start` stored ones; logits [num_logits, V] of the last ones."""
+    def __call__(self, input_ids: torch.Tensor, start: int, num_logits: int, capture: tuple[int, ...] = ()):
+        """Positions start.. of input_ids [T] after `start` stored ones; logits [num_logits, V] of the last ones.
+        capture (layer indices, L for the final normed state): also the hidden states [T, len(capture) * hidden]."""
         T, end = input_ids.shape[0], start + input_ids.shape[0]
         for key, hook in self.model._forward_pre_hooks.items():  # a pass of the model to whoever counts them (the bench)
             hook(self.model, (), {}) if key in self.model._forward_pre_hooks_with_kwargs else hook(self.model, ())
@@ -153,7 +154,12 @@ class LeanLlama:
         # A step of several tokens sees what came before it and itself up to its own position.
         mask = None if T == 1 else torch.arange(end, device=input_ids.device) <= positions[:, None]  # [T, end]
         split = (self.heads, self.kv_heads, self.kv_heads)
-        for layer, ((qkv_w, qkv_b), (gu_w, gu_b)), keys, values in zip(self.layers, self.fused, self.keys, self.values):
+        taken: dict[int, torch.Tensor] = {}  # layer index -> its input [T, hidden]
+        for index, (layer, ((qkv_w, qkv_b), (gu_w, gu_b)), keys, values) in enumerate(
+            zip(self.layers, self.fused, self.keys, self.values)
+        ):
+            if index in capture:
+                taken[index] = x
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
             qkv = _linear(h, qkv_w, qkv_b, attn.q_proj)  # [T, (heads + 2 kv_heads) D]
@@ -172,8 +178,15 @@ class LeanLlama:
             h = _rms_norm(x, layer.post_attention_layernorm)
             gate, up = _linear(h, gu_w, gu_b, mlp.gate_proj).chunk(2, dim=-1)  # [T, intermediate] each
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-        h = _rms_norm(x[-num_logits:], self.inner.norm)
-        return self.model.lm_head(h)  # [num_logits, V]
+        if not capture:
+            return self.model.lm_head(_rms_norm(x[-num_logits:], self.inner.norm))  # [num_logits, V]
+        last = len(self.layers)
+        if last in capture:  # the final normed state at every position: the logits' rows are its last ones
+            taken[last] = _rms_norm(x, self.inner.norm)
+            h = taken[last][-num_logits:]
+        else:
+            h = _rms_norm(x[-num_logits:], self.inner.norm)
+        return self.model.lm_head(h), torch.cat([taken[i] for i in capture], dim=-1)  # [num_logits, V], [T, F]
 
 
 @torch.inference_mode()
@@ -223,6 +236,11 @@ class LeanBackend(Backend):
         logits = self.lean(input_ids, self.length, num_logits)  # [num_logits, V]
         self.length += input_ids.shape[0]
         return logits
+
+    def forward_features(self, input_ids, num_logits, layers):
+        logits, features = self.lean(input_ids, self.length, num_logits, layers)  # [num_logits, V], [T, F]
+        self.length += input_ids.shape[0]
+        return logits, features
 
     def reset(self, rollback: bool = True) -> None:
         self.length = 0  # the storage is simply overwritten from position 0 on

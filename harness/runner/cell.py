@@ -30,7 +30,7 @@ import harness.tracking.tracker as tracking
 from harness.config.checks import validate, with_default_pair
 from harness.config.settings import PROMPT_SEED_STRIDE
 from harness.core import metrics
-from harness.core.drafters import ModelDrafter
+from harness.core.drafters import FeatureDrafter, ModelDrafter
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
 from harness.data.datasets import load_prompts
@@ -286,7 +286,7 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
             "time_s": spec_stamps[-1],
             "ttft_s": spec_stamps[0],
             "first_tokens": len(cycles[0].tokens),
-            "draft_passes": counts["drafted"] if isinstance(pair.drafter, ModelDrafter) else 0,
+            "draft_passes": counts["drafted"] if isinstance(pair.drafter, (ModelDrafter, FeatureDrafter)) else 0,
             "tokens": spec_tokens,
         },
         "base": {

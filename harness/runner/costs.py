@@ -40,6 +40,8 @@ def timed(generator, device: torch.device) -> tuple[list, list[float]]:
 def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rounds: int = 9) -> dict:
     """Target step time, verify cost v(n) = T(n positions) / T(1), draft cost ratio c.
 
+    A feature head's verify passes capture the features it reads, and its k drafts start with one
+    pair read from the target's features, as in a cycle after a rejection at the first draft.
     Measured at the context length of a real prompt, in interleaved rounds: each
     round times a target pass over 1..k+1 positions and then a k-token draft, and
     each figure is the median over rounds (v and c of the ratios within a round).
@@ -48,8 +50,12 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
     """
     target, device = pair.target, pair.device
     ids = ids[-max(pair.context - k, 1) :]  # room for the k + 1 positions scored after it (k may exceed max_new_tokens)
+    reads = getattr(pair.drafter, "reads_target", ())  # a feature head: the verify captures its features, as in the loop
     target.reset()
-    target.prefill(ids[:-1])
+    if reads:
+        _, prompt_features = target.forward_features(ids[:-1], 1, reads)  # [len - 1, F]
+    else:
+        target.prefill(ids[:-1])
     extra = ids[-1:].repeat(k + 1)  # positions to score; their values do not matter for timing
     generator = torch.Generator(device).manual_seed(0)
 
@@ -62,7 +68,10 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
 
     def score(n: int) -> float:
         """Seconds of a target pass over n positions; the rollback after it is not timed (a step has none)."""
-        spent = seconds(lambda: target.forward(extra[:n], num_logits=n))
+        if reads:
+            spent = seconds(lambda: target.forward_features(extra[:n], n, reads))
+        else:
+            spent = seconds(lambda: target.forward(extra[:n], num_logits=n))
         target.rollback(ids.shape[0] - 1)
         return spent
 
@@ -73,6 +82,10 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
         # target's weights have evicted the draft's from the caches (measured
         # back to back instead, the draft step looks ~25% cheaper than it is).
         pair.drafter.start(ids)
+        if reads:  # the head holds the prompt's pairs but the last, as after a cycle that rejected its first draft
+            pair.drafter.observe(prompt_features, 0)
+            pair.drafter.propose(ids[:-1], 1, sampling, generator)
+            pair.drafter.rollback(ids.shape[0] - 1)
         score(k + 1)
         draft_s.append(seconds(lambda: pair.drafter.propose(ids, k, sampling, generator)) / k)
     median = statistics.median

@@ -14,12 +14,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.core.drafters import Drafter, ModelDrafter, NgramDrafter
+from harness.config.settings import DRAFT_KINDS, FEATURES_EAGER_ONLY
+from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.data.prompts import set_pair_template
 from harness.errors import HarnessError
 from harness.models import cpu_linear
 from harness.models.cached import CachedLM
-from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer
+from harness.models.eagle import LAYOUTS, load_head
+from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_dtype
 from harness.runner.provenance import device_identity
 
 
@@ -56,6 +58,8 @@ class Pair:
         self.target.reserve(positions)
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.lm.reserve(positions)
+        elif isinstance(self.drafter, FeatureDrafter):
+            self.drafter.head.reserve(positions)
 
     def warm_up(self, k: int) -> None:
         """With compile=true, compile every step shape of a k-draft run before anything is
@@ -151,8 +155,14 @@ def load_pair(
             shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
             vocab_size = min(vocab_size, shared)  # a draft scoring fewer is padded (CachedLM): the target keeps its range
         drafter = ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile, forward=forward))
+    elif pair_cfg.draft.kind in LAYOUTS:
+        if compile:
+            raise HarnessError(FEATURES_EAGER_ONLY)
+        draft_dtype = resolve_dtype(pair_cfg.draft.get("dtype") or "auto", device)
+        head = load_head(pair_cfg.draft.id, pair_cfg.draft.kind, target_model, draft_dtype, pair_cfg.draft.get("revision"))
+        drafter = FeatureDrafter(head)
     else:
-        raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use model or ngram")
+        raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use {', '.join(DRAFT_KINDS)}")
     eos = target_model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
@@ -188,6 +198,10 @@ def load_pair(
 
 def draft_size(pair: Pair) -> dict:
     """Parameters and bytes of the draft's own weights (prompt lookup: 0; weights shared with the target excluded)."""
+    if isinstance(pair.drafter, FeatureDrafter):  # its own weights: the target's embedding (and LM head) are not registered
+        own = list(pair.drafter.head.parameters()) + list(pair.drafter.head.buffers())
+        params = sum(p.numel() for p in pair.drafter.head.parameters())
+        return {"draft_params": params, "draft_bytes": sum(p.numel() * p.element_size() for p in own)}
     if not isinstance(pair.drafter, ModelDrafter):
         return {"draft_params": 0, "draft_bytes": 0}
     shared = {id(p) for p in pair.target.model.parameters()}

@@ -1,0 +1,336 @@
+"""Feature heads: drafts that read the target's hidden states (EAGLE-style), in the layouts their authors publish.
+
+A head is one decoder layer beside the target. At pair position i it reads the target's feature
+f_i (the hidden state at position i, which scored token t_{i+1}) and the embedding of t_{i+1},
+and predicts the next feature, whose logits score t_{i+2}. Drafting past the committed tokens it
+reads its own output in place of the target's feature. Two layouts:
+
+  eagle   (EAGLE-1): f_i is the target's final normed hidden state. `fc` maps [embedding; f_i]
+          (2H -> H, with or without bias) into one Llama decoder layer whose input norm is absent
+          (`layers.0.*`, no `layers.0.input_layernorm`); its output is the predicted feature, scored
+          by the target's own LM head. The target's embedding table is used too.
+  eagle3  (EAGLE-3): f_i is three of the target's hidden states, the inputs of layers 2, L/2 and
+          L-3, concatenated; `fc` maps them (3H_target -> H, no bias) to H. `midlayer` normalises the
+          embedding (`input_layernorm`) and the hidden state (`hidden_norm`) and its attention reads
+          both [2H]; the hidden state is the residual. Its output, before `norm`, is what the next
+          step reads; `norm` and its own `lm_head` score a draft vocabulary of its own, token j of
+          which is target token j + d2t[j] (`t2d` marks the target tokens it has).
+
+Weights come from `model.safetensors` or `pytorch_model.bin` with a `config.json` (Llama fields;
+EAGLE-3 adds `draft_vocab_size`, optionally `target_hidden_size`), from an HF id or a folder.
+The head keeps a KV storage of its own, like harness.models.lean's, and is rolled back by length.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from harness.errors import HarnessError
+
+LAYOUTS = ("eagle", "eagle3")
+ROOM = 256  # the KV storage grows in multiples of this many positions
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers whose inputs an EAGLE-3 head reads: an early, a middle and a late one."""
+    return 2, num_layers // 2, num_layers - 3
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMS norm: normalised in float32, cast back, then scaled (as HF's LlamaRMSNorm rounds)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, inputs: int):
+        super().__init__()
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(inputs, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(inputs, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(inputs, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """The head's decoder layer: EAGLE-1's without an input norm, or EAGLE-3's midlayer (two input norms)."""
+
+    def __init__(self, config: LlamaConfig, layout: str):
+        super().__init__()
+        H = config.hidden_size
+        self.self_attn = Attention(config, 2 * H if layout == "eagle3" else H)
+        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
+        if layout == "eagle3":
+            self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
+            self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as HF's Llama applies it: x [heads, T, D], cos and sin [T, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class FeatureHead(nn.Module):
+    """A feature head in one of LAYOUTS, with the target's embedding (and, for eagle, LM head) beside it.
+
+    `reads` are the target layers it reads (harness.models.cached.CachedLM.forward_features: index L
+    is the final normed state). `step` runs pairs of positions start.. over its KV storage.
+    """
+
+    def __init__(self, layout: str, config: LlamaConfig, target: nn.Module, target_hidden: int, fc_bias: bool = False):
+        super().__init__()
+        H, layers = config.hidden_size, target.config.get_text_config(decoder=True).num_hidden_layers
+        self.layout, self.config = layout, config
+        self.fc = nn.Linear(3 * target_hidden if layout == "eagle3" else 2 * H, H, bias=fc_bias)
+        layer = Layer(config, layout)
+        if layout == "eagle3":
+            self.midlayer = layer
+            self.norm = RMSNorm(H, config.rms_norm_eps)
+            self.draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+            self.lm_head = nn.Linear(H, self.draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+            self.reads = eagle3_layers(layers)
+        else:
+            self.layers = nn.ModuleList([layer])
+            self.reads = (layers,)
+        self.rotary = LlamaRotaryEmbedding(config=config)
+        # The target's modules, read but not owned (not registered: neither trained nor counted as the head's).
+        self.shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
+        self.target_vocab = self.shared["embed"].weight.shape[0]
+        self.to_target: torch.Tensor | None = None  # eagle3: draft token j -> target token j + d2t[j]
+        self.length, self.capacity = 0, 0
+        self.keys = self.values = None  # [kv_heads, capacity, head_dim] each
+
+    @property
+    def layer(self) -> Layer:
+        return self.midlayer if self.layout == "eagle3" else self.layers[0]
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: the target's three features [T, 3H_t] into the head's space [T, H]."""
+        return self.fc(hidden)
+
+    def attention_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what attention reads [T, H or 2H], the residual [T, H]) for tokens [T] after features hidden [T, H]."""
+        embedded = self.shared["embed"](tokens)  # [T, H]
+        if self.layout == "eagle3":
+            layer = self.midlayer
+            return torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(hidden)], dim=-1), hidden
+        x = self.fc(torch.cat([embedded, hidden], dim=-1))  # [T, H]
+        return x, x  # EAGLE-1's first layer has no input norm
+
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [heads, T, D], keys and values [kv_heads, T, D] for inputs h [T, *] at positions [T]."""
+        attn, T = self.layer.self_attn, h.shape[0]
+        cos, sin = self.rotary(h[None], positions[None])  # [1, T, D] each
+        q = attn.q_proj(h).view(T, attn.heads, attn.head_dim).transpose(0, 1)
+        k = attn.k_proj(h).view(T, attn.kv_heads, attn.head_dim).transpose(0, 1)
+        v = attn.v_proj(h).view(T, attn.kv_heads, attn.head_dim).transpose(0, 1)
+        return _rotate(q, cos[0], sin[0]), _rotate(k, cos[0], sin[0]), v
+
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's output [T, H] from its residual [T, H] and attention output [heads, T, D]."""
+        layer = self.layer
+        x = residual + layer.self_attn.o_proj(attended.transpose(0, 1).reshape(residual.shape[0], -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits [n, target vocab] for outputs out [n, H]; eagle3's tokens outside its vocabulary: -inf."""
+        if self.layout == "eagle":
+            return self.shared["lm_head"](out)
+        draft = self.lm_head(self.norm(out))  # [n, draft vocab]
+        full = draft.new_full((out.shape[0], self.target_vocab), float("-inf"))
+        full[:, self.to_target_ids()] = draft
+        return full
+
+    def to_target_ids(self) -> torch.Tensor:
+        """eagle3: the target token of each draft token [draft vocab] (j + d2t[j]); computed once, after loading."""
+        if self.to_target is None or self.training:
+            self.to_target = torch.arange(self.draft_vocab, device=self.d2t.device) + self.d2t
+        return self.to_target
+
+    def fresh(self) -> FeatureHead:
+        """The same head (weights shared) with an empty KV storage of its own."""
+        other = copy.copy(self)  # nn.Module's __dict__, parameter dicts included, shared
+        other.keys = other.values = None
+        other.length = other.capacity = 0
+        return other
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = -(-length // ROOM) * ROOM
+        attn = self.layer.self_attn
+        weight = attn.o_proj.weight
+        keys = weight.new_zeros(attn.kv_heads, capacity, attn.head_dim)
+        values = weight.new_zeros(attn.kv_heads, capacity, attn.head_dim)
+        if self.keys is not None:
+            keys[:, : self.capacity], values[:, : self.capacity] = self.keys, self.values
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pairs at positions length..: tokens [T] after features hidden [T, F] (the target's when
+        from_target, else the head's own outputs [T, H]). (logits [target vocab] of the last pair, outputs [T, H])."""
+        if from_target and self.layout == "eagle3":
+            hidden = self.fuse(hidden)
+        start, T = self.length, tokens.shape[0]
+        end = start + T
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        h, residual = self.attention_input(tokens, hidden)
+        positions = torch.arange(start, end, device=tokens.device)  # [T]
+        q, k, v = self.qkv(h, positions)
+        self.keys[:, start:end], self.values[:, start:end] = k, v
+        mask = None if T == 1 else torch.arange(end, device=tokens.device) <= positions[:, None]  # [T, end]
+        attended = F.scaled_dot_product_attention(
+            q[None], self.keys[None, :, :end], self.values[None, :, :end], attn_mask=mask, enable_gqa=True
+        )[0]  # [heads, T, D]
+        out = self.finish(residual, attended)
+        self.length = end
+        return self.logits(out[-1:])[0], out
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if path.exists():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                state = load_file(path)
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            # Older checkpoints carry RoPE's inverse frequencies (a buffer recomputed from the config).
+            return {key.removeprefix("model."): value for key, value in state.items() if not key.endswith("rotary_emb.inv_freq")}
+    raise HarnessError(f"feature head folder {folder} holds none of {', '.join(WEIGHT_FILES)}: not a head checkpoint")
+
+
+def head_folder(head_id: str, revision: str | None = None) -> Path:
+    """The local folder of a head: an embedded one, a path, or a hub id (downloaded, or from the HF cache offline)."""
+    if head_id.startswith("embedded:"):
+        from harness.models.embedded import embedded_model_dir
+
+        return embedded_model_dir(head_id.removeprefix("embedded:"))
+    path = Path(head_id).expanduser()
+    if path.exists():
+        return path
+    if head_id.startswith((".", "/", "~")) or head_id.count("/") > 1:
+        raise HarnessError(f"feature head path '{head_id}' does not exist: fix pair.draft.id")
+    from huggingface_hub import snapshot_download
+
+    from harness.models.loading import hub_reachable
+
+    try:
+        return Path(
+            snapshot_download(
+                head_id,
+                revision=revision,
+                allow_patterns=["config.json", *WEIGHT_FILES],
+                local_files_only=not hub_reachable(),
+            )
+        )
+    except Exception as err:  # huggingface_hub's errors for a missing, gated or uncached repo
+        reason = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise HarnessError(
+            f"feature head '{head_id}' could not be fetched ({reason}): download it where the hub is reachable "
+            f"(hf download {head_id}) or give a local folder (pair.draft.id=/path/to/head)"
+        ) from err
+
+
+def load_head(head_id: str, layout: str, target: nn.Module, dtype: torch.dtype, revision: str | None = None) -> FeatureHead:
+    """A feature head for `target` in `layout`, checked against it; any mismatch is one line."""
+    if layout not in LAYOUTS:
+        raise HarnessError(f"pair.draft.kind={layout} is not a feature head layout: use {' or '.join(LAYOUTS)}")
+    folder = head_folder(head_id, revision)
+    if not (folder / "config.json").exists():
+        raise HarnessError(f"feature head '{head_id}' has no config.json in {folder}: not a head checkpoint")
+    config = LlamaConfig(**json.loads((folder / "config.json").read_text()))
+    state = _weights(folder)
+    target_config = target.config.get_text_config(decoder=True)
+    target_hidden = int(getattr(config, "target_hidden_size", None) or target_config.hidden_size)
+    target_vocab = target.get_input_embeddings().weight.shape[0]
+    problem = _mismatch(layout, config, state, target_config, target_hidden, target_vocab)
+    if problem:
+        raise HarnessError(f"feature head '{head_id}' does not fit target {type(target).__name__}: {problem}")
+    head = FeatureHead(layout, config, target, target_hidden, fc_bias="fc.bias" in state)
+    embedded = state.pop("embed_tokens.weight", None)  # EAGLE-1 checkpoints may carry the target's table: the target's is used
+    if embedded is not None and embedded.shape[0] != target_vocab:
+        raise HarnessError(
+            f"feature head '{head_id}' does not fit target {type(target).__name__}: its embedding has "
+            f"{embedded.shape[0]} rows, the target's {target_vocab}"
+        )
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [key for key in missing if not key.startswith("rotary.")]
+    if missing or unexpected:
+        what = f"missing {', '.join(missing[:4])}" if missing else f"unexpected {', '.join(unexpected[:4])}"
+        raise HarnessError(f"feature head '{head_id}' is not in the {layout} layout: {what}")
+    device = next(target.parameters()).device
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _mismatch(layout, config, state, target_config, target_hidden: int, target_vocab: int) -> str | None:
+    """Why a checkpoint cannot serve as a `layout` head of this target, or None."""
+    prefix = "midlayer." if layout == "eagle3" else "layers.0."
+    needed = ["fc.weight", f"{prefix}self_attn.q_proj.weight", f"{prefix}mlp.down_proj.weight"]
+    needed += ["norm.weight", "lm_head.weight", "d2t"] if layout == "eagle3" else []
+    if absent := [key for key in needed if key not in state]:
+        other = "eagle" if layout == "eagle3" else "eagle3"
+        hint = f" (it looks like an {other} head: pair.draft.kind={other})" if _looks_like(other, state) else ""
+        return f"missing {', '.join(absent)} for the {layout} layout{hint}"
+    if getattr(config, "num_hidden_layers", 1) != 1:
+        return f"it has {config.num_hidden_layers} decoder layers; the {layout} layout has one"
+    if layout == "eagle" and config.hidden_size != target_config.hidden_size:
+        return f"hidden size {config.hidden_size}, the target's {target_config.hidden_size}"
+    fc_in = state["fc.weight"].shape[1]
+    expected = 3 * target_hidden if layout == "eagle3" else 2 * config.hidden_size
+    if fc_in != expected or target_hidden != target_config.hidden_size:
+        return (
+            f"its fc reads {fc_in} features, the target gives {expected if layout == 'eagle' else 3 * target_config.hidden_size}"
+        )
+    if config.vocab_size != target_vocab:
+        return f"vocabulary of {config.vocab_size} tokens, the target's {target_vocab}"
+    if layout == "eagle3":
+        d2t = state["d2t"]
+        if d2t.shape[0] != state["lm_head.weight"].shape[0] or int((torch.arange(d2t.shape[0]) + d2t).max()) >= target_vocab:
+            return "its d2t map does not match its lm_head or points outside the target's vocabulary"
+    return None
+
+
+def _looks_like(layout: str, state: dict) -> bool:
+    return any(key.startswith("midlayer." if layout == "eagle3" else "layers.0.") for key in state)

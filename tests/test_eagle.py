@@ -1,0 +1,388 @@
+"""Feature heads (harness.models.eagle, harness.core.drafters.FeatureDrafter) in the one loop.
+
+The checkpoints are written here by hand in the layouts their authors publish (key names, config
+fields, fp16 weights, pytorch_model.bin), not by our module, and loaded through the pair loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+from omegaconf import OmegaConf
+
+from harness.core.drafters import FeatureDrafter
+from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.core.sampling import Sampling
+from harness.errors import HarnessError
+from harness.exactness.acceptance import teacher_forced_agreement
+from harness.models.eagle import eagle3_layers
+from harness.runner.pair import draft_size, load_pair, loaded_pairs
+
+H, HEADS, KV, FFN = 32, 4, 2, 64  # the tiny target's (tests/conftest.py make_model)
+
+
+def _layer(prefix: str, attn_in: int, gen: torch.Generator, norms: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def w(rows, cols, scale=0.3):
+        return (scale * torch.randn(rows, cols, generator=gen)).half()
+
+    D = H // HEADS
+    state = {
+        f"{prefix}self_attn.q_proj.weight": w(HEADS * D, attn_in),
+        f"{prefix}self_attn.k_proj.weight": w(KV * D, attn_in),
+        f"{prefix}self_attn.v_proj.weight": w(KV * D, attn_in),
+        f"{prefix}self_attn.o_proj.weight": w(H, HEADS * D),
+        f"{prefix}mlp.gate_proj.weight": w(FFN, H),
+        f"{prefix}mlp.up_proj.weight": w(FFN, H),
+        f"{prefix}mlp.down_proj.weight": w(H, FFN),
+    }
+    state.update({f"{prefix}{norm}.weight": torch.ones(H).half() for norm in norms})
+    return state
+
+
+def _config(vocab: int, **extra) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "max_position_embeddings": 512,
+        "model_type": "llama",
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "vocab_size": vocab,
+        **extra,
+    }
+
+
+def write_eagle(folder: Path, vocab: int, seed: int = 0) -> Path:
+    """An EAGLE-1 head as published: fc over [embedding; feature] with bias, layer 0 without input norm."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {"fc.weight": (0.3 * torch.randn(H, 2 * H, generator=gen)).half(), "fc.bias": torch.zeros(H).half()}
+    state |= _layer("layers.0.", H, gen, ("post_attention_layernorm",))
+    state["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(H // HEADS // 2)  # as older transformers saved it
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(_config(vocab)))
+    return folder
+
+
+def write_eagle3(folder: Path, vocab: int, draft_vocab: int, seed: int = 0) -> Path:
+    """An EAGLE-3 head as published: fc over three features, midlayer, norm, lm_head on a draft vocabulary, d2t/t2d."""
+    gen = torch.Generator().manual_seed(seed)
+    used = torch.sort(torch.randperm(vocab, generator=gen)[:draft_vocab]).values  # the target tokens it drafts
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    state = {
+        "fc.weight": (0.3 * torch.randn(H, 3 * H, generator=gen)).half(),
+        "norm.weight": torch.ones(H).half(),
+        "lm_head.weight": (3.0 * torch.randn(draft_vocab, H, generator=gen)).half(),
+        "d2t": used - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    state |= _layer("midlayer.", 2 * H, gen, ("input_layernorm", "hidden_norm", "post_attention_layernorm"))
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / "pytorch_model.bin")
+    config = _config(vocab, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+LAYERS = 8  # the target's: EAGLE-3 reads the inputs of its layers 2, 4 and 5
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("heads")
+    tok = make_tokenizer()
+    make_model(len(tok), seed=1, layers=LAYERS).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    vocab = len(tok)
+    return {
+        "target": root / "target",
+        "eagle": write_eagle(root / "eagle", vocab),
+        "eagle3": write_eagle3(root / "eagle3", vocab, vocab - 20),
+    }
+
+
+def head_pair(heads, kind: str, forward: str = "hf", folder: Path | None = None):
+    loaded_pairs.clear()
+    cfg = OmegaConf.create(
+        {
+            "name": f"tiny_{kind}",
+            "target": {"id": str(heads["target"]), "dtype": "float32"},
+            "draft": {"kind": kind, "id": str(folder or heads[kind]), "dtype": "float32"},
+        }
+    )
+    return load_pair(cfg, torch.device("cpu"), forward=forward, linear="torch")
+
+
+def prompts(pair, n: int = 4) -> list[torch.Tensor]:
+    texts = ["The quick brown fox", "1 2 3 4 5 6", "Speculative decoding is", "abcabcabc"]
+    return [pair.tokenizer(t, return_tensors="pt").input_ids[0] for t in texts[:n]]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_published_layout_loads_as_a_feature_drafter(heads, kind):
+    pair = head_pair(heads, kind)
+    assert isinstance(pair.drafter, FeatureDrafter)
+    layers = pair.target.model.config.num_hidden_layers
+    assert pair.drafter.reads_target == (eagle3_layers(layers) if kind == "eagle3" else (layers,))
+    size = draft_size(pair)
+    own = sum(
+        v.numel() for k, v in torch.load(heads[kind] / "pytorch_model.bin").items() if k.endswith("weight") or k.endswith("bias")
+    )
+    assert size["draft_params"] == own  # the head's weights, not the target's embedding or LM head
+
+
+@pytest.mark.parametrize("forward", ["hf", "lean"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_output_is_the_targets(heads, kind, k, forward):
+    pair = head_pair(heads, kind, forward)
+    for ids in prompts(pair):
+        gen = torch.Generator().manual_seed(0)
+        alone = list(autoregressive_decode(pair.target, ids, Sampling(0.0), 40, set(), gen))
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, Sampling(0.0), 40, set(), gen))
+        assert [t for c in cycles for t in c.tokens] == alone
+        assert cycles[0].num_drafted == 0  # the target has not read the prompt before the first verify
+        assert all(c.num_drafted == min(k, 40 - sum(len(x.tokens) for x in cycles[:i]) - 1) for i, c in enumerate(cycles) if i)
+
+
+def test_lean_and_hf_hand_the_same_features(heads):
+    pair = head_pair(heads, "eagle3", "hf")
+    ids = prompts(pair)[0]
+    layers = (*eagle3_layers(LAYERS), LAYERS)  # three layers' inputs and the final normed state
+    pair.target.reset()
+    hf_logits, hf_features = pair.target.forward_features(ids, 2, layers)
+    lean = head_pair(heads, "eagle3", "lean")
+    lean.target.reset()
+    lean_logits, lean_features = lean.target.forward_features(ids, 2, layers)
+    assert hf_features.shape == (ids.shape[0], 4 * H)
+    torch.testing.assert_close(lean_features, hf_features, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lean_logits, hf_logits, rtol=1e-4, atol=1e-4)
+    plain = lean.target.copy()
+    plain.reset()
+    torch.testing.assert_close(plain.forward(ids, 2), lean_logits)  # capturing changes nothing
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_reported_acceptance_is_the_heads_own(heads, kind):
+    pair = head_pair(heads, kind)
+    tested = 0
+    for ids in prompts(pair):
+        gen = torch.Generator().manual_seed(0)
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, 4, Sampling(0.0), 40, set(), gen))
+        agreement = teacher_forced_agreement(pair.drafter, ids, cycles, 4, 40, target=pair.target)
+        assert agreement.ok, agreement.describe()
+        tested += agreement.reported[1]
+    assert tested > 20
+
+
+class KeepsDrafts(FeatureDrafter):
+    """Broken: its cache keeps the drafted pairs (built on its own outputs) in place of the target's."""
+
+    def rollback(self, length: int) -> None:
+        self.pairs = self.head.length
+        self.head.crop(length - 1)
+
+
+def test_no_capture_for_other_drafters(tiny_pair):
+    """Model drafts and prompt lookup never ask the target for features."""
+    from harness.core.drafters import NgramDrafter
+
+    loaded_pairs.clear()
+    cfg = OmegaConf.create(
+        {
+            "name": "t",
+            "target": {"id": str(tiny_pair["target"]), "dtype": "float32"},
+            "draft": {"kind": "model", "id": str(tiny_pair["draft"])},
+        }
+    )
+    pair = load_pair(cfg, torch.device("cpu"), linear="torch")
+    calls = []
+    pair.target.backend.forward_features = lambda *a: calls.append(a)
+    for drafter in (pair.drafter, NgramDrafter(pair.target.vocab_size)):
+        list(
+            speculative_decode(
+                pair.target, drafter, prompts(pair)[0], 4, Sampling(1.0), 20, set(), torch.Generator().manual_seed(0)
+            )
+        )
+    assert calls == []
+
+
+def _corrupt(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    state = torch.load(src / "pytorch_model.bin")
+    config = json.loads((src / "config.json").read_text())
+    edit(state, config)
+    torch.save(state, dst / "pytorch_model.bin")
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "kind, edit, says",
+    [
+        ("eagle", lambda s, c: s.pop("fc.weight"), "missing fc.weight"),
+        ("eagle", lambda s, c: c.update(vocab_size=c["vocab_size"] + 5), "vocabulary of"),
+        ("eagle3", lambda s, c: s.update({"fc.weight": s["fc.weight"][:, :64]}), "its fc reads 64 features"),
+        ("eagle", lambda s, c: None, "looks like an eagle head"),  # loaded as eagle3
+        ("eagle3", lambda s, c: s.update(d2t=s["d2t"] + 1000), "d2t"),
+        ("eagle", lambda s, c: c.update(num_hidden_layers=2), "2 decoder layers"),
+    ],
+)
+def test_a_head_that_does_not_fit_is_one_line(heads, tmp_path, kind, edit, says):
+    folder = _corrupt(heads[kind], tmp_path / "bad", edit)
+    as_kind = "eagle3" if says.startswith("looks like") else kind
+    with pytest.raises(HarnessError, match=says) as err:
+        head_pair(heads, as_kind, folder=folder)
+    assert "\n" not in str(err.value)
+
+
+def test_compile_is_refused_with_a_head(heads):
+    loaded_pairs.clear()
+    cfg = OmegaConf.create(
+        {"name": "t", "target": {"id": str(heads["target"])}, "draft": {"kind": "eagle", "id": str(heads["eagle"])}}
+    )
+    with pytest.raises(HarnessError, match="compile=false"):
+        load_pair(cfg, torch.device("cpu"), cache="static", compile=True, linear="torch")
+
+
+@pytest.fixture(scope="module")
+def trained(heads):
+    """An EAGLE-3 head trained on the tiny target's own text by harness.distill.head (a few seconds)."""
+    from types import SimpleNamespace
+
+    from harness.distill.head import features, held_out, new_head, reads, train_head
+    from harness.models.loading import ModelSpec, load_model
+
+    torch.manual_seed(0)
+    target = load_model(ModelSpec(str(heads["target"])), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(48):
+        prompt = torch.randint(3, len(make_tokenizer()), (6,), generator=gen)
+        with torch.no_grad():
+            out = target.generate(prompt[None], do_sample=False, max_new_tokens=40, min_new_tokens=40, pad_token_id=0)
+        seqs.append(out[0].tolist())
+    with torch.no_grad():
+        probs, ids, weights = [], [], []
+        for seq in seqs:
+            top = target(torch.tensor([seq])).logits[0, 1:-1].softmax(-1).topk(8, dim=-1)  # rows: positions 1..len-2
+            probs.append(top.values.half())
+            ids.append(top.indices.int())
+            weights.append(torch.ones(len(seq) - 2))
+    data = {"seqs": seqs, "starts": [1] * len(seqs), "probs": probs, "ids": ids, "weights": weights}
+    layers = reads(target)
+    feats = features(target, seqs, layers)
+    head = new_head(target, torch.arange(target.config.vocab_size - 10))
+    held = [torch.randint(3, len(make_tokenizer()), (6,), generator=gen).tolist() for _ in range(8)]
+    evaluation = {"prompt_ids": held, "greedy": [], "categories": ["tiny"] * 8}
+    for s in held:  # the target's greedy continuations of prompts it was not trained on
+        with torch.no_grad():
+            evaluation["greedy"].append(
+                target.generate(torch.tensor([s[:6]]), do_sample=False, max_new_tokens=30, min_new_tokens=30, pad_token_id=0)[
+                    0, 6:
+                ].tolist()
+            )
+    before = held_out(head.eval(), target, evaluation, layers, 2)
+    args = SimpleNamespace(
+        lr=3e-3,
+        weight_decay=0.0,
+        batch_size=4,
+        epochs=10,
+        max_steps=0,
+        warmup=5,
+        min_lr_ratio=0.1,
+        seed=0,
+        clip=1.0,
+        ttt_steps=2,
+        log_every=1000,
+    )
+    head.train()
+    train_head(head, data, feats, args)
+    after = held_out(head.eval(), target, evaluation, layers, 2)
+    folder = heads["target"].parent / "trained"
+    from harness.distill.head import save_head
+
+    save_head(head.requires_grad_(False), folder, {"test": True})
+    return {"folder": folder, "before": before, "after": after}
+
+
+def test_training_raises_held_out_agreement(trained):
+    before, after = trained["before"]["t0_agreement_by_step"], trained["after"]["t0_agreement_by_step"]
+    assert after[0] > before[0] + 0.2 and after[1] > before[1] + 0.05, (before, after)
+
+
+def test_a_trained_head_saved_in_the_eagle3_layout_loads_and_stays_exact(heads, trained):
+    pair = head_pair(heads, "eagle3", folder=trained["folder"])
+    accepted = tested = 0
+    for ids in prompts(pair):
+        gen = torch.Generator().manual_seed(0)
+        alone = list(autoregressive_decode(pair.target, ids, Sampling(0.0), 40, set(), gen))
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, 4, Sampling(0.0), 40, set(), gen))
+        assert [t for c in cycles for t in c.tokens] == alone
+        agreement = teacher_forced_agreement(pair.drafter, ids, cycles, 4, 40, target=pair.target)
+        assert agreement.ok, agreement.describe()
+        accepted, tested = accepted + agreement.reported[0], tested + agreement.reported[1]
+    assert accepted / tested > 0.2, (accepted, tested)  # a head that drafts what the target says
+
+
+def test_teacher_forced_check_catches_a_trained_head_that_keeps_its_drafts(heads, trained):
+    pair = head_pair(heads, "eagle3", folder=trained["folder"])
+    broken = KeepsDrafts(pair.drafter.head)
+    bad = []
+    for ids in prompts(pair):
+        gen = torch.Generator().manual_seed(0)
+        alone = list(autoregressive_decode(pair.target, ids, Sampling(0.0), 40, set(), gen))
+        cycles = list(speculative_decode(pair.target, broken, ids, 4, Sampling(0.0), 40, set(), gen))
+        assert [t for c in cycles for t in c.tokens] == alone  # the output cannot see it
+        bad.append(not teacher_forced_agreement(broken, ids, cycles, 4, 40, target=pair.target).ok)
+    assert any(bad)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        None,
+        "resample_from_p",
+        pytest.param("no_rollback", marks=pytest.mark.slow),
+        pytest.param("accept_all", marks=pytest.mark.slow),
+    ],
+)
+def test_exactness_check_with_a_head_passes_the_loop_and_rejects_broken_variants(heads, trained, variant):
+    """The output-law check at T=1 with the trained head as the draft: the real loop passes, broken ones fail."""
+    from broken import BROKEN, plugged
+    from conftest import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, TINY_SAMPLING
+
+    from harness.exactness.check import check
+
+    pair = head_pair(heads, "eagle3", folder=trained["folder"])
+    prompt = prompts(pair)[0]
+    broken = next((v for v in BROKEN if v.name == variant), None)
+    plug = plugged(broken, pair.target, pair.drafter) if broken else contextlib.nullcontext((pair.target, pair.drafter, None))
+    with plug as (t, d, rule):
+        run = check if rule is None else functools.partial(check, rule=rule)
+        report = run(
+            t,
+            d,
+            [("prompt", prompt)],
+            k=TINY_K,
+            sampling=TINY_SAMPLING,
+            length=TINY_LENGTH,
+            samples=TINY_SAMPLES,
+            alpha=FAMILY_ALPHA,
+            law_target=pair.target,
+        )
+    assert report["testable"]
+    assert (report["family_p"] >= FAMILY_ALPHA) == (variant is None), report["family_p"]
