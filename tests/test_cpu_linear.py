@@ -302,7 +302,7 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
         last = json.loads((cell / "prompts.jsonl").read_text().splitlines()[-1])
         assert last["linear"] == earlier["linear"] and last.get("linear_rows_to") == linear.get("rows_to")
         # the next cell of the same process (a multirun reuses the loaded pair) is a new one: back to the load's plan
-        third = run.run_cell(OmegaConf.merge(cfg, {"k": 2}), out_dir=tmp_path, quiet=True)
+        third = run.run_cell(OmegaConf.merge(cfg, {"k": cfg.k + 1}), out_dir=tmp_path, quiet=True)
         assert third["conditions"]["linear"] == first["conditions"]["linear"]
         assert plan_of(cpu_linear._linears(pair.models())) == {cpu_linear.plan(found)}
     finally:

@@ -281,7 +281,7 @@ def test_pair_settings_without_a_chosen_pair_are_one_line(capsys):
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "error: pair.target.id=/models/llama-2-7b sets the pair, so choose the pair first: "
-        "add +pair=NAME (the default is +pair=smollm2)"
+        "add +pair=NAME (the default is +pair=smollm2_eagle)"
     )
     check_choices(["+pair=smollm2", "pair.target.id=/models/llama-2-7b"])  # with the pair chosen: fine
 

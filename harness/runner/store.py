@@ -69,7 +69,7 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     if keyed.get("forward", "hf") == "hf" or (keyed["forward"] == "auto" and device.type != "cpu"):
         keyed.pop("forward", None)  # HF's forward (auto's off the CPU), as before the setting existed: the same cells
     pair = keyed["pair"]
-    models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") == "model" else [])
+    models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") != "ngram" else [])  # drafts with weights
     for node in (keyed, *models):  # the top-level dtype, and each model's (a pair may pin its own)
         node["dtype"] = str(resolve_dtype(node.get("dtype") or "auto", device)).removeprefix("torch.")
     for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
