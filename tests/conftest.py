@@ -87,6 +87,16 @@ def perturbed(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausa
     return draft
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: a second intra-op thread only adds contention (10x slower on a busy machine, and
+    pytest-xdist runs a worker per core). Modules of tiny-model tests use it (pytestmark usefixtures)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> dict[str, Path]:
     """Saved tiny target and draft directories sharing one tokenizer."""

@@ -24,6 +24,8 @@ from harness.exactness.acceptance import teacher_forced_agreement
 from harness.models.eagle import eagle3_layers
 from harness.runner.pair import draft_size, load_pair, loaded_pairs
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors on one thread
+
 H, HEADS, KV, FFN = 32, 4, 2, 64  # the tiny target's (tests/conftest.py make_model)
 
 

@@ -59,14 +59,7 @@ from harness.exactness.law import Partition, TargetLaw, draw_continuations
 from harness.exactness.main import run_check
 from harness.exactness.stats import detectable_tv, g_test, holm, samples_for_tv
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds contention (10x slower on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors run on one intra-op thread
 
 
 # ---------------------------------------------------------------- exact enumeration of random draws

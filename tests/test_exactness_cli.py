@@ -15,6 +15,8 @@ import harness.runner.pair as pair_module
 from harness.exactness import main as exactness
 from tests.test_acceptance import StaleDrafter
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors on one thread
+
 
 def run_cli(monkeypatch, capsys, tiny_pair, out, *overrides: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python -m harness.exactness` with these overrides, in this process."""
