@@ -201,19 +201,26 @@ def missing_rollback_report(tiny_pair: dict[str, Path], forward: str = "hf") -> 
     cache that is never rolled back (stale keys, shifted positions)."""
     from broken import BROKEN, plugged
 
-    from harness.exactness.check import check
-
     target, drafter, prompt = tiny_cached_pair(tiny_pair, forward)
     variant = next(v for v in BROKEN if v.name == "no_rollback")
     with plugged(variant, target, drafter) as (t, d, _):
-        return check(
-            t,
-            d,
-            [("prompt", prompt)],
-            k=TINY_K,
-            sampling=TINY_SAMPLING,
-            length=TINY_LENGTH,
-            samples=TINY_SAMPLES,
-            alpha=FAMILY_ALPHA,
-            law_target=target,
-        )
+        return tiny_check(t, d, prompt, law_target=target)
+
+
+def tiny_check(target, drafter, prompt, law_target, rule=None) -> dict:
+    """The exactness check's report at the tiny settings on one prompt; `law_target` gives the exact law."""
+    from harness.core.rule import verify
+    from harness.exactness.check import check
+
+    return check(
+        target,
+        drafter,
+        [("prompt", prompt)],
+        k=TINY_K,
+        sampling=TINY_SAMPLING,
+        length=TINY_LENGTH,
+        samples=TINY_SAMPLES,
+        alpha=FAMILY_ALPHA,
+        rule=rule or verify,
+        law_target=law_target,
+    )

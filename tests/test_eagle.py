@@ -7,7 +7,6 @@ fields, fp16 weights, pytorch_model.bin), not by our module, and loaded through 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from pathlib import Path
 
@@ -365,26 +364,13 @@ def test_teacher_forced_check_catches_a_trained_head_that_keeps_its_drafts(heads
 def test_exactness_check_with_a_head_passes_the_loop_and_rejects_broken_variants(heads, trained, variant):
     """The output-law check at T=1 with the trained head as the draft: the real loop passes, broken ones fail."""
     from broken import BROKEN, plugged
-    from conftest import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, TINY_SAMPLING
-
-    from harness.exactness.check import check
+    from conftest import FAMILY_ALPHA, tiny_check
 
     pair = head_pair(heads, "eagle3", folder=trained["folder"])
     prompt = prompts(pair)[0]
     broken = next((v for v in BROKEN if v.name == variant), None)
     plug = plugged(broken, pair.target, pair.drafter) if broken else contextlib.nullcontext((pair.target, pair.drafter, None))
     with plug as (t, d, rule):
-        run = check if rule is None else functools.partial(check, rule=rule)
-        report = run(
-            t,
-            d,
-            [("prompt", prompt)],
-            k=TINY_K,
-            sampling=TINY_SAMPLING,
-            length=TINY_LENGTH,
-            samples=TINY_SAMPLES,
-            alpha=FAMILY_ALPHA,
-            law_target=pair.target,
-        )
+        report = tiny_check(t, d, prompt, law_target=pair.target, rule=rule)
     assert report["testable"]
     assert (report["family_p"] >= FAMILY_ALPHA) == (variant is None), report["family_p"]
