@@ -172,7 +172,7 @@ def test_other_architectures_are_refused_in_one_line():
 
 def test_a_forward_that_differs_from_hfs_is_refused(monkeypatch):
     """The load check: here the lean forward forgets RoPE."""
-    monkeypatch.setattr(harness.models.lean, "_rotate", lambda x, cos, sin: x)
+    monkeypatch.setattr(harness.models.lean, "rotate", lambda x, cos, sin: x)
     with pytest.raises(HarnessError, match=r"forward=lean does not reproduce LlamaForCausalLM's logits .*use forward=hf"):
         CachedLM(llama(), VOCAB, forward="lean")
 
@@ -191,7 +191,7 @@ def test_auto_is_lean_where_it_runs_and_hfs_forward_elsewhere(monkeypatch, capsy
     assert CachedLM(other, VOCAB, forward="auto").lean is None
     assert CachedLM(llama(), VOCAB, cache="static", forward="auto").lean is None
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(harness.models.lean, "_rotate", lambda x, cos, sin: x)
+    monkeypatch.setattr(harness.models.lean, "rotate", lambda x, cos, sin: x)
     model = llama()
     expected = model(input_ids=torch.arange(3, 13)[None]).logits[0, -1]
     lm = CachedLM(model, VOCAB, forward="auto")

@@ -34,9 +34,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from harness.errors import HarnessError
+from harness.models.lean import ROOM, rotate
 
 LAYOUTS = ("eagle", "eagle3")
-ROOM = 256  # the KV storage grows in multiples of this many positions
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -91,12 +91,6 @@ class Layer(nn.Module):
         if layout == "eagle3":
             self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
             self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as HF's Llama applies it: x [heads, T, D], cos and sin [T, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class FeatureHead(nn.Module):
@@ -155,7 +149,7 @@ class FeatureHead(nn.Module):
         q = attn.q_proj(h).view(T, attn.heads, attn.head_dim).transpose(0, 1)
         k = attn.k_proj(h).view(T, attn.kv_heads, attn.head_dim).transpose(0, 1)
         v = attn.v_proj(h).view(T, attn.kv_heads, attn.head_dim).transpose(0, 1)
-        return _rotate(q, cos[0], sin[0]), _rotate(k, cos[0], sin[0]), v
+        return rotate(q, cos[0], sin[0]), rotate(k, cos[0], sin[0]), v
 
     def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The layer's output [T, H] from its residual [T, H] and attention output [heads, T, D]."""

@@ -92,7 +92,7 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as HF's Llama applies it: x [heads, T, D], cos and sin [T, D]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -164,10 +164,10 @@ class LeanLlama:
             h = _rms_norm(x, layer.input_layernorm)
             qkv = _linear(h, qkv_w, qkv_b, attn.q_proj)  # [T, (heads + 2 kv_heads) D]
             q, k, v = qkv.view(T, -1, self.head_dim).transpose(0, 1).split(split)  # [heads|kv_heads, T, D]
-            keys[:, start:end] = _rotate(k, cos, sin)
+            keys[:, start:end] = rotate(k, cos, sin)
             values[:, start:end] = v
             out = F.scaled_dot_product_attention(
-                _rotate(q, cos, sin).unsqueeze(0),
+                rotate(q, cos, sin).unsqueeze(0),
                 keys[None, :, :end],
                 values[None, :, :end],
                 attn_mask=mask,
