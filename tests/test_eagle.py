@@ -374,3 +374,17 @@ def test_exactness_check_with_a_head_passes_the_loop_and_rejects_broken_variants
         report = tiny_check(t, d, prompt, law_target=pair.target, rule=rule)
     assert report["testable"]
     assert (report["family_p"] >= FAMILY_ALPHA) == (variant is None), report["family_p"]
+
+
+def test_the_bench_limit_times_a_heads_steps(heads):
+    """The bench's limit part prices a head as a draft model: one timed head step per drafted token
+    (the catch-up pairs ride on the first), verify passes timed with their feature capture, and the
+    same tokens as the target alone."""
+    from harness.bench.parts import limit
+
+    pair = head_pair(heads, "eagle3", forward="lean")
+    lim = limit(pair, prompts(pair, 2), k=2, n=8, device=torch.device("cpu"), reps=1)
+    assert lim["decode_cycles"] > 0 and lim["in_loop"]["draft_forwards_per_drafted_token"] == 1.0
+    assert 0 < lim["in_loop"]["cost_ratio"] < 10 and 0 <= lim["overhead_fraction"] < 1
+    assert lim["in_loop"]["verify_cost_by_positions"]  # the loop's own verify passes, by positions fed
+    assert lim["spec_decode_tokens"] == lim["base_decode_tokens"]

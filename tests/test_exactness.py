@@ -1046,11 +1046,11 @@ def test_the_no_verdict_error_says_whether_samples_were_given_or_sized():
     assert "null to size it" not in sized and "\n" not in given + sized
 
 
-# ---------------------------------------------------------------- the embedded default pair (slow: run it on a GPU)
+# ---------------------------------------------------------------- the embedded 4-layer pair (slow: run it on a GPU)
 
 _default_pair_samples: dict = {}
 
-# Runs on the default pair use k = 1: the single draft survives in about half
+# Runs on the embedded 4-layer pair (`smollm2`) use k = 1: the single draft survives in about half
 # the cycles, and every survival is followed by a bonus token, so bonus bugs
 # move the law of the first tokens (at k = 4 with this draft all 4 drafts
 # survive in ~5% of cycles). (k, temperature, top_p):
@@ -1080,7 +1080,7 @@ DEFAULT_PAIR_RUNS = [pytest.param(None, s, id=f"real_loop-{_setting_id(s)}") for
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, setting", DEFAULT_PAIR_RUNS)
 def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
-    """On the embedded default pair, with N sized to detect a TV of 0.05: the
+    """On the embedded 4-layer pair, with N sized to detect a TV of 0.05: the
     real loop passes, each broken variant fails, each lossless control passes.
     k = 1 and T = 1 unless the bug needs shaped rows to exist (above). The
     first builtin prompt, chat-templated as `python -m harness` sends it:
@@ -1098,13 +1098,20 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
         cfg = with_default_pair(
             compose(
                 config_name="exactness_check",
-                overrides=[f"k={k}", f"temperature={temperature}", f"top_p={top_p}", "cache=dynamic", "exactness.num_prompts=1"],
+                overrides=[
+                    "+pair=smollm2",
+                    f"k={k}",
+                    f"temperature={temperature}",
+                    f"top_p={top_p}",
+                    "cache=dynamic",
+                    "exactness.num_prompts=1",
+                ],
             )
         )
     try:
         pair = load_pair(cfg.pair, resolve_device(cfg.device))
     except HarnessError as err:
-        pytest.skip(f"the default pair is not available here: {err}")
+        pytest.skip(f"the embedded 4-layer pair is not available here: {err}")
     sampling = Sampling(temperature, top_p=top_p)
     length, alpha = k + 2, cfg.exactness.alpha
     prompts = encode_prompts(cfg, pair, length, chosen_prompts(cfg))

@@ -32,7 +32,7 @@ Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
      For prompt lookup, lookup_floor sets both sides' passes beside the fewest any
      lookup could take on these prompts (fewest_lookup_passes, in hindsight): how
      much a better choice of match could still gain.
-  2. limit, per k: decode-phase speedup (prefill excluded) against the speedup
+  2. limit, per k (a draft model or a feature head): decode-phase speedup (prefill excluded) against the speedup
      predicted from the measured acceptance, draft cost ratio c and verify-cost
      curve v(n), with a run summary's names: predicted_speedup accounts for the
      cycles actually run, predicted_speedup_formula is Leviathan et al.'s closed
@@ -68,7 +68,7 @@ from harness.bench.contenders import lookup_room
 from harness.bench.goals import goals
 from harness.bench.parts import SPREAD_NOTE, limit, memory, sync_audit, throughput
 from harness.config.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
-from harness.core.drafters import ModelDrafter
+from harness.core.drafters import FeatureDrafter, ModelDrafter
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode_within, select
 from harness.errors import HarnessError
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
         )
         write_result(args.out, result)
-    if isinstance(pair.drafter, ModelDrafter):
+    if isinstance(pair.drafter, (ModelDrafter, FeatureDrafter)):
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device, args.reps) for k in args.ks}
         write_result(args.out, result)
     if isinstance(pair.drafter, ModelDrafter):

@@ -18,9 +18,9 @@ from scipy import stats
 
 from harness.bench.contenders import GREEDY, ForwardCounter, fewest_lookup_passes, same_greedy_output
 from harness.bench.contenders import contenders as build_contenders
-from harness.bench.timing import Stopwatch, TimedLM, timed_call
+from harness.bench.timing import Stopwatch, TimedHead, TimedLM, timed_call
 from harness.core import loop, metrics
-from harness.core.drafters import ModelDrafter
+from harness.core.drafters import FeatureDrafter, ModelDrafter
 from harness.core.host_syncs import HostReads
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.metrics import ratio
@@ -202,8 +202,14 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     """
     costs = measure_costs(pair, encoded[0], k, GREEDY)
     c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
-    spec_target, draft, base_target = TimedLM(pair.target), TimedLM(pair.drafter.lm), TimedLM(pair.target)
-    drafter = ModelDrafter(draft)
+    spec_target, base_target = TimedLM(pair.target), TimedLM(pair.target)
+    draft: TimedHead | TimedLM  # a draft forward is a head's step or a draft model's pass
+    if isinstance(pair.drafter, FeatureDrafter):
+        draft = TimedHead(pair.drafter.head)
+        drafter: FeatureDrafter | ModelDrafter = FeatureDrafter(draft)
+    else:
+        draft = TimedLM(pair.drafter.lm)
+        drafter = ModelDrafter(draft)
     watch = Stopwatch(device)
     saved = loop.verify_greedy, loop.apply_stops
     loop.verify_greedy, loop.apply_stops = watch.wrap("rule", loop.verify_greedy), watch.wrap("stops", loop.apply_stops)

@@ -9,19 +9,14 @@ from harness.models.cached import CachedLM
 from harness.runner.costs import sync as _sync
 
 
-class TimedLM:
-    """A copy of a CachedLM (CachedLM.copy: the same model, a cache of its own; a static cache
-    stays shared, the compiled steps being bound to it) whose forwards, prefills included, and
-    rollbacks accumulate their device-synchronised wall time. Everything else is the copy's."""
+class Tally:
+    """Device-synchronised wall time of forward passes, counted by the number of positions fed."""
 
-    def __init__(self, lm: CachedLM):
-        self.lm = lm.copy(share_static_cache=True)
-        self.device = self.lm.device
-        self.rollback_s = 0.0
+    rollback_s = 0.0
+
+    def __init__(self, device):
+        self.device = device
         self.by_positions: dict[int, list] = {}  # positions fed -> [seconds, forwards]
-
-    def __getattr__(self, name):
-        return getattr(self.lm, name)
 
     @property
     def forward_s(self) -> float:
@@ -31,15 +26,35 @@ class TimedLM:
     def forwards(self) -> int:
         return sum(count for _, count in self.by_positions.values())
 
-    def forward(self, input_ids, num_logits=1):
+    def timed(self, positions: int, fn, *args):
         _sync(self.device)
         start = time.perf_counter()
-        out = self.lm.forward(input_ids, num_logits)
+        out = fn(*args)
         _sync(self.device)
-        tally = self.by_positions.setdefault(input_ids.shape[0], [0.0, 0])
+        tally = self.by_positions.setdefault(positions, [0.0, 0])
         tally[0] += time.perf_counter() - start
         tally[1] += 1
         return out
+
+
+class TimedLM(Tally):
+    """A copy of a CachedLM (CachedLM.copy: the same model, a cache of its own; a static cache
+    stays shared, the compiled steps being bound to it) whose forwards, prefills and feature
+    captures included, and rollbacks accumulate their device-synchronised wall time. Everything
+    else is the copy's."""
+
+    def __init__(self, lm: CachedLM):
+        self.lm = lm.copy(share_static_cache=True)
+        super().__init__(self.lm.device)
+
+    def __getattr__(self, name):
+        return getattr(self.lm, name)
+
+    def forward(self, input_ids, num_logits=1):
+        return self.timed(input_ids.shape[0], self.lm.forward, input_ids, num_logits)
+
+    def forward_features(self, input_ids, num_logits, layers):
+        return self.timed(input_ids.shape[0], self.lm.forward_features, input_ids, num_logits, layers)
 
     prefill = CachedLM.prefill  # CachedLM's verb, through this wrapper's timed forward
 
@@ -48,6 +63,22 @@ class TimedLM:
         self.lm.rollback(length)
         _sync(self.device)
         self.rollback_s += time.perf_counter() - start
+
+
+class TimedHead(Tally):
+    """A feature head (FeatureHead.fresh: the same weights, a KV storage of its own) whose steps
+    accumulate their device-synchronised wall time as TimedLM's forwards do. Its rollback (a crop)
+    only moves a length: nothing to time."""
+
+    def __init__(self, head):
+        self.head = head.fresh()
+        super().__init__(next(head.parameters()).device)
+
+    def __getattr__(self, name):
+        return getattr(self.head, name)
+
+    def step(self, tokens, hidden, from_target):
+        return self.timed(tokens.shape[0], self.head.step, tokens, hidden, from_target)
 
 
 class Stopwatch:
