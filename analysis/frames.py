@@ -55,6 +55,7 @@ SUMMARY_SCALARS = (
     "decode_speedup",
     "predicted_speedup",
     "efficiency",
+    "efficiency_in_run",
     "cost_ratio",
     "verify_cost",
     "cycles",

@@ -51,6 +51,9 @@ def format_summary(s: dict) -> str:
         f"{'speedup after the first token':<34}{fmt(s.get('decode_speedup')):>12}  (TPOT ratio)",
         f"{'predicted speedup (cycles run)':<34}{fmt(s['predicted_speedup']):>12}  (formula {fmt(s.get('predicted_speedup_formula'))})",
         f"{'efficiency (decode/predicted)':<34}{fmt(s['efficiency']):>12}",
+        f"{'  with costs timed in the run':<34}{fmt(s.get('efficiency_in_run')):>12}  (predicted "
+        f"{fmt(s.get('predicted_speedup_in_run'))}: c {fmt(s.get('in_run', {}).get('cost_ratio'))}, v(k+1) "
+        f"{fmt((s.get('in_run', {}).get('verify_cost') or [float('nan')])[-1])})",
         f"{'cost ratio c (draft/target step)':<34}{fmt(s['cost_ratio']):>12}{_interval(s.get('cost_ratio_ci'))}",
         f"{'verify cost v(k+1) (target steps)':<34}{fmt(s['verify_cost']):>12}{_interval(s.get('verify_cost_ci'))}"
         + (

@@ -208,7 +208,37 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     summary["decode_speedup"] = ratio(summary["base_tpot_s"], summary["spec_tpot_s"])
     summary["efficiency"] = ratio(summary["decode_speedup"], predicted)
     summary["efficiency_formula"] = ratio(summary["decode_speedup"], by_formula)
+    in_run = in_run_costs(records, k)
+    in_run_predicted = predicted_by_cycles(
+        records, in_run["cost_ratio"], [0.0 if math.isnan(x) else x for x in in_run["verify_cost"]]
+    )  # a v(n) the run never paid prices no cycle (0 cycles x anything)
+    summary.update(
+        in_run=in_run,
+        predicted_speedup_in_run=in_run_predicted,
+        efficiency_in_run=ratio(summary["decode_speedup"], in_run_predicted),
+    )
     return summary
+
+
+def in_run_costs(records: Sequence[dict], k: int) -> dict:
+    """The cost model's inputs timed inside the run (harness.runner.costs.Clock), after each prompt's
+    first yield: the target step (the baseline's one-position passes), c (the draft's proposals, lookup
+    and sampling included, per drafted token, over a step) and v(n) (the verify passes over n
+    positions, over a step; nan where the run had none). Measured over the same prompts, contexts and
+    minutes as the speedup, these miss only what happens outside the passes and proposals."""
+
+    def clocked(side: str, key: str) -> tuple[float, int]:
+        entries = [r[side].get("clock", {}).get(key, (0.0, 0)) for r in records]
+        return sum(e[0] for e in entries), sum(e[1] for e in entries)
+
+    step = ratio(*clocked("base", "verify@1"))
+    drafted = sum(r["spec"]["drafted"] - r["spec"]["first_drafted"] for r in records)
+    draft_s, _ = clocked("spec", "draft")
+    return {
+        "target_step_s": step,
+        "cost_ratio": ratio(ratio(draft_s, drafted), step) if drafted else 0.0,  # nothing drafted: no draft cost to price
+        "verify_cost": [ratio(ratio(*clocked("spec", f"verify@{n}")), step) for n in range(1, k + 2)],  # [k + 1] v(1..k+1)
+    }
 
 
 def predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -> float:

@@ -37,7 +37,7 @@ from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, encode_within, select
 from harness.errors import HarnessError
 from harness.models.loading import resolve_device
-from harness.runner.costs import measure_costs, timed
+from harness.runner.costs import Clock, measure_costs, timed
 from harness.runner.pair import Pair, draft_size, load_pair
 from harness.runner.provenance import (
     conditions,
@@ -257,16 +257,19 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
     """Baseline and speculative decoding of one prompt, back to back."""
     seed = cfg.seed * PROMPT_SEED_STRIDE + index
 
+    clocks = {"spec": Clock(pair.device), "base": Clock(pair.device)}  # the passes after the first yield: in-run costs
+
     def spec():
         gen = torch.Generator(pair.device).manual_seed(seed)
-        return timed(
-            speculative_decode(pair.target, pair.drafter, ids, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, gen),
-            pair.device,
-        )
+        decode = speculative_decode(pair.target, pair.drafter, ids, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, gen)
+        with clocks["spec"].watching(pair.target, pair.drafter) as clock:
+            return timed(clock.after_first(decode), pair.device)
 
     def base():
         gen = torch.Generator(pair.device).manual_seed(seed)
-        return timed(autoregressive_decode(pair.target, ids, sampling, cfg.max_new_tokens, pair.eos_ids, gen), pair.device)
+        decode = autoregressive_decode(pair.target, ids, sampling, cfg.max_new_tokens, pair.eos_ids, gen)
+        with clocks["base"].watching(pair.target) as clock:
+            return timed(clock.after_first(decode), pair.device)
 
     if index % 2 == 0:
         base_out, spec_out = base(), spec()
@@ -288,6 +291,7 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
             "first_tokens": len(cycles[0].tokens),
             "draft_passes": counts["drafted"] if isinstance(pair.drafter, (ModelDrafter, FeatureDrafter)) else 0,
             "tokens": spec_tokens,
+            "clock": clocks["spec"].tally(),
         },
         "base": {
             "new_tokens": len(base_tokens),
@@ -295,6 +299,7 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
             "ttft_s": base_stamps[0],
             "first_tokens": 1,
             "tokens": base_tokens,
+            "clock": clocks["base"].tally(),
         },
         "speedup": (len(spec_tokens) / spec_stamps[-1]) / (len(base_tokens) / base_stamps[-1]),
     }

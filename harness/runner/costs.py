@@ -2,11 +2,13 @@
 
 `timed` stamps each item a decode generator yields, the device synchronised;
 `measure_costs` measures a target step, the verify cost v(n) and the draft's
-cost ratio c (docs/metrics.md) that the summary's predicted speedups use.
+cost ratio c (docs/metrics.md) in isolated repetitions before a run, and
+`Clock` times the same passes inside the run itself (the summary's in-run costs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import TYPE_CHECKING
@@ -35,6 +37,74 @@ def timed(generator, device: torch.device) -> tuple[list, list[float]]:
         stamps.append(time.perf_counter() - start)
         items.append(item)
     return items, stamps
+
+
+class Clock:
+    """Seconds a decode spends in its target passes and draft proposals after its first yield
+    (the prompt's pass, which the decode figures leave out), tallied by key: `verify@n` for a target
+    pass over n positions, `draft` for a proposal (its forwards, sampling and lookup alike). On a CPU
+    the wall clock around each call; on CUDA a pair of events, read when the prompt is done, so that
+    no pass waits for the host. The tally goes in each prompt's record (`tally`)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.on = device, False
+        self.spans: list[tuple[str, object, object]] = []  # (key, start, end): times or CUDA events
+
+    def mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def timing(self, fn, key):
+        """fn, its calls timed under key(*args) while the clock is on."""
+
+        def clocked(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = self.mark()
+            out = fn(*args, **kwargs)
+            self.spans.append((key(*args), start, self.mark()))
+            return out
+
+        return clocked
+
+    @contextlib.contextmanager
+    def watching(self, target, drafter=None):
+        """The target's passes (forward, forward_features) and the drafter's proposals timed for the
+        duration; the instances' own methods afterwards."""
+        positions = lambda ids, *rest: f"verify@{ids.shape[0]}"  # noqa: E731
+        patched = [(target, name, positions) for name in ("forward", "forward_features") if hasattr(target, name)]
+        if drafter is not None:
+            patched.append((drafter, "propose", lambda *args: "draft"))
+        own = [(obj, name, vars(obj).get(name)) for obj, name, _ in patched]  # an instance's own override, if any
+        for obj, name, key in patched:
+            setattr(obj, name, self.timing(getattr(obj, name), key))
+        try:
+            yield self
+        finally:
+            for obj, name, before in own:
+                if before is None:
+                    delattr(obj, name)  # the class's method again
+                else:
+                    setattr(obj, name, before)
+
+    def after_first(self, generator):
+        """The generator's items; the clock runs from the second item's work on."""
+        for item in generator:
+            yield item
+            self.on = True
+
+    def tally(self) -> dict[str, list]:
+        """{key: [seconds, calls]}."""
+        out: dict[str, list] = {}
+        for key, start, end in self.spans:
+            seconds = start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
+            entry = out.setdefault(key, [0.0, 0])
+            entry[0] += seconds
+            entry[1] += 1
+        return out
 
 
 def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rounds: int = 9) -> dict:

@@ -53,6 +53,8 @@ METRICS = (
     "efficiency",
     "predicted_speedup_formula",
     "efficiency_formula",
+    "predicted_speedup_in_run",
+    "efficiency_in_run",
     "cost_ratio",
     "cost_ratio_ci_low",
     "cost_ratio_ci_high",
