@@ -82,18 +82,22 @@ def ms(times: dict[int, float]) -> list[float]:
 def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins():
     """torch's product at 1 ms for every row count; the transposed one mostly 0.5 ms, but 0.7 at
     3 rows (4 is faster: padded), 0.51 at 5 (6 is faster, within NEAR: not padded), 0.95 at 9
-    to 11 (not under MARGIN alone, but 12 is faster: padded to 12) and 2.0 from 13 on (torch's)."""
+    to 11 (not under MARGIN alone, but 12 is faster: padded to 12) and 2.0 from 13 on (torch's).
+    One row runs padded to two unless torch's product is clearly faster than that."""
     transposed = {m: 0.5 for m in range(1, 13)} | {3: 0.7, 5: 0.51, 9: 0.95, 10: 0.95, 11: 0.95} | {m: 2.0 for m in range(13, 18)}
     found = {"rows": list(range(1, cpu_linear.FEW_ROWS + 1)), "torch_ms": ms({}), "transposed_ms": ms(transposed)}
     rows_to = cpu_linear.plan(found)
-    assert rows_to[1:] == (1, 2, 4, 4, 5, 6, 7, 8, 12, 12, 12, 12, 0, 0, 0, 0, 0)
+    assert rows_to[1:] == (2, 2, 4, 4, 5, 6, 7, 8, 12, 12, 12, 12, 0, 0, 0, 0, 0)
     assert (
         cpu_linear.describe(rows_to)
-        == "W @ x.T, rows padded 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
+        == "W @ x.T, rows padded 1->2, 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
     )
     equal = cpu_linear.plan({**found, "transposed_ms": ms({m: 0.5 for m in range(1, 18)})})
-    assert equal == cpu_linear.AS_IS  # among equal times, the fewest rows: no padding
-    assert cpu_linear.plan({**found, "transposed_ms": ms({m: 0.95 for m in range(1, 18)})}) is None  # torch's everywhere
+    assert equal == cpu_linear.ONE_AS_TWO  # among equal times, the fewest rows: no padding but one row's
+    within = cpu_linear.plan({**found, "transposed_ms": ms({m: 0.95 for m in range(1, 18)})})
+    assert within == (0, 2, *[0] * 16)  # torch's everywhere but at one row
+    slower = cpu_linear.plan({**found, "transposed_ms": ms({m: 2.0 for m in range(1, 18)})})
+    assert slower is None  # torch's product clearly faster than one row padded to two: torch's everywhere
     assert cpu_linear.describe(None) == "torch's product"
 
 
@@ -203,10 +207,17 @@ def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, m
     monkeypatch.undo()
 
 
-@pytest.mark.parametrize("transposed_ms, product", [(0.5, "transposed"), (0.95, "torch"), (2.0, "torch")])
-def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, tmp_path, monkeypatch, transposed_ms, product):
+ONE_ROW_ONLY = [0, 2, *[0] * (cpu_linear.FEW_ROWS - 1)]
+
+
+@pytest.mark.parametrize(
+    "transposed_ms, rows_to",
+    [(0.5, list(cpu_linear.ONE_AS_TWO)), (0.95, ONE_ROW_ONLY), (2.0, None)],
+)
+def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, tmp_path, monkeypatch, transposed_ms, rows_to):
     """torch's product timed at 1 ms a pass, the transposed one at `transposed_ms`: auto takes the
-    transposed product under MARGIN (0.9) of torch's time, and torch's otherwise."""
+    transposed product under MARGIN (0.9) of torch's time, and torch's otherwise, but at one row,
+    which runs padded to two unless torch's product is clearly faster."""
     monkeypatch.setenv("SPECBENCH_PLANS", str(tmp_path))  # no plan stored for these shapes yet: auto probes
     target = fresh(tiny_pair)
     used = set()
@@ -221,8 +232,9 @@ def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, t
     monkeypatch.setattr(cpu_linear, "_ms", timed)
     record = choose("auto", [target], CPU)
     assert record["probe"]["transposed_ms"] == [transposed_ms] * cpu_linear.FEW_ROWS
-    assert record.get("rows_to") == (list(cpu_linear.AS_IS) if product == "transposed" else None)
-    assert record["product"] == product and linear_types(target) == {TransposedLinear if product == "transposed" else nn.Linear}
+    assert record.get("rows_to") == rows_to
+    assert record["product"] == ("transposed" if rows_to else "torch")
+    assert linear_types(target) == {TransposedLinear if rows_to else nn.Linear}
 
 
 def test_off_the_cpu_nothing_is_timed_or_changed(tiny_pair):

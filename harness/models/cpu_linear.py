@@ -55,6 +55,7 @@ REPS = 7  # sweeps of a probe: a plan departs from the simpler choice only where
 PROBE_BYTES = 2**30  # weights a probe pass reads, about (at least one layer): 0.1 s at 10 GB/s
 AS_IS = tuple(range(FEW_ROWS + 1))  # a plan computing each row count as it is
 ONE_AS_TWO = (0, 2, *range(2, FEW_ROWS + 1))  # cpu_linear=transposed: one row runs as a matrix-vector product, padded to two
+PLAN_RULE = 2  # the version of `plan` a stored plan was decided by: a stored plan of another version is probed anew
 
 
 def transposed_linear(
@@ -190,21 +191,33 @@ def plan(found: dict) -> tuple[int, ...] | None:
     scatter), at the fewest rows among the paddings not clearly slower than the fastest one;
     then that product only where it is clearly faster than torch's at M (`clearly_faster` by
     MARGIN). Anything within the probe's noise keeps the simpler choice (no padding; torch's
-    product), so that probes on one machine agree. None: torch's product at every row count."""
+    product), so that probes on one machine agree. One row is the exception: its simpler choice
+    is the transposed product padded to two (as `cpu_linear=transposed` runs it), and torch's
+    product only where that is clearly faster. Unpadded, one row is a matrix-vector product,
+    which the BLASes measured run on one thread; the probe's sweeps at one and two rows often
+    overlap while a model's whole step is clearly faster padded (SmolLM2-135M's
+    step on a 2-core EPYC: 2 positions scored in 0.81 [0.80, 0.83] of the time of 1, under a plan
+    whose probe had kept torch's product at one row), and one row is every step of the target
+    alone, the baseline of every speedup. None: torch's product at every row count."""
     torch_ms = dict(zip(found["rows"], found["torch_ms"]))
     sweeps = found.get("sweeps") or {}
     sweeps_of = {
         name: dict(zip(found["rows"], sweeps.get(name) or [[t] for t in found[name]])) for name in ("torch_ms", "transposed_ms")
     }
     rows_to = [0] * (FEW_ROWS + 1)
-    transposed = sweeps_of["transposed_ms"]
+    transposed, torch_sweeps = sweeps_of["transposed_ms"], sweeps_of["torch_ms"]
     for m in torch_ms:
-        rows = m
-        better = {n: transposed[n] for n in transposed if n > m and clearly_faster(transposed[n], transposed[m], 1 / NEAR)}
+        one_as_two = m == 1 and 2 in transposed  # one row's simpler choice: padded to two (ONE_AS_TWO)
+        rows = start = 2 if one_as_two else m
+        better = {
+            n: transposed[n] for n in transposed if n > start and clearly_faster(transposed[n], transposed[start], 1 / NEAR)
+        }
         if better:  # padding pays: the fewest rows not clearly slower than the fastest padding
             fastest = better[min(better, key=lambda n: statistics.median(better[n]))]
             rows = min(n for n, times in better.items() if not clearly_faster(fastest, times, 1 / NEAR))
-        if clearly_faster(transposed[rows], sweeps_of["torch_ms"][m], MARGIN):
+        if one_as_two:
+            rows_to[m] = 0 if clearly_faster(torch_sweeps[m], transposed[rows], MARGIN) else rows
+        elif clearly_faster(transposed[rows], torch_sweeps[m], MARGIN):
             rows_to[m] = rows
     return tuple(rows_to) if any(rows_to) else None
 
@@ -232,10 +245,11 @@ def apply(models: list[nn.Module], rows_to: tuple[int, ...] | list[int] | None) 
 
 
 def plan_key(models: list[nn.Module], identity: dict) -> dict:
-    """What a plan depends on: the device (CPU model and torch threads), torch's version, and the
-    shapes and dtypes of the linear layers it times."""
+    """What a plan depends on: the device (CPU model and torch threads), torch's version, the
+    shapes and dtypes of the linear layers it times, and the rule (`plan`) that decided it."""
     shapes = Counter((*layer.weight.shape, str(layer.weight.dtype)) for layer in _linears(models))
-    return {"device": identity, "torch": torch.__version__, "shapes": sorted([*shape, count] for shape, count in shapes.items())}
+    shapes = sorted([*shape, count] for shape, count in shapes.items())
+    return {"device": identity, "torch": torch.__version__, "shapes": shapes, "rule": PLAN_RULE}
 
 
 def plan_path(key: dict) -> Path:
