@@ -194,11 +194,10 @@ def plan(found: dict) -> tuple[int, ...] | None:
     product), so that probes on one machine agree. One row is the exception: its simpler choice
     is the transposed product padded to two (as `cpu_linear=transposed` runs it), and torch's
     product only where that is clearly faster. Unpadded, one row is a matrix-vector product,
-    which the BLASes measured run on one thread; the probe's sweeps at one and two rows often
-    overlap while a model's whole step is clearly faster padded (SmolLM2-135M's
-    step on a 2-core EPYC: 2 positions scored in 0.81 [0.80, 0.83] of the time of 1, under a plan
-    whose probe had kept torch's product at one row), and one row is every step of the target
-    alone, the baseline of every speedup. None: torch's product at every row count."""
+    which the BLASes measured run on one thread; the probe's sweeps at one and two rows can
+    overlap while a model's whole step is clearly faster padded (docs/design.md, "Linear layers
+    on the CPU"), and one row is every step of the target alone, the baseline of every speedup.
+    None: torch's product at every row count."""
     torch_ms = dict(zip(found["rows"], found["torch_ms"]))
     sweeps = found.get("sweeps") or {}
     sweeps_of = {
