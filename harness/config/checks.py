@@ -53,6 +53,7 @@ CHOICES = {
 MUST = {
     "seed": f"must be an integer from 0 to {settings.MAX_SEED} (a prompt's seed is seed x {settings.PROMPT_SEED_STRIDE:_} + its index)",
     "k": "must be a positive integer (e.g. k=4)",
+    "batch_size": "must be a positive integer (1: one prompt at a time)",
     "max_new_tokens": "must be a positive integer",
     "temperature": f"must be a number from 0 (greedy) to {settings.FLOAT32_MAX:.3g} (float32's largest)",
     "top_p": "must be in (0, 1] (1 turns it off)",
@@ -356,6 +357,7 @@ def validate(cfg: DictConfig) -> None:
     within = {
         "seed": 0 <= cfg.seed <= settings.MAX_SEED,
         "k": k >= 1,
+        "batch_size": cfg.get("batch_size", 1) >= 1,
         "device": re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", cfg.device),
         "temperature": 0 <= cfg.temperature <= settings.FLOAT32_MAX,
         "top_p": 0 < cfg.top_p <= 1,
@@ -383,6 +385,11 @@ def validate(cfg: DictConfig) -> None:
         # Longer steps run eagerly (CachedLM.forward): a run labelled compiled would time its full verifies eager.
         (not cfg.compile or k + 1 <= settings.COMPILED_MAX_TOKENS, compiled_k_message(k)),
         (forward != "lean" or (cfg.cache == "dynamic" and not cfg.compile), settings.LEAN_EAGER_ONLY),
+        (cfg.get("batch_size", 1) == 1 or (cfg.cache == "dynamic" and not cfg.compile), settings.BATCH_ONE_ONLY),
+        (
+            cfg.get("batch_size", 1) == 1 or OmegaConf.select(cfg, "pair.draft.kind") not in settings.FEATURE_KINDS,
+            settings.BATCH_FEATURES,
+        ),
     ]
     for ok, message in checks:
         if not ok:

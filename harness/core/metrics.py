@@ -146,8 +146,23 @@ def speedup_stats(records: Sequence[dict], seed: int = 0) -> dict:
     }
 
 
+def batch_units(records: Sequence[dict]) -> list[dict]:
+    """The batches (batch_size > 1) the records' prompts ran in, once each, in order: their own tokens,
+    times and clocks (harness.runner.cell.run_batch). Without batches, the records themselves."""
+    if not records or "batch" not in records[0]:
+        return list(records)
+    return list({r["batch"]["index"]: r["batch"] for r in records}.values())
+
+
 def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> dict:
-    """Summary metrics of a run from its per-prompt records and measured costs."""
+    """Summary metrics of a run from its per-prompt records and measured costs.
+
+    At batch_size > 1 the counts are the prompts' and the times the batches' (`batch_units`): the
+    speedup is per batch the ratio of the two sides' throughputs (tokens/s over the batch), its
+    interval bootstraps batches; TPOT is time per token over the batch, and the in-run costs are the
+    batched passes'. The prediction prices each row's cycles with the costs measured at the batch
+    size (a batch's pass serves all its rows, and so does the baseline's step)."""
+    units = batch_units(records)
     total = lambda key: sum(r["spec"][key] for r in records)  # noqa: E731
     hist = np.sum([r["spec"]["accept_hist"] for r in records], axis=0).tolist() if records else [0] * (k + 1)
     reached = np.sum([r["spec"]["position_reached"] for r in records], axis=0) if records else np.zeros(k)
@@ -178,12 +193,12 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "cycles": total("cycles"),
         "new_tokens": total("new_tokens"),
         "base_new_tokens": sum(r["base"]["new_tokens"] for r in records),
-        "spec_time_s": total("time_s"),
-        "base_time_s": sum(r["base"]["time_s"] for r in records),
+        "spec_time_s": sum(u["spec"]["time_s"] for u in units),
+        "base_time_s": sum(u["base"]["time_s"] for u in units),
         "spec_ttft_s": float(np.median([r["spec"]["ttft_s"] for r in records])) if records else float("nan"),
         "base_ttft_s": float(np.median([r["base"]["ttft_s"] for r in records])) if records else float("nan"),
-        "spec_tpot_s": _tpot(records, "spec"),
-        "base_tpot_s": _tpot(records, "base"),
+        "spec_tpot_s": _tpot(units, "spec"),
+        "base_tpot_s": _tpot(units, "base"),
         "cost_ratio": c,
         "cost_ratio_ci": costs.get("cost_ratio_ci"),
         "verify_cost": v,
@@ -196,8 +211,12 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "predicted_speedup": predicted,
         "predicted_speedup_formula": by_formula,
     }
+    summary["spec_tokens_per_s"] = ratio(summary["new_tokens"], summary["spec_time_s"])
+    summary["base_tokens_per_s"] = ratio(summary["base_new_tokens"], summary["base_time_s"])
+    if records and "batch" in records[0]:
+        summary["batches"] = len(units)
     if records:
-        summary.update(speedup_stats(records, seed))
+        summary.update(speedup_stats(units, seed))
     else:
         summary.update(
             speedup=float("nan"),
@@ -208,7 +227,7 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     summary["decode_speedup"] = ratio(summary["base_tpot_s"], summary["spec_tpot_s"])
     summary["efficiency"] = ratio(summary["decode_speedup"], predicted)
     summary["efficiency_formula"] = ratio(summary["decode_speedup"], by_formula)
-    in_run = in_run_costs(records, k)
+    in_run = in_run_costs(units, k)
     in_run_predicted = predicted_by_cycles(
         records, in_run["cost_ratio"], [0.0 if math.isnan(x) else x for x in in_run["verify_cost"]]
     )  # a v(n) the run never paid prices no cycle (0 cycles x anything)

@@ -147,7 +147,7 @@ class CachedLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
         """Append input_ids [T] to the cache; logits [num_logits, vocab_size] of the last positions."""
-        return self._width(self.backend.forward(self._readable(input_ids), num_logits))
+        return self.full_width(self.backend.forward(self.readable_ids(input_ids), num_logits))
 
     @torch.inference_mode()
     def forward_features(
@@ -155,15 +155,15 @@ class CachedLM:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, and the hidden states [T, len(layers) * hidden] at every position fed (Backend.forward_features:
         the inputs of the layers named, the final normed state for index L); for drafts that read the target."""
-        logits, features = self.backend.forward_features(self._readable(input_ids), num_logits, layers)
-        return self._width(logits), features
+        logits, features = self.backend.forward_features(self.readable_ids(input_ids), num_logits, layers)
+        return self.full_width(logits), features
 
-    def _readable(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def readable_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.readable < self.vocab_size:
             return torch.where(input_ids < self.readable, input_ids, 0)  # on the device: no host read
         return input_ids
 
-    def _width(self, logits: torch.Tensor) -> torch.Tensor:
+    def full_width(self, logits: torch.Tensor) -> torch.Tensor:
         """[num_logits, vocab_size]: rows beyond the range dropped, rows the model lacks -inf."""
         logits = logits[:, : self.vocab_size]  # [num_logits, scored]
         if self.scored < self.vocab_size:  # the rows a draft lacks get -inf (it can never draft them)

@@ -93,15 +93,16 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as HF's Llama applies it: x [heads, T, D], cos and sin [T, D]."""
+    """RoPE as HF's Llama applies it: x [..., heads, T, D], cos and sin broadcasting to it ([..., 1, T, D] or [T, D])."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class LeanLlama:
-    """The lean forward of one LlamaForCausalLM, with KV storage of its own (batch of one)."""
+    """The lean forward of one LlamaForCausalLM, with KV storage of its own for `rows` sequences
+    (one by default; a batch's rows each have their own length: harness.models.batched)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, rows: int = 1):
         if reason := unsupported(model):
             raise HarnessError(f"forward=lean runs Llama-architecture models only: {reason}; use forward=hf")
         self.model, self.inner = model, model.model
@@ -121,40 +122,93 @@ class LeanLlama:
             ]
             model._harness_lean_fused = fused
         self.fused = fused
-        self.capacity = 0
-        self.keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
+        self.rows, self.capacity = rows, 0
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
 
     def reserve(self, length: int) -> None:
-        """Room for `length` positions, rounded up to ROOM; what is stored is kept."""
+        """Room for `length` positions per row, rounded up to ROOM; what is stored is kept."""
         if length <= self.capacity:
             return
         capacity = -(-length // ROOM) * ROOM
         weight = self.layers[0].self_attn.o_proj.weight
-        shape = (self.kv_heads, capacity, self.head_dim)
+        shape = (self.rows, self.kv_heads, capacity, self.head_dim)
         keys = [weight.new_zeros(shape) for _ in self.layers]
         values = [weight.new_zeros(shape) for _ in self.layers]
         for old, new in zip(self.keys + self.values, keys + values):
-            new[:, : self.capacity] = old
+            new[:, :, : self.capacity] = old
         self.keys, self.values, self.capacity = keys, values, capacity
+
+    def keep_rows(self, kept: torch.Tensor) -> None:
+        """Move the stored rows `kept` [R'] (indices, in order) to the first R' rows: a batch drops the others."""
+        for stored in self.keys + self.values:
+            stored[: kept.shape[0]] = stored[kept]
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, start: int, num_logits: int, capture: tuple[int, ...] = ()):
-        """Positions start.. of input_ids [T] after `start` stored ones; logits [num_logits, V] of the last ones.
+        """Positions start.. of input_ids [T] after `start` stored ones (row 0); logits [num_logits, V] of the last ones.
         capture (layer indices, L for the final normed state): also the hidden states [T, len(capture) * hidden]."""
         T, end = input_ids.shape[0], start + input_ids.shape[0]
-        for key, hook in self.model._forward_pre_hooks.items():  # a pass of the model to whoever counts them (the bench)
-            hook(self.model, (), {}) if key in self.model._forward_pre_hooks_with_kwargs else hook(self.model, ())
+        self._count_pass()
         if end > self.capacity:
             self.reserve(max(end, 2 * self.capacity))
-        x = self.inner.embed_tokens(input_ids)  # [T, hidden]
         positions = torch.arange(start, end, device=input_ids.device)  # [T]
-        cos, sin = self.inner.rotary_emb(x.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D] each
-        cos, sin = cos[0], sin[0]
         # A step of several tokens sees what came before it and itself up to its own position.
         mask = None if T == 1 else torch.arange(end, device=input_ids.device) <= positions[:, None]  # [T, end]
+
+        def store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            keys[0, :, start:end], values[0, :, start:end] = k[0], v[0]
+            return keys[:1, :, :end], values[:1, :, :end]
+
+        x, taken = self._layers(input_ids[None], positions[None], mask, store, capture)  # [1, T, hidden]
+        x = x[0]
+        if not capture:
+            return self.model.lm_head(_rms_norm(x[-num_logits:], self.inner.norm))  # [num_logits, V]
+        last = len(self.layers)
+        if last in capture:  # the final normed state at every position: the logits' rows are its last ones
+            taken[last] = _rms_norm(x, self.inner.norm)[None]
+            h = taken[last][0, -num_logits:]
+        else:
+            h = _rms_norm(x[-num_logits:], self.inner.norm)
+        return self.model.lm_head(h), torch.cat([taken[i][0] for i in capture], dim=-1)  # [num_logits, V], [T, F]
+
+    @torch.inference_mode()
+    def batch(self, input_ids: torch.Tensor, starts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """A ragged step of B rows: row b feeds input_ids[b] [T] at positions starts[b].. of stored row b
+        (its tokens past its own count are padding, written beyond its length and never read);
+        logits [N, V] of the positions `last` [N, 2] (row, index into its T)."""
+        B, T = input_ids.shape
+        end = int(starts.max()) + T  # host read: the span attention reads
+        self._count_pass()
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        positions = starts[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
+        mask = (torch.arange(end, device=input_ids.device) <= positions[..., None])[:, None]  # [B, 1, T, end]
+        rows = torch.arange(B, device=input_ids.device)[:, None, None]  # [B, 1, 1]
+        heads = torch.arange(self.kv_heads, device=input_ids.device)[None, :, None]  # [1, kv_heads, 1]
+        slots = positions[:, None, :]  # [B, 1, T]
+
+        def store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            keys[rows, heads, slots], values[rows, heads, slots] = k, v  # [B, kv_heads, T, D] each
+            return keys[:B, :, :end], values[:B, :, :end]
+
+        x, _ = self._layers(input_ids, positions, mask, store, ())  # [B, T, hidden]
+        return self.model.lm_head(_rms_norm(x[last[:, 0], last[:, 1]], self.inner.norm))  # [N, V]
+
+    def _count_pass(self) -> None:
+        for key, hook in self.model._forward_pre_hooks.items():  # a pass of the model to whoever counts them (the bench)
+            hook(self.model, (), {}) if key in self.model._forward_pre_hooks_with_kwargs else hook(self.model, ())
+
+    def _layers(self, input_ids, positions, mask, store, capture) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers over input_ids [B, T] at positions [B, T]; `store(keys, values, k, v)` writes a
+        layer's new keys and values [B, kv_heads, T, D] and gives the ones attention reads. Hidden states
+        [B, T, hidden] after the last layer, and the inputs of the layers in `capture`."""
+        B, T = input_ids.shape
+        x = self.inner.embed_tokens(input_ids)  # [B, T, hidden]
+        cos, sin = self.inner.rotary_emb(x, positions)  # [B, T, D] each
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         split = (self.heads, self.kv_heads, self.kv_heads)
-        taken: dict[int, torch.Tensor] = {}  # layer index -> its input [T, hidden]
+        taken: dict[int, torch.Tensor] = {}  # layer index -> its input [B, T, hidden]
         for index, (layer, ((qkv_w, qkv_b), (gu_w, gu_b)), keys, values) in enumerate(
             zip(self.layers, self.fused, self.keys, self.values)
         ):
@@ -162,31 +216,17 @@ class LeanLlama:
                 taken[index] = x
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
-            qkv = _linear(h, qkv_w, qkv_b, attn.q_proj)  # [T, (heads + 2 kv_heads) D]
-            q, k, v = qkv.view(T, -1, self.head_dim).transpose(0, 1).split(split)  # [heads|kv_heads, T, D]
-            keys[:, start:end] = rotate(k, cos, sin)
-            values[:, start:end] = v
+            qkv = _linear(h, qkv_w, qkv_b, attn.q_proj)  # [B, T, (heads + 2 kv_heads) D]
+            q, k, v = qkv.view(B, T, -1, self.head_dim).transpose(1, 2).split(split, dim=1)  # [B, heads|kv_heads, T, D]
+            read_keys, read_values = store(keys, values, rotate(k, cos, sin), v)
             out = F.scaled_dot_product_attention(
-                rotate(q, cos, sin).unsqueeze(0),
-                keys[None, :, :end],
-                values[None, :, :end],
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=True,
-            )  # [1, heads, T, D]
-            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(T, -1))
+                rotate(q, cos, sin), read_keys, read_values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )  # [B, heads, T, D]
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             h = _rms_norm(x, layer.post_attention_layernorm)
-            gate, up = _linear(h, gu_w, gu_b, mlp.gate_proj).chunk(2, dim=-1)  # [T, intermediate] each
+            gate, up = _linear(h, gu_w, gu_b, mlp.gate_proj).chunk(2, dim=-1)  # [B, T, intermediate] each
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-        if not capture:
-            return self.model.lm_head(_rms_norm(x[-num_logits:], self.inner.norm))  # [num_logits, V]
-        last = len(self.layers)
-        if last in capture:  # the final normed state at every position: the logits' rows are its last ones
-            taken[last] = _rms_norm(x, self.inner.norm)
-            h = taken[last][-num_logits:]
-        else:
-            h = _rms_norm(x[-num_logits:], self.inner.norm)
-        return self.model.lm_head(h), torch.cat([taken[i] for i in capture], dim=-1)  # [num_logits, V], [T, F]
+        return x, taken
 
 
 @torch.inference_mode()

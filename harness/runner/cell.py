@@ -30,6 +30,8 @@ import harness.tracking.tracker as tracking
 from harness.config.checks import validate, with_default_pair
 from harness.config.settings import PROMPT_SEED_STRIDE
 from harness.core import metrics
+from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
+from harness.core.batch_drafters import BatchModelDrafter
 from harness.core.drafters import FeatureDrafter, ModelDrafter
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
@@ -37,7 +39,7 @@ from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, encode_within, select
 from harness.errors import HarnessError
 from harness.models.loading import resolve_device
-from harness.runner.costs import Clock, measure_costs, timed
+from harness.runner.costs import Clock, measure_costs, measure_costs_batch, timed
 from harness.runner.pair import Pair, draft_size, load_pair
 from harness.runner.provenance import (
     conditions,
@@ -136,21 +138,20 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     pair.warm_up(cfg.k)
 
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
-    run_prompt(
-        pair,
-        encoded[0][0],
-        encoded[0][1][-32:],
-        0,
-        OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)}),
-        sampling,
-    )
-    costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
+    warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
+    B = cfg.get("batch_size", 1)
+    if B == 1:
+        run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, warm_cfg, sampling)
+        costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
+    else:
+        pair.reserve_batch(max(ids.shape[0] for _, ids in encoded) + max(cfg.max_new_tokens - 1, cfg.k))
+        run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
+        costs = measure_costs_batch(pair, [ids for _, ids in encoded[:B]], cfg.k, sampling)
     pair.use_costs(costs)
 
     resumed = len(records)  # records[resumed:] are run by this process
     done = {r["id"] for r in records}
     tracker = tracking.start(cfg, cell_dir)
-    todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
     versions_now = libraries()
 
     def write_status(status: str, **extra) -> None:
@@ -162,10 +163,8 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     write_status("running")
     try:
         with lines_path.open("a") as out:
-            for i, p, ids in tqdm(
-                todo, desc=f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}", unit="prompt", file=sys.stderr, disable=quiet
-            ):
-                record = stamped(run_prompt(pair, p, ids, i, cfg, sampling), started)
+            for result in results(pair, encoded, done, cfg, sampling, quiet):
+                record = stamped(result, started)
                 record["machine"] = here
                 record["rss_mb"] = current_rss_mb()
                 record["host"] = platform.node()  # a resumed cell may have run part of its prompts elsewhere
@@ -253,6 +252,22 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     return summary
 
 
+def results(pair: Pair, encoded: list, done: set, cfg: DictConfig, sampling: Sampling, quiet: bool):
+    """The records of the prompts not `done`, as they are measured: one prompt at a time, or at
+    batch_size > 1 in batches of consecutive prompts (a batch runs whole when any of its prompts is to do)."""
+    desc = f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}"
+    B = cfg.get("batch_size", 1)
+    if B == 1:
+        todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
+        for i, p, ids in tqdm(todo, desc=desc, unit="prompt", file=sys.stderr, disable=quiet):
+            yield run_prompt(pair, p, ids, i, cfg, sampling)
+        return
+    batches = [[(p, ids, i) for i, (p, ids) in enumerate(encoded)][j : j + B] for j in range(0, len(encoded), B)]
+    todo = [(b, rows) for b, rows in enumerate(batches) if any(p["id"] not in done for p, _, _ in rows)]
+    for b, rows in tqdm(todo, desc=f"{desc} B={B}", unit="batch", file=sys.stderr, disable=quiet):
+        yield from (r for r in run_batch(pair, rows, b, cfg, sampling) if r["id"] not in done)
+
+
 def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: DictConfig, sampling: Sampling) -> dict:
     """Baseline and speculative decoding of one prompt, back to back."""
     seed = cfg.seed * PROMPT_SEED_STRIDE + index
@@ -303,3 +318,102 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
         },
         "speedup": (len(spec_tokens) / spec_stamps[-1]) / (len(base_tokens) / base_stamps[-1]),
     }
+
+
+def run_batch(
+    pair: Pair, rows: list[tuple[dict, torch.Tensor, int]], batch: int, cfg: DictConfig, sampling: Sampling
+) -> list[dict]:
+    """Baseline and speculative decoding of a batch of prompts (prompt, ids, index), back to back;
+    one record per prompt. Each row has the seed it has alone (seed x stride + its index), so its
+    tokens are those it would get at batch_size=1 up to the rounding of other product shapes.
+    A row's time_s is when it finished within its batch; `batch` holds the batch's own figures."""
+    target, drafter = pair.batched()
+    prompts = [ids for _, ids, _ in rows]
+    seeds = [cfg.seed * PROMPT_SEED_STRIDE + index for _, _, index in rows]
+    clocks = {"spec": Clock(pair.device), "base": Clock(pair.device)}
+
+    def generators():
+        return [torch.Generator(pair.device).manual_seed(seed) for seed in seeds]
+
+    def spec():
+        decode = speculative_decode_batch(
+            target, drafter, prompts, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, generators()
+        )
+        with clocks["spec"].watching(target, drafter) as clock:
+            return timed(clock.after_first(decode), pair.device)
+
+    def base():
+        decode = autoregressive_decode_batch(target, prompts, sampling, cfg.max_new_tokens, pair.eos_ids, generators())
+        with clocks["base"].watching(target) as clock:
+            return timed(clock.after_first(decode), pair.device)
+
+    if batch % 2 == 0:
+        base_out, spec_out = base(), spec()
+    else:
+        spec_out, base_out = spec(), base()
+    (spec_cycles, spec_stamps), (base_steps, base_stamps) = spec_out, base_out
+    per_row = [[] for _ in rows]  # (cycle, stamp) per row
+    for cycle, stamp in zip(spec_cycles, spec_stamps):
+        for row, c in cycle:
+            per_row[row].append((c, stamp))
+    base_tokens, base_done = [[] for _ in rows], [0.0] * len(rows)
+    for step, stamp in zip(base_steps, base_stamps):
+        for row, token in step:
+            base_tokens[row].append(token)
+            base_done[row] = stamp
+    drafting = isinstance(drafter, BatchModelDrafter)
+    draft_steps = [max((c.num_drafted for _, c in cycle), default=0) for cycle in spec_cycles]  # a batched draft's passes
+    spec_total, base_total = sum(len(c.tokens) for cycle in spec_cycles for _, c in cycle), sum(map(len, base_tokens))
+    unit = {
+        "index": batch,
+        "size": len(rows),
+        "ids": [p["id"] for p, _, _ in rows],
+        "spec": {
+            "new_tokens": spec_total,
+            "time_s": spec_stamps[-1],
+            "ttft_s": spec_stamps[0],
+            "first_tokens": sum(len(c.tokens) for _, c in spec_cycles[0]),
+            "drafted": sum(draft_steps),
+            "first_drafted": draft_steps[0],
+            "clock": clocks["spec"].tally(),
+        },
+        "base": {
+            "new_tokens": base_total,
+            "time_s": base_stamps[-1],
+            "ttft_s": base_stamps[0],
+            "first_tokens": len(rows),
+            "clock": clocks["base"].tally(),
+        },
+    }
+    speedup = (spec_total / spec_stamps[-1]) / (base_total / base_stamps[-1])
+    records = []
+    for (prompt, ids, index), cycles, tokens, done in zip(rows, per_row, base_tokens, base_done):
+        counts = metrics.cycle_counts([c for c, _ in cycles], cfg.k)
+        spec_tokens = [t for c, _ in cycles for t in c.tokens]
+        records.append(
+            {
+                "index": index,
+                "id": prompt["id"],
+                "category": prompt["category"],
+                "prompt_tokens": int(ids.shape[0]),
+                "spec": {
+                    **counts,
+                    "new_tokens": len(spec_tokens),
+                    "time_s": cycles[-1][1],
+                    "ttft_s": spec_stamps[0],
+                    "first_tokens": len(cycles[0][0].tokens),
+                    "draft_passes": counts["drafted"] if drafting else 0,
+                    "tokens": spec_tokens,
+                },
+                "base": {
+                    "new_tokens": len(tokens),
+                    "time_s": done,
+                    "ttft_s": base_stamps[0],
+                    "first_tokens": 1,
+                    "tokens": tokens,
+                },
+                "speedup": speedup,
+                "batch": unit,
+            }
+        )
+    return records

@@ -74,7 +74,7 @@ class Clock:
     def watching(self, target, drafter=None):
         """The target's passes (forward, forward_features) and the drafter's proposals timed for the
         duration; the instances' own methods afterwards."""
-        positions = lambda ids, *rest: f"verify@{ids.shape[0]}"  # noqa: E731
+        positions = lambda ids, *rest: f"verify@{width(ids)}"  # noqa: E731
         patched = [(target, name, positions) for name in ("forward", "forward_features") if hasattr(target, name)]
         if drafter is not None:
             patched.append((drafter, "propose", lambda *args: "draft"))
@@ -100,9 +100,9 @@ class Clock:
         """{key: [seconds, calls]}."""
         out: dict[str, list] = {}
         for key, start, end in self.spans:
-            seconds = start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
+            spent = start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
             entry = out.setdefault(key, [0.0, 0])
-            entry[0] += seconds
+            entry[0] += spent
             entry[1] += 1
         return out
 
@@ -129,35 +129,70 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
     extra = ids[-1:].repeat(k + 1)  # positions to score; their values do not matter for timing
     generator = torch.Generator(device).manual_seed(0)
 
-    def seconds(fn) -> float:
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        return time.perf_counter() - start
-
     def score(n: int) -> float:
         """Seconds of a target pass over n positions; the rollback after it is not timed (a step has none)."""
         if reads:
-            spent = seconds(lambda: target.forward_features(extra[:n], n, reads))
+            spent = seconds(device, lambda: target.forward_features(extra[:n], n, reads))
         else:
-            spent = seconds(lambda: target.forward(extra[:n], num_logits=n))
+            spent = seconds(device, lambda: target.forward(extra[:n], num_logits=n))
         target.rollback(ids.shape[0] - 1)
         return spent
 
-    verify_s, draft_s = [], []  # [rounds, k + 1] scoring 1..k+1 positions; [rounds] per drafted token
-    for _ in range(rounds):
-        verify_s.append([score(n) for n in range(1, k + 2)])
-        # As in the loop, the draft runs right after a target pass: on a CPU the
-        # target's weights have evicted the draft's from the caches (measured
-        # back to back instead, the draft step looks ~25% cheaper than it is).
+    def draft() -> float:
         pair.drafter.start(ids)
         if reads:  # the head holds the prompt's pairs but the last, as after a cycle that rejected its first draft
             pair.drafter.observe(prompt_features, 0)
             pair.drafter.propose(ids[:-1], 1, sampling, generator)
             pair.drafter.rollback(ids.shape[0] - 1)
+        score(k + 1)  # as in the loop, the draft runs right after a target pass (see `cost_rounds`)
+        return seconds(device, lambda: pair.drafter.propose(ids, k, sampling, generator)) / k
+
+    return cost_rounds(score, draft, k, rounds)
+
+
+def measure_costs_batch(pair: Pair, prompts: list[torch.Tensor], k: int, sampling: Sampling, rounds: int = 9) -> dict:
+    """measure_costs at batch size B = len(prompts): the target step, v(n) and c of a pass over B rows,
+    each row at its own prompt's context (a ragged step, as the batched loop runs it), in units of the
+    B-row step. The figures the batched cell's prediction prices its cycles with."""
+    target, drafter = pair.batched()
+    device, B = pair.device, len(prompts)
+    prompts = [ids[-max(pair.context - k, 1) :] for ids in prompts]
+    target.start(B)
+    target.forward([ids[:-1] for ids in prompts], [0] * B)
+    lengths = [ids.shape[0] - 1 for ids in prompts]
+    extra = [ids[-1:].repeat(k + 1) for ids in prompts]
+    generators = [torch.Generator(device).manual_seed(row) for row in range(B)]
+
+    def score(n: int) -> float:
+        spent = seconds(device, lambda: target.forward([e[:n] for e in extra], [n] * B))
+        target.rollback(lengths)
+        return spent
+
+    def draft() -> float:
+        drafter.start(prompts)
         score(k + 1)
-        draft_s.append(seconds(lambda: pair.drafter.propose(ids, k, sampling, generator)) / k)
+        return seconds(device, lambda: drafter.propose(prompts, [k] * B, sampling, generators)) / k
+
+    return {**cost_rounds(score, draft, k, rounds), "batch_size": B}
+
+
+def seconds(device: torch.device, fn) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def cost_rounds(score, draft, k: int, rounds: int) -> dict:
+    """The cost figures from interleaved rounds: each round times `score(n)` (a target pass over n
+    positions) for n = 1..k+1, then `draft()` (seconds per drafted token). On a CPU the draft runs right
+    after a target pass, as in the loop: the target's weights have evicted the draft's from the caches
+    (measured back to back instead, the draft step looks ~25% cheaper than it is)."""
+    verify_s, draft_s = [], []  # [rounds, k + 1] scoring 1..k+1 positions; [rounds] per drafted token
+    for _ in range(rounds):
+        verify_s.append([score(n) for n in range(1, k + 2)])
+        draft_s.append(draft())
     median = statistics.median
     step_ratios = [d / row[0] for d, row in zip(draft_s, verify_s)]
     verify_ratios = [[row[n] / row[0] for row in verify_s] for n in range(k + 1)]  # [k + 1][rounds]: v(n) per round
@@ -175,6 +210,11 @@ def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rou
     }
     costs["verify_cost_dips"] = verify_cost_dips(costs["verify_cost_ci"])
     return costs
+
+
+def width(ids) -> int:
+    """Positions a pass feeds: a sequence's ids [T], or a batch's feeds (its padded width)."""
+    return ids.shape[0] if isinstance(ids, torch.Tensor) else max(1, max(f.shape[0] for f in ids))
 
 
 def verify_cost_dips(intervals: list[tuple[float, float]]) -> list[int]:

@@ -14,11 +14,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config.settings import DRAFT_KINDS, FEATURES_EAGER_ONLY
+from harness.config.settings import BATCH_FEATURES, DRAFT_KINDS, FEATURES_EAGER_ONLY
+from harness.core.batch_drafters import BatchModelDrafter, RowDrafters
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.data.prompts import set_pair_template
 from harness.errors import HarnessError
 from harness.models import cpu_linear
+from harness.models.batched import BatchedLM, batched
 from harness.models.cached import CachedLM
 from harness.models.eagle import LAYOUTS, load_head
 from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_dtype
@@ -35,6 +37,7 @@ class Pair:
     device: torch.device
     linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the product the linear layers use, and why
     linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
+    batch: tuple | None = field(default=None, repr=False)  # (BatchedLM target, batch drafter), made by `batched`
 
     @property
     def context(self) -> int:
@@ -68,6 +71,26 @@ class Pair:
         self.target.warm_up([(n, n) for n in range(1, k + 2)])
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.lm.warm_up([(1, 1), (2, 1)])
+
+    def batched(self) -> tuple[BatchedLM, BatchModelDrafter | RowDrafters]:
+        """The target and drafter for batch_size > 1 (harness.core.batch), made once per pair: the same
+        models, caches of their own for B rows."""
+        if self.batch is None:
+            if isinstance(self.drafter, FeatureDrafter):
+                raise HarnessError(BATCH_FEATURES)
+            if isinstance(self.drafter, ModelDrafter):
+                drafter = BatchModelDrafter(batched(self.drafter.lm))
+            else:
+                drafter = RowDrafters(self.drafter)
+            self.batch = (batched(self.target), drafter)
+        return self.batch
+
+    def reserve_batch(self, positions: int) -> None:
+        """Room for batch rows of up to `positions` positions (the lean layout's storage allocated ahead)."""
+        target, drafter = self.batched()
+        target.reserve(positions)
+        if isinstance(drafter, BatchModelDrafter):
+            drafter.lm.reserve(positions)
 
     def models(self) -> list:
         """The pair's models: the target, and the draft when it is a model."""

@@ -140,11 +140,25 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
         "forward": "lean" if pair.target.lean is not None else "hf",  # as forward=auto resolved, for the target
         **({"draft_forward": "lean" if pair.drafter.lm.lean is not None else "hf"} if hasattr(pair.drafter, "lm") else {}),
         **({"linear": pair.linear} if pair.linear else {}),
+        **({"batch": batch_conditions(cfg, pair)} if cfg.get("batch_size", 1) > 1 else {}),
         **(
             {"cuda": torch.version.cuda, "capability": ".".join(map(str, torch.cuda.get_device_capability(pair.device)))}
             if pair.device.type == "cuda"
             else {}
         ),
+    }
+
+
+def batch_conditions(cfg: DictConfig, pair: Pair) -> dict:
+    """How a batch_size > 1 cell batches its prompts (harness.core.batch, harness.models.batched)."""
+    target, drafter = pair.batched()
+    return {
+        "size": cfg.batch_size,
+        "rows": "consecutive prompts of the selection, the last batch possibly smaller",
+        "layout": target.layout,
+        "draft": type(drafter).__name__,
+        "finished_rows": "leave the batch at the end of their cycle (or step): later passes run the rows still decoding",
+        "speedup": "per batch, spec tokens/s over baseline tokens/s on the same rows; the interval bootstraps batches",
     }
 
 

@@ -51,7 +51,7 @@ def stamped(result: dict, started_utc: str) -> dict:
 
 
 def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
-    """`<pair>-k<k>-t<temperature>-<hash>`, the hash over the resolved config less NOT_IN_KEY, with
+    """`<pair>-k<k>-t<temperature>[-b<batch_size>]-<hash>`, the hash over the resolved config less NOT_IN_KEY, with
     `device` and every dtype as they resolve on this machine (`device_identity`; auto: bfloat16
     on CUDA, float32 on CPU) rather than as written, so that a CPU and a GPU process sharing
     out_dir never share a cell. `device`: the resolved device (default: cfg.device resolved here)."""
@@ -72,6 +72,8 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     models = [pair["target"]] + ([pair["draft"]] if pair["draft"].get("kind") != "ngram" else [])  # drafts with weights
     for node in (keyed, *models):  # the top-level dtype, and each model's (a pair may pin its own)
         node["dtype"] = str(resolve_dtype(node.get("dtype") or "auto", device)).removeprefix("torch.")
+    if keyed.get("batch_size", 1) == 1:
+        keyed.pop("batch_size", None)  # one sequence at a time, as before the setting existed: the same cells
     for name in ("temperature", "top_p"):  # temperature=0 and temperature=0.0 are one cell
         if isinstance(keyed.get(name), (int, float)):
             keyed[name] = float(keyed[name])
@@ -80,7 +82,8 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     if (sha256 := dataset_sha256(cfg)) is not None:  # an edited file is another prompt set
         keyed["dataset"]["file_sha256"] = sha256
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
-    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}-{digest}"
+    batch = f"-b{cfg.batch_size}" if cfg.get("batch_size", 1) > 1 else ""
+    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}{batch}-{digest}"
 
 
 def cell_path(cfg: DictConfig, out_dir: str | Path | None = None, device: torch.device | None = None) -> Path:

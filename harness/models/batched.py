@@ -1,0 +1,175 @@
+"""A batch of sequences of one model, each row with a length of its own (batch_size > 1).
+
+`BatchedLM` is what the batched loop (harness.core.batch) drives: a forward where every row feeds
+its own tokens (a ragged step: rows feed different counts, padded to the longest), a rollback
+to per-row lengths, and `keep` to drop finished rows. Two layouts:
+
+- the lean forward (`LeanBatch`, harness.models.lean): KV storage [rows, kv_heads, capacity, D]
+  written at each row's own positions, so the cache itself is ragged: a row's rollback only moves
+  its length, and the padding a short row feeds is written beyond its length, never read;
+- HF's modules (`HFBatch`) on a DynamicCache of one common length: a row's slots that hold padding
+  or rolled-back tokens stay in the cache as holes that the attention mask hides, and each token's
+  position id counts only its row's own tokens. A rollback crops what no row still holds.
+
+Either way every row's logits are those of its own tokens alone (to rounding: the products run at
+other shapes). Finished rows leave the batch: their storage is dropped (lean: the kept rows are
+moved up; HF: DynamicCache.batch_select_indices), so later passes run the rows still decoding.
+A static cache, compiled steps and sliding-window models decode one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from harness.config.settings import BATCH_ONE_ONLY
+from harness.errors import HarnessError
+from harness.models.cached import CachedLM
+from harness.models.lean import LeanLlama
+
+
+class BatchedLM:
+    """B sequences of one model (`lm`, a CachedLM whose settings it shares), decoded together.
+    `lengths[i]`: positions cached for active row i (host ints, as the loop rolls them back)."""
+
+    layout = ""  # how rows of different lengths share the batch, recorded in a run's conditions
+
+    def __init__(self, lm: CachedLM):
+        self.lm, self.device, self.vocab_size = lm, lm.device, lm.vocab_size
+        self.lengths: list[int] = []
+
+    def start(self, rows: int) -> None:
+        """Empty caches for `rows` new sequences."""
+        raise NotImplementedError
+
+    def reserve(self, max_len: int) -> None:
+        """Room for sequences of up to max_len positions (where storage is allocated ahead)."""
+
+    def forward(self, feeds: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
+        """Append feeds[i] [T_i] (T_i may be 0) to active row i; per row the logits [num_logits[i], V]
+        of its last positions (num_logits[i] <= T_i)."""
+        raise NotImplementedError
+
+    def rollback(self, lengths: list[int]) -> None:
+        """Drop each active row's positions at and beyond lengths[i]."""
+        raise NotImplementedError
+
+    def keep(self, rows: list[int]) -> None:
+        """Only the active rows `rows` (indices into the active rows, in order) go on."""
+        raise NotImplementedError
+
+    def _padded(self, feeds: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """feeds as one [B, T] tensor, right-padded with token 0 to the longest (T >= 1)."""
+        width = max(1, max(f.shape[0] for f in feeds))
+        ids = torch.zeros(len(feeds), width, dtype=torch.long, device=self.device)
+        for row, f in enumerate(feeds):
+            ids[row, : f.shape[0]] = self.lm.readable_ids(f)
+        return ids, width
+
+    def _last(self, feeds: list[torch.Tensor], num_logits: list[int]) -> torch.Tensor:
+        """[N, 2] (row, index in the padded feed) of every logit row asked for, row by row."""
+        pairs = [(row, t) for row, (f, n) in enumerate(zip(feeds, num_logits)) for t in range(f.shape[0] - n, f.shape[0])]
+        return torch.tensor(pairs, dtype=torch.long, device=self.device).reshape(-1, 2)
+
+    def _split(self, logits: torch.Tensor, num_logits: list[int]) -> list[torch.Tensor]:
+        """The rows' logits [N, V'] (full vocabulary width) split by row."""
+        return list(self.lm.full_width(logits).split(num_logits))
+
+
+class LeanBatch(BatchedLM):
+    """The lean forward with ragged KV storage: row i's positions live at 0..lengths[i]-1 of its own row."""
+
+    layout = "ragged: KV storage per row at its own positions, steps right-padded to the longest feed"
+
+    def __init__(self, lm: CachedLM):
+        super().__init__(lm)
+        self.lean = LeanLlama(lm.model, rows=1)
+        self.max_len = 0
+
+    def start(self, rows: int) -> None:
+        if rows != self.lean.rows:
+            self.lean = LeanLlama(self.lm.model, rows=rows)
+        self.lean.reserve(self.max_len or 1)
+        self.lengths = [0] * rows
+
+    def reserve(self, max_len: int) -> None:
+        self.max_len = max(self.max_len, max_len)
+        self.lean.reserve(self.max_len)
+
+    def forward(self, feeds, num_logits):
+        ids, _ = self._padded(feeds)
+        starts = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
+        logits = self.lean.batch(ids, starts, self._last(feeds, num_logits))  # [N, V']
+        self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
+        return self._split(logits, num_logits)
+
+    def rollback(self, lengths):
+        self.lengths = [min(a, b) for a, b in zip(self.lengths, lengths)]
+
+    def keep(self, rows):
+        if rows != list(range(len(rows))):
+            self.lean.keep_rows(torch.tensor(rows, dtype=torch.long, device=self.device))
+        self.lengths = [self.lengths[i] for i in rows]
+
+
+class HFBatch(BatchedLM):
+    """HF's modules on a DynamicCache of one common length, holes masked (`held` [B, C]: slot holds a token of its row)."""
+
+    layout = "padded: one DynamicCache length for all rows, padding and rolled-back slots hidden by the attention mask"
+
+    def __init__(self, lm: CachedLM):
+        super().__init__(lm)
+        config = lm.text_config
+        if getattr(config, "sliding_window", None) and any(
+            t != "full_attention" for t in (getattr(config, "layer_types", None) or ["sliding_attention"])
+        ):
+            raise HarnessError(
+                f"{type(lm.model).__name__} has sliding-window layers, which batch_size > 1 does not roll back: use batch_size=1"
+            )
+        self.cache: DynamicCache | None = None
+        self.held = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+
+    def start(self, rows: int) -> None:
+        self.cache = DynamicCache(config=self.lm.model.config)
+        self.held = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
+        self.lengths = [0] * rows
+
+    def forward(self, feeds, num_logits):
+        ids, width = self._padded(feeds)
+        real = torch.tensor([f.shape[0] for f in feeds], device=self.device)[:, None] > torch.arange(width, device=self.device)
+        positions = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)  # [B, T]
+        # This step's padding attends (to itself, at least: never a row with nothing to attend to); later steps do not see it.
+        mask = torch.cat([self.held, torch.ones_like(real)], dim=1).long()  # [B, C + T]
+        out = self.lm.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, **{self.lm.cache_kwarg: self.cache}, use_cache=True
+        )
+        last = self._last(feeds, num_logits)
+        self.held = torch.cat([self.held, real], dim=1)
+        self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
+        return self._split(out.logits[last[:, 0], last[:, 1]], num_logits)
+
+    def rollback(self, lengths):
+        counts = self.held.cumsum(1)  # [B, C] tokens of its row up to each slot
+        self.held &= counts <= torch.tensor(lengths, device=self.device)[:, None]
+        self.lengths = [min(a, b) for a, b in zip(self.lengths, lengths)]
+        used = self.held.any(0).nonzero()
+        end = int(used[-1]) + 1 if used.numel() else 0
+        if end < self.held.shape[1]:  # the slots past every row's last token go
+            self.cache.crop(end - self.held.shape[1])
+            self.held = self.held[:, :end]
+
+    def keep(self, rows):
+        if rows != list(range(self.held.shape[0])):
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            self.cache.batch_select_indices(index)
+            self.held = self.held[index]
+        self.lengths = [self.lengths[i] for i in rows]
+
+
+def batched(lm: CachedLM) -> BatchedLM:
+    """The batched form of a CachedLM: the lean layout where it runs the lean forward, HF's otherwise."""
+    if lm.lean is not None:
+        return LeanBatch(lm)
+    if lm.compiled is not None or lm.backend.cache is not None and not isinstance(lm.backend.cache, DynamicCache):
+        raise HarnessError(BATCH_ONE_ONLY)
+    return HFBatch(lm)

@@ -1,0 +1,175 @@
+"""batch_size > 1: batched forwards (harness.models.batched) give each row its own logits, and the
+batched loop (harness.core.batch) gives each row the tokens it would get alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import LlamaForCausalLM
+
+from harness.models.batched import HFBatch, LeanBatch
+from harness.models.cached import CachedLM
+
+VOCAB = 98
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def llama(dtype=torch.float64) -> LlamaForCausalLM:
+    return tiny_model(LlamaForCausalLM, VOCAB, seed=0, scale=1.0, max_position_embeddings=1024).to(dtype)
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def alone(model, chunks: list[torch.Tensor], lengths: list[int | None], num_logits: list[int]) -> list[torch.Tensor]:
+    """One row's logits fed chunk by chunk through the one-sequence CachedLM (hf forward), rolled back after each."""
+    lm, out = CachedLM(model, VOCAB), []
+    for chunk, length, n in zip(chunks, lengths, num_logits):
+        if chunk.shape[0]:
+            out.append(lm.forward(chunk, num_logits=n))
+        else:
+            out.append(torch.empty(0, VOCAB, dtype=model.dtype))
+        if length is not None:
+            lm.rollback(length)
+    return out
+
+
+@pytest.mark.parametrize("layout", [LeanBatch, HFBatch])
+def test_each_row_gets_its_own_logits(layout):
+    """Ragged steps (prompts of different lengths, rows feeding 0..4 tokens), per-row rollbacks and a
+    dropped row: every row's logits are those of its tokens alone."""
+    model = llama()
+    rows = 3
+    steps = [  # per step: (per-row feeds, per-row logits wanted, per-row rollback lengths or None)
+        ([ids(7, 1), ids(3, 2), ids(12, 3)], [1, 1, 1], None),
+        ([ids(3, 4), ids(1, 5), ids(4, 6)], [3, 1, 4], [8, 4, 14]),
+        ([ids(2, 7), ids(0, 8), ids(1, 9)], [2, 0, 1], [10, 4, 14]),
+        ([ids(4, 10), ids(2, 11), ids(1, 12)], [4, 2, 1], [11, 5, 15]),
+    ]
+    batch = layout(CachedLM(model, VOCAB, forward="lean" if layout is LeanBatch else "hf"))
+    batch.start(rows)
+    got = [[] for _ in range(rows)]
+    active = list(range(rows))
+    for i, (feeds, wanted, lengths) in enumerate(steps):
+        out = batch.forward([feeds[r] for r in active], [wanted[r] for r in active])
+        for r, logits in zip(active, out):
+            got[r].append(logits)
+        if lengths is not None:
+            batch.rollback([lengths[r] for r in active])
+            assert batch.lengths == [lengths[r] for r in active]
+        if i == 1:  # row 1 finishes: the others go on
+            active = [0, 2]
+            batch.keep([0, 2])
+    for r in range(rows):
+        n = len(got[r])
+        want = alone(
+            model, [s[0][r] for s in steps[:n]], [s[2][r] if s[2] else None for s in steps[:n]], [s[1][r] for s in steps[:n]]
+        )
+        for a, b in zip(got[r], want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def pair64(forward: str):
+    """A peaked tiny target and a perturbed draft of it, in float64, as one-sequence and batched models."""
+    from conftest import make_model, perturbed
+
+    target = make_model(VOCAB, seed=0, scale=3.0).double()
+    draft = perturbed(make_model(VOCAB, seed=0, scale=3.0), noise=0.3, seed=1).double()
+    return CachedLM(target, VOCAB, forward=forward), CachedLM(draft, VOCAB, forward=forward)
+
+
+def solo_runs(target, draft_lm, drafter_kind, prompts, k, sampling, max_new, seeds):
+    from harness.core.drafters import ModelDrafter, NgramDrafter
+    from harness.core.loop import autoregressive_decode, speculative_decode
+
+    spec, base = [], []
+    for prompt, seed in zip(prompts, seeds):
+        drafter = ModelDrafter(draft_lm) if drafter_kind == "model" else NgramDrafter(VOCAB)
+        cycles = list(speculative_decode(target, drafter, prompt, k, sampling, max_new, {2}, torch.Generator().manual_seed(seed)))
+        spec.append(([t for c in cycles for t in c.tokens], sum(c.num_accepted for c in cycles)))
+        base.append(list(autoregressive_decode(target, prompt, sampling, max_new, {2}, torch.Generator().manual_seed(seed))))
+    return spec, base
+
+
+def batch_runs(target, draft_lm, drafter_kind, prompts, k, sampling, max_new, seeds):
+    from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
+    from harness.core.batch_drafters import BatchModelDrafter, RowDrafters
+    from harness.core.drafters import NgramDrafter
+    from harness.models.batched import batched
+
+    big = batched(target)
+    drafter = BatchModelDrafter(batched(draft_lm)) if drafter_kind == "model" else RowDrafters(NgramDrafter(VOCAB))
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    tokens = [[] for _ in prompts]
+    accepted = [0] * len(prompts)
+    cycles = [0] * len(prompts)
+    for cycle in speculative_decode_batch(big, drafter, prompts, k, sampling, max_new, {2}, gens):
+        for row, c in cycle:
+            tokens[row] += c.tokens
+            accepted[row] += c.num_accepted
+            cycles[row] += 1
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    base = [[] for _ in prompts]
+    for step in autoregressive_decode_batch(big, prompts, sampling, max_new, {2}, gens):
+        for row, token in step:
+            base[row].append(token)
+    return list(zip(tokens, accepted)), base, cycles
+
+
+@pytest.mark.parametrize("forward", ["lean", "hf"])
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_decode_as_they_would_alone(forward, drafter_kind, temperature):
+    """Prompts of different lengths, rows ending at EOS or the budget at different cycles: each row's
+    tokens and accepted counts are those of its run alone with the same seed, for the loop and the baseline."""
+    from harness.core.sampling import Sampling
+
+    target, draft_lm = pair64(forward)
+    prompts = [ids(n, 20 + n) for n in (5, 9, 2, 14)]
+    seeds = [11, 12, 13, 14]
+    sampling = Sampling(temperature)
+    alone_spec, alone_base = solo_runs(target, draft_lm, drafter_kind, prompts, 3, sampling, 24, seeds)
+    spec, base, cycles = batch_runs(target, draft_lm, drafter_kind, prompts, 3, sampling, 24, seeds)
+    assert spec == alone_spec
+    assert base == alone_base
+    assert len(set(cycles)) > 1, "rows should leave the batch at different cycles here"
+
+
+@pytest.mark.parametrize("temperature", ["0", "1.0"])
+def test_a_batched_cell(tiny_pair, tmp_path, temperature):
+    """batch_size=3 over 7 prompts: batches of 3, 3 and 1; every prompt's tokens are its batch_size=1
+    tokens (greedy and sampled: each row has its own seed); the summary's speedup is over the batches'
+    throughputs, with their count, the costs at the batch size and the batch layout in the conditions."""
+    from test_cli import tiny_args
+    from test_config import composed
+
+    from harness.runner.cell import run_cell
+
+    args = tiny_args(tiny_pair, tmp_path, "k=2", f"temperature={temperature}", "dataset.num_prompts=7", "max_new_tokens=12")
+    one = run_cell(composed([*args, "wandb.mode=disabled"]), out_dir=tmp_path, quiet=True)
+    three = run_cell(composed([*args, "wandb.mode=disabled", "batch_size=3"]), out_dir=tmp_path, quiet=True)
+    assert "-b3-" in three["cell"] and "-b" not in one["cell"].split("-t")[1]
+
+    def lines(summary):
+        return [json.loads(line) for line in (Path(summary["cell_dir"]) / "prompts.jsonl").read_text().splitlines()]
+
+    alone, batched_rows = lines(one), lines(three)
+    assert [r["id"] for r in batched_rows] == [r["id"] for r in alone]
+    assert [r["spec"]["tokens"] for r in batched_rows] == [r["spec"]["tokens"] for r in alone]
+    assert [r["base"]["tokens"] for r in batched_rows] == [r["base"]["tokens"] for r in alone]
+    assert [r["batch"]["index"] for r in batched_rows] == [0, 0, 0, 1, 1, 1, 2]
+    assert three["batches"] == 3 and three["alpha"] == one["alpha"]
+    units = {r["batch"]["index"]: r["batch"] for r in batched_rows}
+    throughput = lambda u, side: u[side]["new_tokens"] / u[side]["time_s"]  # noqa: E731
+    ratios = [throughput(u, "spec") / throughput(u, "base") for u in units.values()]
+    assert min(ratios) <= three["speedup_geomean"] <= max(ratios)
+    assert three["speedup_ci"][0] <= three["speedup"] <= three["speedup_ci"][1]
+    assert three["costs"]["batch_size"] == 3 and len(three["costs"]["verify_cost"]) == 3
+    assert three["conditions"]["batch"]["size"] == 3 and three["conditions"]["batch"]["layout"]
+    assert three["spec_tokens_per_s"] == pytest.approx(three["new_tokens"] / three["spec_time_s"])
