@@ -27,6 +27,7 @@ import harness.core.loop
 from harness.core.drafters import ModelDrafter, NgramDrafter
 from harness.core.rule import Verdict
 from harness.core.sampling import Sampling, sample, shape_probs
+from harness.models.batched import LeanBatch
 
 
 def coins(accept_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -257,3 +258,26 @@ def variant_table(rows: list[tuple[str, float, str]]) -> str:
 
     lines += [f"{name:<24}{shown(p):>12}  {verdict}" for name, p, verdict in rows]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- batch_size > 1: rows that leak into each other
+
+
+class ForgetsDroppedRows(LeanBatch):
+    """When a row leaves the batch, the rows after it keep their storage where it was: each moves up
+    in the batch but reads the cache row it no longer owns (another row's keys and values)."""
+
+    def keep(self, rows):
+        self.lengths = [self.lengths[i] for i in rows]
+
+
+def shared_seeds(decode):
+    """The batched loop with every row's generator reseeded with row 0's seed: rows draw the same
+    random numbers (a per-batch instead of per-row seed). Each row's own law stays the target's;
+    two rows decoding one prompt are no longer independent."""
+
+    def run(target, drafter, prompts, k, sampling, length, eos_ids, generators, **kwargs):
+        same = [torch.Generator(g.device).manual_seed(generators[0].initial_seed()) for g in generators]
+        return decode(target, drafter, prompts, k, sampling, length, eos_ids, same, **kwargs)
+
+    return run

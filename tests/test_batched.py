@@ -173,3 +173,96 @@ def test_a_batched_cell(tiny_pair, tmp_path, temperature):
     assert three["costs"]["batch_size"] == 3 and len(three["costs"]["verify_cost"]) == 3
     assert three["conditions"]["batch"]["size"] == 3 and three["conditions"]["batch"]["layout"]
     assert three["spec_tokens_per_s"] == pytest.approx(three["new_tokens"] / three["spec_time_s"])
+
+
+# ---------------------------------------------------------------- exactness at batch_size > 1
+
+RULE_ONLY = ("accept_all", "resample_from_p", "ratio_q_over_p", "residual_abs", "bonus_wrong_row", "target_row_off_by_one")
+
+
+def batch_check(tiny_pair, batch_size: int = 4, rule=None, layout=None, prompts=2):
+    """The exactness check at the tiny settings, drawn from the batched loop on `prompts` prompts of
+    different lengths (rows alternate between them), with an optional broken rule or batch layout."""
+    from conftest import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, TINY_SAMPLING, tiny_cached_pair
+
+    from harness.core.batch_drafters import BatchModelDrafter
+    from harness.core.rule import verify
+    from harness.exactness.check import check
+    from harness.models.batched import LeanBatch
+
+    target, drafter, prompt = tiny_cached_pair(tiny_pair, forward="lean")
+    layout = layout or LeanBatch
+    chosen = [("long", prompt), ("short", prompt[:3])][:prompts]
+    return check(
+        target,
+        drafter,
+        chosen,
+        k=TINY_K,
+        sampling=TINY_SAMPLING,
+        length=TINY_LENGTH,
+        samples=TINY_SAMPLES,
+        alpha=FAMILY_ALPHA,
+        rule=rule or verify,
+        batch=(layout(target), BatchModelDrafter(layout(drafter.lm)), batch_size),
+    )
+
+
+def test_the_batched_loop_passes_the_check(tiny_pair):
+    """Four rows, two prompts of different lengths: each prompt's joint, first-token and bonus tests
+    pass on the batched draws, and so does the rows' independence test."""
+    from harness.exactness.check import format_report
+
+    report = batch_check(tiny_pair)
+    assert report["passed"], format_report(report)
+    for p in report["prompts"].values():
+        assert set(p["tests"]) == {"joint", "first", "bonus", "rows"} and p["tests"]["rows"]["observations"] > 200
+
+
+@pytest.mark.parametrize("name", RULE_ONLY)
+def test_broken_rules_are_rejected_at_batch_size_4(tiny_pair, name):
+    from broken import VARIANTS
+
+    from harness.exactness.check import format_report
+
+    variant = next(v for v in VARIANTS if v.name == name)
+    _, _, rule = variant.plug(None, None)
+    report = batch_check(tiny_pair, rule=rule)
+    assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
+
+
+def test_a_row_reading_another_rows_cache_is_rejected(tiny_pair):
+    """Rows that move up in the batch when an earlier row finishes, but keep reading their old cache row."""
+    from broken import ForgetsDroppedRows
+
+    from harness.exactness.check import format_report
+
+    report = batch_check(tiny_pair, layout=ForgetsDroppedRows)
+    assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
+
+
+def test_rows_sharing_random_draws_are_rejected(tiny_pair, monkeypatch):
+    """Every row reseeded with one seed: each row alone still follows the target's law, so only the
+    rows' independence test can see it, and it must."""
+    from broken import shared_seeds
+
+    import harness.exactness.law
+    from harness.exactness.check import format_report
+
+    monkeypatch.setattr(
+        harness.exactness.law, "speculative_decode_batch", shared_seeds(harness.exactness.law.speculative_decode_batch)
+    )
+    report = batch_check(tiny_pair)
+    assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
+    assert all(p["tests"]["rows"]["p_value"] < 1e-9 for p in report["prompts"].values())
+
+
+def test_the_exactness_command_at_batch_size_4(tiny_pair, tmp_path):
+    from conftest import TINY_CHECK, compose_check
+
+    from harness.exactness.check import format_report
+    from harness.exactness.main import run_check
+
+    report = run_check(compose_check(tiny_pair, tmp_path, *TINY_CHECK, "batch_size=4"), quiet=True)
+    assert report["passed"], format_report(report)
+    assert report["batch_size"] == 4 and "-b4-" in report["run_dir"]
+    assert "rows" in format_report(report)

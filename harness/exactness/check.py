@@ -15,15 +15,26 @@ from scipy import stats
 from harness.core.rule import verify
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError
-from harness.exactness.law import MIN_EXPECTED, Draw, Partition, TargetLaw, draw_continuations, min_expected_for
+from harness.exactness.law import (
+    MIN_EXPECTED,
+    Draw,
+    Partition,
+    TargetLaw,
+    draw_batches,
+    draw_continuations,
+    min_expected_for,
+)
 from harness.exactness.stats import POWER, detectable_tv, g_test, holm, samples_for_tv, tv_estimate
 
-TESTS = ("joint", "first", "bonus")
+TESTS = ("joint", "first", "bonus")  # per prompt; at batch_size > 1 also "rows" (rows_independence)
 FEW_CELLS = 8  # a joint test with fewer cells than this gets a note: the prompt's continuations hardly vary
 
 
-def goodness_of_fit(law: TargetLaw, draws: Sequence[Draw], max_cells: int, seed: int = 0) -> dict:
-    """The joint, first-token and bonus G-tests of one prompt's draws against its exact law."""
+def goodness_of_fit(
+    law: TargetLaw, draws: Sequence[Draw], max_cells: int, seed: int = 0, pairs: Sequence[tuple[int, int]] | None = None
+) -> dict:
+    """The joint, first-token and bonus G-tests of one prompt's draws against its exact law; with
+    `pairs` (draws that ran as two rows of one batch), the rows' independence test too."""
     n = len(draws)
     seqs = [d.tokens for d in draws]
     # Outright failures: continuations the target could never have produced.
@@ -53,6 +64,9 @@ def goodness_of_fit(law: TargetLaw, draws: Sequence[Draw], max_cells: int, seed:
             statistic, df, cells, observed = statistic + g, df + dg, cells + len(part.probs), observed + len(group)
     tests["bonus"] = _result(statistic, df, float(stats.chi2.sf(statistic, df)) if df else 1.0, cells, observed)
 
+    if pairs is not None:
+        tests["rows"] = rows_independence(joint, seqs, pairs)
+
     expected = n * joint.probs
     worst = np.argsort(-np.abs(joint_counts - expected) / np.sqrt(expected))[:5]
     return {
@@ -70,6 +84,19 @@ def goodness_of_fit(law: TargetLaw, draws: Sequence[Draw], max_cells: int, seed:
             }
             for c in worst
         ],
+    }
+
+
+def rows_independence(joint: Partition, seqs: Sequence[tuple[int, ...]], pairs: Sequence[tuple[int, int]]) -> dict:
+    """Two rows of a batch decoding the same prompt must be independent draws: their continuations
+    fall in the same joint cell with probability sum_c pi_c^2. A binomial test for more coincidences
+    than that catches rows that share random draws (or one's cache feeding the other)."""
+    same = sum(joint.cell(seqs[a]) == joint.cell(seqs[b]) for a, b in pairs)
+    chance = float(np.sum(joint.probs**2))
+    p_value = float(stats.binom.sf(same - 1, len(pairs), chance)) if pairs and len(joint.probs) > 1 else 1.0
+    return {
+        **_result(float(same), int(bool(pairs)) and len(joint.probs) > 1, p_value, len(joint.probs), len(pairs)),
+        "chance": chance,
     }
 
 
@@ -93,11 +120,14 @@ def check(
     rule=verify,
     law_target=None,
     progress: bool = False,
+    batch: tuple | None = None,
 ) -> dict:
     """Run the exactness check over prompts [(name, ids [T])]; returns the report.
 
     `law_target` computes the exact law (default: `target`). Tests pass the
     honest model here while `target` is a deliberately broken wrapper of it.
+    `batch` = (batched target, batch drafter, batch_size): the draws come from the batched loop
+    (harness.exactness.law.draw_batches), and each prompt adds the rows' independence test.
     """
     from tqdm import tqdm
 
@@ -107,19 +137,28 @@ def check(
         raise HarnessError(f"exactness.length={length} must be at least 2")
     bar = tqdm(total=samples * len(prompts), desc="speculative samples", unit="sample", file=sys.stderr, disable=not progress)
     per_prompt = {}
+    if batch is not None:
+        batch_target, batch_drafter, batch_size = batch
+        batched = draw_batches(
+            batch_target, batch_drafter, prompts, batch_size, k, sampling, length, eos_ids, samples, seed, rule, bar
+        )
     for index, (name, ids) in enumerate(prompts):
         law = TargetLaw(law_target if law_target is not None else target, ids, sampling, eos_ids, length)
-        draws = draw_continuations(target, drafter, ids, k, sampling, length, eos_ids, samples, (seed, index), rule, bar)
-        per_prompt[name] = goodness_of_fit(law, draws, max_cells, seed=seed)
+        if batch is None:
+            draws = draw_continuations(target, drafter, ids, k, sampling, length, eos_ids, samples, (seed, index), rule, bar)
+            per_prompt[name] = goodness_of_fit(law, draws, max_cells, seed=seed)
+        else:
+            draws, pairs = batched[name]
+            per_prompt[name] = goodness_of_fit(law, draws, max_cells, seed=seed, pairs=pairs)
     bar.close()
 
-    family = [(name, test) for name in per_prompt for test in TESTS]
+    family = [(name, test) for name in per_prompt for test in per_prompt[name]["tests"]]
     adjusted = holm([per_prompt[name]["tests"][test]["p_value"] for name, test in family])
     level = alpha / len(family)  # Holm's first step: the power below is for this level
     for (name, test), p_holm in zip(family, adjusted):
         result = per_prompt[name]["tests"][test]
         result["p_holm"] = p_holm
-        result["detectable_tv"] = detectable_tv(result["observations"], result["df"], level)
+        result["detectable_tv"] = None if test == "rows" else detectable_tv(result["observations"], result["df"], level)
     joint_detectable = [r["tests"]["joint"]["detectable_tv"] for r in per_prompt.values()]
     # Whether anything could reject: a test with a degree of freedom, or a sample the target's law rules out.
     testable = any(per_prompt[name]["tests"][test]["df"] > 0 for name, test in family) or any(
@@ -266,8 +305,7 @@ def format_report(report: dict) -> str:
         f"{'prompt':<22}{'test':<7}{'cells':>6}{'df':>6}{'G':>10}{'p':>11}{'p (Holm)':>11}{'detect. TV':>12}",
     ]
     for name, p in r["prompts"].items():
-        for test in TESTS:
-            t = p["tests"][test]
+        for test, t in p["tests"].items():
             tv = "-" if t["detectable_tv"] is None else f"{t['detectable_tv']:.4f}"
             lines.append(
                 f"{name[:21]:<22}{test:<7}{t['cells']:>6}{t['df']:>6}{t['statistic']:>10.1f}"

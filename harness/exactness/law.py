@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from harness.core.batch import speculative_decode_batch
 from harness.core.loop import speculative_decode
 from harness.core.rule import verify
 from harness.core.sampling import Sampling, shape_probs
@@ -120,19 +121,65 @@ def draw_continuations(
         for s in seeds:
             generator.manual_seed(int(s))
             cycles = list(speculative_decode(target, drafter, prompt_ids, k, sampling, length, eos_ids, generator, rule=rule))
-            first = cycles[0]
-            # The bonus is observed when every draft was accepted and no EOS among them cut it off.
-            has_bonus = 0 < first.num_drafted == first.num_accepted and len(first.tokens) == first.num_drafted + 1
-            draws.append(
-                Draw(
-                    tuple(t for c in cycles for t in c.tokens),
-                    tuple(first.tokens[:-1]) if has_bonus else None,
-                    first.tokens[-1] if has_bonus else None,
-                )
-            )
+            draws.append(as_draw(cycles))
             if progress is not None:
                 progress.update(1)
     return draws
+
+
+def draw_batches(
+    target,
+    drafter,
+    prompts: Sequence[tuple[str, torch.Tensor]],
+    batch_size: int,
+    k: int,
+    sampling: Sampling,
+    length: int,
+    eos_ids: set[int],
+    samples: int,
+    seed: int,
+    rule=verify,
+    progress=None,
+) -> dict[str, tuple[list[Draw], list[tuple[int, int]]]]:
+    """`samples` continuations of every prompt from the batched loop (harness.core.batch) on a batched
+    target and drafter: batches of `batch_size` rows, row j running prompt j mod P (P prompts), each row
+    with its own generator (seeds as draw_continuations draws them, per prompt). Per prompt: its draws,
+    and the pairs (i, j) of its draws that ran as two rows of one batch (for the rows' independence test)."""
+    names = [name for name, _ in prompts]
+    rows_of = [[j for j in range(batch_size) if j % len(prompts) == i] for i in range(len(prompts))]
+    runs = -(-samples // min(len(r) for r in rows_of))
+    seeds = [
+        iter(np.random.default_rng(np.random.SeedSequence((seed, i))).choice(2**32, size=runs * len(r), replace=False))
+        for i, r in enumerate(rows_of)
+    ]
+    out: dict[str, tuple[list[Draw], list[tuple[int, int]]]] = {name: ([], []) for name in names}
+    row_prompts = [prompts[j % len(prompts)][1] for j in range(batch_size)]
+    for _ in range(runs):
+        generators = [torch.Generator(target.device).manual_seed(int(next(seeds[j % len(prompts)]))) for j in range(batch_size)]
+        cycles: list[list] = [[] for _ in range(batch_size)]
+        for step in speculative_decode_batch(target, drafter, row_prompts, k, sampling, length, eos_ids, generators, rule=rule):
+            for row, c in step:
+                cycles[row].append(c)
+        for i, name in enumerate(names):
+            draws, pairs = out[name]
+            first_index = len(draws)
+            draws.extend(as_draw(cycles[j]) for j in rows_of[i])
+            pairs.extend((a, a + 1) for a in range(first_index, len(draws) - 1, 2))
+        if progress is not None:
+            progress.update(batch_size)
+    return {name: (draws[:samples], [(a, b) for a, b in pairs if b < samples]) for name, (draws, pairs) in out.items()}
+
+
+def as_draw(cycles: Sequence) -> Draw:
+    """A Draw from one continuation's cycles. The bonus is observed when every draft of the first
+    cycle was accepted and no EOS among them cut it off."""
+    first = cycles[0]
+    has_bonus = 0 < first.num_drafted == first.num_accepted and len(first.tokens) == first.num_drafted + 1
+    return Draw(
+        tuple(t for c in cycles for t in c.tokens),
+        tuple(first.tokens[:-1]) if has_bonus else None,
+        first.tokens[-1] if has_bonus else None,
+    )
 
 
 # ---------------------------------------------------------------- the exact law

@@ -150,6 +150,10 @@ def validate_exactness(cfg: DictConfig) -> None:
         (is_int(e.num_prompts) and e.num_prompts >= 1, f"exactness.num_prompts={e.num_prompts} must be a positive integer"),
         (isinstance(e.alpha, float) and 0 < e.alpha < 1, f"exactness.alpha={e.alpha} must be in (0, 1), e.g. 0.001"),
         (is_int(e.max_cells) and e.max_cells >= 2, f"exactness.max_cells={e.max_cells} must be an integer >= 2"),
+        (
+            not acceptance or cfg.get("batch_size", 1) == 1,
+            "acceptance=true replays one sequence's cycles at a time: use batch_size=1 with it",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -355,7 +359,10 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
         alpha=e.alpha,
         max_cells=e.max_cells,
         progress=not quiet,
+        batch=(*pair.batched(), cfg.batch_size) if cfg.get("batch_size", 1) > 1 else None,
     )
+    if cfg.get("batch_size", 1) > 1:
+        report["batch_size"] = cfg.batch_size
     report.update(
         pair=cfg.pair.name,
         target=cfg.pair.target.id,
