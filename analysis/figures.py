@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from analysis.batch import batch_frame  # noqa: E402
 from analysis.names import names  # noqa: E402
 from harness.core.metrics import expected_tokens_per_cycle  # noqa: E402
 
@@ -46,6 +47,7 @@ def make_figures(
         "measured_vs_predicted": measured_vs_predicted(cells, palette, out_dir / "measured_vs_predicted.png"),
         "speedup_vs_size": speedup_vs_size(cells, palette, out_dir / "speedup_vs_size.png"),
         "fitted_model": fitted_model(cells, fits, curves, palette, out_dir / "fitted_model.png"),
+        "speedup_vs_batch_size": speedup_vs_batch_size(cells, out_dir / "speedup_vs_batch_size.png"),
     }
     return {name: path for name, path in made.items() if path is not None}
 
@@ -104,6 +106,30 @@ def speedup_vs_k(cells: pd.DataFrame, curves: pd.DataFrame, palette: dict, path:
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     _legend_outside(fig, axes)
     fig.suptitle("Speedup against k (bands: 95% paired bootstrap; dashed: fitted model)", y=1.02)
+    return save_figure(fig, path)
+
+
+def speedup_vs_batch_size(cells: pd.DataFrame, path: Path) -> Path | None:
+    """Measured speedup against batch size per draft (colour) and k (marker), one panel per curve group
+    (target, sampling, other run conditions); bars: each cell's interval. None without two batch sizes."""
+    frame = batch_frame(cells)
+    if frame.empty or frame.groupby(["target", "sampling", "other_setup", "label"])["batch_size"].nunique().max() < 2:
+        return None
+    groups = list(frame.groupby(["target", "sampling", "other_setup"], sort=True))
+    fig, axes = _panels(len(groups))
+    labels = sorted(frame["label"].unique())
+    palette = dict(zip(labels, sns.color_palette("tab10", len(labels))))
+    for ax, ((target, sampling, _), g) in zip(axes, groups):
+        g = g.assign(draft=g["label"], k=g["k"].astype(str))
+        sns.lineplot(data=g, x="batch_size", y="speedup", hue="draft", style="k", markers=True, palette=palette, ax=ax)
+        for row in g.itertuples():
+            ax.plot([row.batch_size] * 2, [row.speedup_ci_low, row.speedup_ci_high], color=palette[row.label], linewidth=1)
+        ax.axhline(1, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(g["batch_size"].unique()), labels=[str(b) for b in sorted(g["batch_size"].unique())])
+        ax.set(title=f"{target} · {sampling}", xlabel="batch size", ylabel="speedup (× throughput)")
+    _legend_outside(fig, axes)
+    fig.suptitle("Speedup against batch size (bars: 95% bootstrap over batches)", y=1.02)
     return save_figure(fig, path)
 
 

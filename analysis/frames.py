@@ -196,6 +196,7 @@ def cell_row(raw: RawCell) -> dict:
         "compile": str(cfg["compile"]),
         "forward": str(conditions["forward"]),
         "prompt_format": _prompt_format(cfg),
+        "batch_size": int(cfg.get("batch_size", 1)),  # prompts decoded together (harness.core.batch)
         "has_prompts": raw.records is not None and len(raw.records) > 0,
         # The draft's own weights as they sat in memory (harness.runner.pair.draft_size): 0 for prompt lookup.
         "draft_params": _num(s["draft_params"]),
@@ -242,7 +243,11 @@ def prompt_row(cell: str, r: dict, dataset: str) -> dict:
     }
     row.update({f"spec_{f}": spec[f] for f in SPEC_FIELDS})
     row.update(base_new_tokens=base["new_tokens"], base_time_s=base["time_s"])
-    row["speedup"] = (spec["new_tokens"] / spec["time_s"]) / (base["new_tokens"] / base["time_s"])
+    if "batch" in r:  # batch_size > 1: the batch's time, apportioned to its prompts by the tokens each committed
+        unit = r["batch"]
+        row["spec_time_s"] = unit["spec"]["time_s"] * spec["new_tokens"] / unit["spec"]["new_tokens"]
+        row["base_time_s"] = unit["base"]["time_s"] * base["new_tokens"] / unit["base"]["new_tokens"]
+    row["speedup"] = (spec["new_tokens"] / row["spec_time_s"]) / (base["new_tokens"] / row["base_time_s"])
     return row
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 
+from analysis.batch import statement
 from analysis.frames import CELL_CONFIDENCE, Results
 from analysis.names import names
 
@@ -32,6 +33,8 @@ CAPTIONS = {
     "speedup_vs_size": "Each draft at its best measured k against its size (parameters; weight memory at the run's "
     "dtype), one point per dataset. Ringed: the Pareto front of each dataset (no smaller draft is "
     "faster on it).",
+    "speedup_vs_batch_size": "Measured speedup (ratio of throughputs over the same batches) against batch size, per "
+    "draft and k; bars: each cell's 95% bootstrap interval over batches.",
     "fitted_model": "Left: predicted speedup for k = 1..{max_k} from the fitted α (band: α's interval), c and v; ★ best "
     "k, ● measured after the first token. Right: the verify cost v(n) measured (dots) and fitted (lines).",
 }
@@ -65,7 +68,13 @@ def _count(x: float) -> str:
 
 
 def markdown(
-    results: Results, fits: pd.DataFrame, decisions: list[dict], whatif: pd.DataFrame, figures: dict[str, Path], cfg: dict
+    results: Results,
+    fits: pd.DataFrame,
+    decisions: list[dict],
+    whatif: pd.DataFrame,
+    figures: dict[str, Path],
+    cfg: dict,
+    batch_scaling: list[dict] | None = None,
 ) -> str:
     cells = results.cells
     pct = f"{100 * cfg['confidence']:g}%"
@@ -88,6 +97,7 @@ def markdown(
         out += _decision_section(d)
     out += _fits_section(_named(fits, where), pct, cfg["max_k"])
     out += _whatif_section(_named(whatif, where), pct, cfg)
+    out += _batch_section(batch_scaling)
     out += _cells_section(_named(cells, where))
     out += ["## Figures", ""]
     for name, path in figures.items():
@@ -269,6 +279,31 @@ def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
         _draft_table(whatif, header, cells),
         "",
     ]
+
+
+def _batch_section(scaling: list[dict] | None) -> list[str]:
+    """Up to which batch size each draft pays (analysis.batch), with its best k and speedup at every size."""
+    if not scaling:
+        return []
+    out = ["## Batch size", ""]
+    for entry in scaling:
+        where = f"{entry['target']} · {entry['sampling']} · {entry['other_setup']}"
+        out.append(f"- {statement(entry)} ({where}).")
+    rows = [
+        [e["label"], str(p["batch_size"]), str(p["k"]), _f(p["speedup"]), _ci(*p["ci"]), "yes" if p["pays"] else "no"]
+        for e in scaling
+        for p in e["best"]
+    ]
+    out += [
+        "",
+        _table(["draft", "batch size", "best k", "speedup ↑", f"{100 * CELL_CONFIDENCE:g}% CI", "pays"], rows),
+        "",
+        "Speedup at a batch size: the ratio of throughputs (tokens per second over the batch) of the speculative "
+        "run and the baseline on the same batches of prompts; its interval bootstraps batches. A draft pays "
+        "where the interval lies wholly above 1.",
+        "",
+    ]
+    return out
 
 
 def _cells_section(cells: pd.DataFrame) -> list[str]:

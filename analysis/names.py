@@ -17,7 +17,7 @@ import pandas as pd
 # What a deployment fixes, so what one decision holds: the target, the sampling setting and the run setup.
 CONTEXT_KEYS = ["target", "sampling", "setup"]
 # The run conditions that change what a speedup means: a decision or a fit holds one value of each.
-CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", "forward", "prompt_format")
+CONDITION_KEYS = ("device_name", "dtype", "max_new_tokens", "cache", "compile", "forward", "prompt_format", "batch_size")
 # Dataset settings that decide which text a prompt id names (not which ids run: num_prompts,
 # max_rows): cells of one dataset name that differ in one are different prompt sets.
 TEXT_FIELDS = ("source", "text_field", "template", "id_field")  # source: the file, or the hub set and split

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis import decide as decide_mod
 from analysis import fit as fit_mod
+from analysis.batch import batch_frame, pays_up_to, statement
 from analysis.figures import make_figures
 from analysis.load import WANDB_PATH, load
 from analysis.markdown import markdown
@@ -228,6 +229,7 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
     whatif_spec = fit_mod.WhatIf(**{k: v for k, v in cfg["whatif"].items() if k in fit_mod.WhatIf.__dataclass_fields__})
     whatif = fit_mod.whatif(fits, whatif_spec, cfg["max_k"]) if whatif_spec.given() else pd.DataFrame()
     figures = make_figures(results.cells, results.prompts, fits, curves, out / "figures")
+    scaling = pays_up_to(batch_frame(results.cells))
 
     _csv(results.cells, out / "cells.csv")
     _csv(fits, out / "fits.csv")
@@ -240,10 +242,11 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
         "report_dir": str(out),
         "settings": cfg,
         "decisions": decisions,
+        **({"batch_size": [{**entry, "statement": statement(entry)} for entry in scaling]} if scaling else {}),
         "notes": results.notes,
     }
     (out / "decision.json").write_text(json.dumps(_jsonable(document), indent=2, allow_nan=False) + "\n")
-    (out / "report.md").write_text(markdown(results, fits, decisions, whatif, figures, cfg))
+    (out / "report.md").write_text(markdown(results, fits, decisions, whatif, figures, cfg, scaling))
     if results.kind == "wandb" and cfg.get("wandb_log", True):
         log_to_wandb(source, out, figures, decisions, fits)
     return document

@@ -266,3 +266,27 @@ def test_the_exactness_command_at_batch_size_4(tiny_pair, tmp_path):
     assert report["passed"], format_report(report)
     assert report["batch_size"] == 4 and "-b4-" in report["run_dir"]
     assert "rows" in format_report(report)
+
+
+@pytest.mark.cli
+def test_a_batch_size_sweep_and_its_report(tiny_pair, tmp_path):
+    """`python -m harness -m batch_size=1,3 k=1,2` runs four cells in one process (the pair loaded once);
+    the report draws speedup against batch size and says up to which batch size the draft pays."""
+    from test_cli import harness, tiny_args
+
+    from analysis.report import build
+
+    out = harness(
+        "-m",
+        *tiny_args(tiny_pair, tmp_path / "store", "batch_size=1,3", "k=1,2", "dataset.num_prompts=6", "max_new_tokens=8"),
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("loading pair") == 1
+    document = build(str(tmp_path / "store"), tmp_path / "report")
+    (entry,) = document["batch_size"]
+    assert entry["sizes"] == [1, 3] and [p["batch_size"] for p in entry["best"]] == [1, 3]
+    assert entry["statement"].startswith(entry["label"])
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Batch size" in report and "speedup_vs_batch_size.png" in report
+    assert len(document["decisions"]) == 2  # one decision per batch size: its costs are its own

@@ -388,3 +388,30 @@ def test_the_bench_limit_times_a_heads_steps(heads):
     assert 0 < lim["in_loop"]["cost_ratio"] < 10 and 0 <= lim["overhead_fraction"] < 1
     assert lim["in_loop"]["verify_cost_by_positions"]  # the loop's own verify passes, by positions fed
     assert lim["spec_decode_tokens"] == lim["base_decode_tokens"]
+
+
+@pytest.mark.parametrize("forward", ["hf", "lean"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_batch_of_rows_drafts_as_each_row_alone(heads, kind, forward, temperature):
+    """batch_size=4: every row's tokens and acceptance are its own run's at batch size 1 (each row a
+    head of its own, handed its row's features of the batched verify pass)."""
+    from harness.core.batch import speculative_decode_batch
+
+    pair = head_pair(heads, kind, forward)
+    rows = prompts(pair)
+    sampling = Sampling(temperature)
+    alone = []
+    for i, ids in enumerate(rows):
+        cycles = list(
+            speculative_decode(pair.target, pair.drafter, ids, 3, sampling, 30, set(), torch.Generator().manual_seed(i))
+        )
+        alone.append(([t for c in cycles for t in c.tokens], [c.num_accepted for c in cycles]))
+    target, drafter = pair.batched()
+    together = [([], []) for _ in rows]
+    generators = [torch.Generator().manual_seed(i) for i in range(len(rows))]
+    for step in speculative_decode_batch(target, drafter, rows, 3, sampling, 30, set(), generators):
+        for row, c in step:
+            together[row][0].extend(c.tokens)
+            together[row][1].append(c.num_accepted)
+    assert together == alone

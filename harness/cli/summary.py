@@ -36,7 +36,8 @@ def format_summary(s: dict) -> str:
         f"pair {s['pair']}: target {s['target']} | draft {s['draft']}",
         f"k={s['k']} temperature={s['temperature']} top_k={s['top_k']} top_p={s['top_p']} "
         f"max_new_tokens={s['max_new_tokens']} dataset={s.get('dataset', '?')} prompts={s['num_prompts']} "
-        f"(skipped {s['prompts_skipped']}, truncated {s.get('prompts_truncated', 0)})",
+        f"(skipped {s['prompts_skipped']}, truncated {s.get('prompts_truncated', 0)})"
+        + (f" batch_size={c['batch']['size']} ({s['batches']} batches)" if c.get("batch") else ""),
         f"{c['device']} ({c['device_name']}), {c['dtype']}, {c['threads']} threads{linear}{lean}, torch {c['torch']}, transformers {c['transformers']}",
         "",
         f"{'metric':<34}{'value':>12}",
@@ -47,7 +48,7 @@ def format_summary(s: dict) -> str:
         f"{'  theoretical (1-a^(k+1))/(1-a)':<34}{fmt(s['theoretical_tokens_per_cycle']):>12}",
         f"{'accepted drafts per cycle':<34}{fmt(s['accepted_per_cycle']):>12}",
         f"{'speedup (ratio of totals)':<34}{fmt(s['speedup']):>12}  [{fmt(lo)}, {fmt(hi)}] 95% CI",
-        f"{'speedup (geomean of prompts)':<34}{fmt(s['speedup_geomean']):>12}  [{fmt(glo)}, {fmt(ghi)}] 95% CI",
+        f"{'speedup (geomean of ' + ('batches)' if c.get('batch') else 'prompts)'):<34}{fmt(s['speedup_geomean']):>12}  [{fmt(glo)}, {fmt(ghi)}] 95% CI",
         f"{'speedup after the first token':<34}{fmt(s.get('decode_speedup')):>12}  (TPOT ratio)",
         f"{'predicted speedup (cycles run)':<34}{fmt(s['predicted_speedup']):>12}  (formula {fmt(s.get('predicted_speedup_formula'))})",
         f"{'efficiency (decode/predicted)':<34}{fmt(s['efficiency']):>12}",
@@ -62,6 +63,7 @@ def format_summary(s: dict) -> str:
             else ""
         ),
         f"{'target step ms':<34}{fmt(_ms(s.get('target_step_s')), '.2f'):>12}{_interval(s.get('target_step_s_ci'), 1e3, '.2f')}",
+        f"{'tokens/s spec / baseline':<34}{fmt(s.get('spec_tokens_per_s'), '.1f'):>12} / {fmt(s.get('base_tokens_per_s'), '.1f')}",
         f"{'TPOT ms spec / baseline':<34}{fmt(1e3 * s['spec_tpot_s'], '.2f'):>12} / {fmt(1e3 * s['base_tpot_s'], '.2f')}",
         f"{'TTFT ms spec / baseline (median)':<34}{fmt(1e3 * s['spec_ttft_s'], '.2f'):>12} / {fmt(1e3 * s['base_ttft_s'], '.2f')}",
         f"{'per-position acceptance':<34}  " + " ".join(fmt(a, ".2f") for a in s["position_acceptance"]),

@@ -386,10 +386,6 @@ def validate(cfg: DictConfig) -> None:
         (not cfg.compile or k + 1 <= settings.COMPILED_MAX_TOKENS, compiled_k_message(k)),
         (forward != "lean" or (cfg.cache == "dynamic" and not cfg.compile), settings.LEAN_EAGER_ONLY),
         (cfg.get("batch_size", 1) == 1 or (cfg.cache == "dynamic" and not cfg.compile), settings.BATCH_ONE_ONLY),
-        (
-            cfg.get("batch_size", 1) == 1 or OmegaConf.select(cfg, "pair.draft.kind") not in settings.FEATURE_KINDS,
-            settings.BATCH_FEATURES,
-        ),
     ]
     for ok, message in checks:
         if not ok:

@@ -28,12 +28,7 @@ FEATURES_EAGER_ONLY = (
     "a feature head reads the target's hidden states from an eager forward: use compile=false with draft kinds eagle and eagle3"
 )
 DRAFT_KINDS = ("model", "ngram", "eagle", "eagle3")  # harness.runner.pair: a separate model, prompt lookup, feature heads
-FEATURE_KINDS = ("eagle", "eagle3")
 BATCH_ONE_ONLY = "batch_size > 1 runs with cache=dynamic and compile=false: use those, or batch_size=1"
-BATCH_FEATURES = (
-    "batch_size > 1 runs model and prompt-lookup drafts; a feature head (eagle, eagle3) drafts one sequence at a time: "
-    "use batch_size=1, or a pair with a model or ngram draft"
-)
 WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
 LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.core.drafters.NgramDrafter)
 COMPILED_MAX_TOKENS = (

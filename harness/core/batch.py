@@ -40,6 +40,7 @@ def speculative_decode_batch(
     """Per cycle, (row, its Cycle) for every row that took part in it."""
     target.start(len(prompts))
     drafter.start(prompts)
+    reads = getattr(drafter, "reads_target", ())  # feature heads' target layers: only they cost a capture
     ids = list(prompts)  # per row: committed so far
     generated = [0] * len(prompts)
     active = list(range(len(prompts)))  # rows still decoding, in the order the batch holds them
@@ -49,8 +50,12 @@ def speculative_decode_batch(
         proposals = drafter.propose([ids[r] for r in active], budgets, sampling, gens)  # per row ([k'], [k', V] | None)
         unseen = [ids[r][n:] for r, n in zip(active, target.lengths)]
         feeds = [torch.cat([u, tokens]) for u, (tokens, _) in zip(unseen, proposals)]
-        logits = target.forward(feeds, [tokens.shape[0] + 1 for tokens, _ in proposals])  # per row [k'+1, V]
-        cycles, lengths, finished = [], [], []
+        wanted = [tokens.shape[0] + 1 for tokens, _ in proposals]
+        if reads:
+            logits, features = target.forward_features(feeds, wanted, reads)  # per row [k'+1, V], [u + k', F]
+        else:
+            logits = target.forward(feeds, wanted)  # per row [k'+1, V]
+        cycles, lengths, finished, seen = [], [], [], []
         for i, (r, (tokens, q), rows, gen) in enumerate(zip(active, proposals, logits, gens)):
             k_row = tokens.shape[0]
             if sampling.greedy:
@@ -60,6 +65,8 @@ def speculative_decode_batch(
                 verdict = rule(tokens, p[:0] if q is None else q, p, gen)
             n = verdict.num_accepted
             lengths.append(ids[r].shape[0] + n)
+            if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
+                seen.append((features[i][: unseen[i].shape[0] + n], ids[r].shape[0] - unseen[i].shape[0]))
             committed = torch.cat([tokens[:n], verdict.next_token[None]])  # [n + 1]
             kept, stop = apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated[r])
             ids[r] = torch.cat([ids[r], committed[: len(kept)]])
@@ -71,6 +78,8 @@ def speculative_decode_batch(
                 finished.append(i)
         target.rollback(lengths)
         drafter.rollback(lengths)
+        if reads:
+            drafter.observe(seen)
         yield cycles
         if finished:
             going = [i for i in range(len(active)) if i not in finished]

@@ -52,14 +52,18 @@ class BatchModelDrafter:
 
 
 class RowDrafters:
-    """One copy of a one-sequence drafter per row (prompt lookup: nothing to batch), each with its own state."""
+    """One copy of a one-sequence drafter per row, each with its own state: prompt lookup (no model to
+    batch), and a feature head (a head pass per row: its own KV storage, `FeatureDrafter.fresh`), which
+    is handed each row's features of the batched verify pass (`observe`)."""
 
     def __init__(self, drafter):
         self.drafter = drafter  # the pattern: settings (and costs, for cost-aware lookup) shared, state per copy
+        self.reads_target = getattr(drafter, "reads_target", ())
         self.rows: list = []
 
     def start(self, prompts) -> None:
-        self.rows = [copy.copy(self.drafter) for _ in prompts]
+        fresh = getattr(self.drafter, "fresh", None) or (lambda: copy.copy(self.drafter))
+        self.rows = [fresh() for _ in prompts]
         for row, prompt in zip(self.rows, prompts):
             row.start(prompt)
 
@@ -69,6 +73,11 @@ class RowDrafters:
     def rollback(self, lengths) -> None:
         for row, length in zip(self.rows, lengths):
             row.rollback(length)
+
+    def observe(self, seen) -> None:
+        """Per active row, (features [n, F] of committed positions start.., start): FeatureDrafter.observe."""
+        for row, (features, start) in zip(self.rows, seen):
+            row.observe(features, start)
 
     def keep(self, rows) -> None:
         self.rows = [self.rows[i] for i in rows]

@@ -109,6 +109,13 @@ class FeatureDrafter:
         self.head.reset()
         self.known = self.pairs = 0
 
+    def fresh(self) -> FeatureDrafter:
+        """The same head (weights shared) with caches of its own: one per row of a batch."""
+        other = FeatureDrafter(self.head.fresh())
+        if self.head.capacity:
+            other.head.reserve(self.head.capacity)
+        return other
+
     def observe(self, features: torch.Tensor, start: int) -> None:
         """The features [n, F] of committed positions start..start+n-1 (the target's cache held `start`)."""
         if start > self.known:  # a target that kept a prefix it read before this sequence began

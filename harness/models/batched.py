@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from harness.config.settings import BATCH_ONE_ONLY
+from harness.config.settings import BATCH_ONE_ONLY, FEATURES_EAGER_ONLY
 from harness.errors import HarnessError
 from harness.models.cached import CachedLM
+from harness.models.hf_backends import captured
 from harness.models.lean import LeanLlama
 
 
@@ -48,6 +49,13 @@ class BatchedLM:
     def forward(self, feeds: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
         """Append feeds[i] [T_i] (T_i may be 0) to active row i; per row the logits [num_logits[i], V]
         of its last positions (num_logits[i] <= T_i)."""
+        raise NotImplementedError
+
+    def forward_features(
+        self, feeds: list[torch.Tensor], num_logits: list[int], layers: tuple[int, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """As forward, and per row the hidden states [T_i, len(layers) * hidden] of its fed positions
+        (CachedLM.forward_features), for drafts that read the target."""
         raise NotImplementedError
 
     def rollback(self, lengths: list[int]) -> None:
@@ -97,11 +105,20 @@ class LeanBatch(BatchedLM):
         self.lean.reserve(self.max_len)
 
     def forward(self, feeds, num_logits):
+        return self._step(feeds, num_logits, ())
+
+    def forward_features(self, feeds, num_logits, layers):
+        return self._step(feeds, num_logits, layers)
+
+    def _step(self, feeds, num_logits, layers):
         ids, _ = self._padded(feeds)
         starts = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
-        logits = self.lean.batch(ids, starts, self._last(feeds, num_logits))  # [N, V']
+        out = self.lean.batch(ids, starts, self._last(feeds, num_logits), layers)  # [N, V'] (, [B, T, F])
         self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
-        return self._split(logits, num_logits)
+        if not layers:
+            return self._split(out, num_logits)
+        logits, features = out
+        return self._split(logits, num_logits), [row[: f.shape[0]] for row, f in zip(features, feeds)]
 
     def rollback(self, lengths):
         self.lengths = [min(a, b) for a, b in zip(self.lengths, lengths)]
@@ -135,18 +152,35 @@ class HFBatch(BatchedLM):
         self.lengths = [0] * rows
 
     def forward(self, feeds, num_logits):
+        return self._step(feeds, num_logits, ())
+
+    def forward_features(self, feeds, num_logits, layers):
+        if self.lm.compiled is not None:
+            raise HarnessError(FEATURES_EAGER_ONLY)
+        with captured(self.lm.model, layers) as taken:
+            logits = self._step(feeds, num_logits, layers)
+        features = torch.cat([taken[i] for i in layers], dim=-1)  # [B, T, F]
+        return logits, [row[: f.shape[0]] for row, f in zip(features, feeds)]
+
+    def _step(self, feeds, num_logits, layers):
         ids, width = self._padded(feeds)
         real = torch.tensor([f.shape[0] for f in feeds], device=self.device)[:, None] > torch.arange(width, device=self.device)
         positions = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)  # [B, T]
         # This step's padding attends (to itself, at least: never a row with nothing to attend to); later steps do not see it.
         mask = torch.cat([self.held, torch.ones_like(real)], dim=1).long()  # [B, C + T]
-        out = self.lm.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, **{self.lm.cache_kwarg: self.cache}, use_cache=True
-        )
         last = self._last(feeds, num_logits)
+        kept, where = last[:, 1].unique(return_inverse=True)  # the positions any row wants logits of: those only
+        out = self.lm.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **{self.lm.cache_kwarg: self.cache},
+            use_cache=True,
+            logits_to_keep=kept if kept.numel() else 1,
+        )
         self.held = torch.cat([self.held, real], dim=1)
         self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
-        return self._split(out.logits[last[:, 0], last[:, 1]], num_logits)
+        return self._split(out.logits[last[:, 0], where], num_logits)
 
     def rollback(self, lengths):
         counts = self.held.cumsum(1)  # [B, C] tokens of its row up to each slot

@@ -173,10 +173,11 @@ class LeanLlama:
         return self.model.lm_head(h), torch.cat([taken[i][0] for i in capture], dim=-1)  # [num_logits, V], [T, F]
 
     @torch.inference_mode()
-    def batch(self, input_ids: torch.Tensor, starts: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    def batch(self, input_ids: torch.Tensor, starts: torch.Tensor, last: torch.Tensor, capture: tuple[int, ...] = ()):
         """A ragged step of B rows: row b feeds input_ids[b] [T] at positions starts[b].. of stored row b
         (its tokens past its own count are padding, written beyond its length and never read);
-        logits [N, V] of the positions `last` [N, 2] (row, index into its T)."""
+        logits [N, V] of the positions `last` [N, 2] (row, index into its T). capture: as __call__,
+        the hidden states [B, T, len(capture) * hidden] too."""
         B, T = input_ids.shape
         end = int(starts.max()) + T  # host read: the span attention reads
         self._count_pass()
@@ -192,8 +193,11 @@ class LeanLlama:
             keys[rows, heads, slots], values[rows, heads, slots] = k, v  # [B, kv_heads, T, D] each
             return keys[:B, :, :end], values[:B, :, :end]
 
-        x, _ = self._layers(input_ids, positions, mask, store, ())  # [B, T, hidden]
-        return self.model.lm_head(_rms_norm(x[last[:, 0], last[:, 1]], self.inner.norm))  # [N, V]
+        x, taken = self._layers(input_ids, positions, mask, store, capture)  # [B, T, hidden]
+        if len(self.layers) in capture:
+            taken[len(self.layers)] = _rms_norm(x, self.inner.norm)
+        logits = self.model.lm_head(_rms_norm(x[last[:, 0], last[:, 1]], self.inner.norm))  # [N, V]
+        return (logits, torch.cat([taken[i] for i in capture], dim=-1)) if capture else logits
 
     def _count_pass(self) -> None:
         for key, hook in self.model._forward_pre_hooks.items():  # a pass of the model to whoever counts them (the bench)

@@ -361,7 +361,7 @@ def run_batch(
         for row, token in step:
             base_tokens[row].append(token)
             base_done[row] = stamp
-    drafting = isinstance(drafter, BatchModelDrafter)
+    drafting = isinstance(drafter, BatchModelDrafter) or bool(getattr(drafter, "reads_target", ()))  # forwards per draft
     draft_steps = [max((c.num_drafted for _, c in cycle), default=0) for cycle in spec_cycles]  # a batched draft's passes
     spec_total, base_total = sum(len(c.tokens) for cycle in spec_cycles for _, c in cycle), sum(map(len, base_tokens))
     unit = {

@@ -156,20 +156,32 @@ def measure_costs_batch(pair: Pair, prompts: list[torch.Tensor], k: int, samplin
     B-row step. The figures the batched cell's prediction prices its cycles with."""
     target, drafter = pair.batched()
     device, B = pair.device, len(prompts)
+    reads = getattr(drafter, "reads_target", ())
     prompts = [ids[-max(pair.context - k, 1) :] for ids in prompts]
-    target.start(B)
-    target.forward([ids[:-1] for ids in prompts], [0] * B)
     lengths = [ids.shape[0] - 1 for ids in prompts]
+    target.start(B)
+    if reads:
+        _, prompt_features = target.forward_features([ids[:-1] for ids in prompts], [0] * B, reads)
+    else:
+        target.forward([ids[:-1] for ids in prompts], [0] * B)
     extra = [ids[-1:].repeat(k + 1) for ids in prompts]
     generators = [torch.Generator(device).manual_seed(row) for row in range(B)]
 
     def score(n: int) -> float:
-        spent = seconds(device, lambda: target.forward([e[:n] for e in extra], [n] * B))
+        feeds = [e[:n] for e in extra]
+        if reads:
+            spent = seconds(device, lambda: target.forward_features(feeds, [n] * B, reads))
+        else:
+            spent = seconds(device, lambda: target.forward(feeds, [n] * B))
         target.rollback(lengths)
         return spent
 
     def draft() -> float:
         drafter.start(prompts)
+        if reads:  # each row's head holds its prompt's pairs but the last, as in measure_costs
+            drafter.observe([(features, 0) for features in prompt_features])
+            drafter.propose([ids[:-1] for ids in prompts], [1] * B, sampling, generators)
+            drafter.rollback(lengths)
         score(k + 1)
         return seconds(device, lambda: drafter.propose(prompts, [k] * B, sampling, generators)) / k
 

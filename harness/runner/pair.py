@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config.settings import BATCH_FEATURES, DRAFT_KINDS, FEATURES_EAGER_ONLY
+from harness.config.settings import DRAFT_KINDS, FEATURES_EAGER_ONLY
 from harness.core.batch_drafters import BatchModelDrafter, RowDrafters
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.data.prompts import set_pair_template
@@ -76,8 +76,6 @@ class Pair:
         """The target and drafter for batch_size > 1 (harness.core.batch), made once per pair: the same
         models, caches of their own for B rows."""
         if self.batch is None:
-            if isinstance(self.drafter, FeatureDrafter):
-                raise HarnessError(BATCH_FEATURES)
             if isinstance(self.drafter, ModelDrafter):
                 drafter = BatchModelDrafter(batched(self.drafter.lm))
             else:
@@ -91,6 +89,8 @@ class Pair:
         target.reserve(positions)
         if isinstance(drafter, BatchModelDrafter):
             drafter.lm.reserve(positions)
+        elif isinstance(self.drafter, FeatureDrafter):
+            self.drafter.head.reserve(positions)  # each row's head is a fresh one reserved as large
 
     def models(self) -> list:
         """The pair's models: the target, and the draft when it is a model."""
