@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh            # writes results/bench/gpu_*.json ($OUT/ when set) and prints the figures
 # Runs harness.bench on the embedded pair with a model draft, smollm2 (offline: no hub access needed)
 #   1. eager (HF's forward), dynamic cache: ours vs HF generate / assisted / prompt lookup, efficiency,
-#      overhead, memory over 100 prompts, and the host syncs per cycle;
+#      overhead, memory over 100 prompts, the host syncs per cycle, and our batched baseline against
+#      generate() on left-padded batches of 4 and 16;
 #   2. static cache + torch.compile of both models, against HF generate's own compiled
 #      path (static cache + compile_config): throughput, efficiency and overhead;
 #   3. eager with forward=lean (harness/models/lean.py) at k=4, in the time that is left.
@@ -76,9 +77,9 @@ fi
 
 if [ "$rehearse" = 1 ]; then
     device=cpu t1=1200 t2=2400 end=3600
-    eager=(--reps 1 --prompts 2 --ks 1 --max-new-tokens 8 --memory-prompts 4 --memory-new-tokens 4)
-    compiled=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
-    lean=(--reps 1 --prompts 1 --ks 1 --max-new-tokens 8 --memory-prompts 0)
+    eager=(--reps 1 --prompts 2 --ks 1 --batch-sizes 2 --max-new-tokens 8 --memory-prompts 4 --memory-new-tokens 4)
+    compiled=(--reps 1 --prompts 1 --ks 1 --batch-sizes --max-new-tokens 8 --memory-prompts 0)
+    lean=(--reps 1 --prompts 1 --ks 1 --batch-sizes --max-new-tokens 8 --memory-prompts 0)
 else
     # Within a 10-minute limit per command, set-up included (SECONDS counts from this script's
     # start), with 30 s left to copy $OUT back: of the default 570 s the eager part runs until 330 s
@@ -86,9 +87,9 @@ else
     # next). --seconds S scales the three, for a machine with less time left.
     device=cuda end=$seconds t1=$((seconds * 330 / 570)) t2=$((seconds * 480 / 570))
     $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path (--rehearse runs it on the CPU)')"
-    eager=(--reps 5 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/results/bench/*cpu*.json
-    compiled=(--reps 3 --prompts 6 --ks 1 2 4 --max-new-tokens 32 --memory-prompts 0)
-    lean=(--reps 3 --prompts 6 --ks 4 --max-new-tokens 32 --memory-prompts 0)  # the extra: last, in what is left
+    eager=(--reps 5 --prompts 6 --ks 1 2 4 --batch-sizes 4 16 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/results/bench/*cpu*.json
+    compiled=(--reps 3 --prompts 6 --ks 1 2 4 --batch-sizes --max-new-tokens 32 --memory-prompts 0)  # batches run eager
+    lean=(--reps 3 --prompts 6 --ks 4 --batch-sizes --max-new-tokens 32 --memory-prompts 0)  # the extra: last, in what is left
 fi
 dir=${OUT:-results/bench}  # straight into $OUT when set: a command cut short still leaves what was written there
 mkdir -p "$dir"

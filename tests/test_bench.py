@@ -132,6 +132,9 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert result["conditions"]["linear"]["mode"] == "auto" and "probe" in result["conditions"]["linear"]
     for audit in result["sync_audit"].values():  # on a CPU too: host reads, 2 per cycle, none per drafted token
         assert audit["drafted"] > audit["cycles"] and audit["host_reads_per_cycle"] == 2.0 and "syncs" not in audit
+    batched = result["batched"]["4"]  # our batched baseline against generate() on the same left-padded batch
+    assert batched["ratio"] == statistics.median(batched["ratio_per_rep"]) and len(batched["ratio_per_rep"]) == 2
+    assert batched["same_output_as_hf"] == 1.0 and "refuse" in result["batched"]["note"]
 
 
 def test_a_run_cut_short_keeps_the_parts_it_finished(tiny_pair, tmp_path, monkeypatch):

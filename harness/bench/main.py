@@ -1,9 +1,9 @@
 """Performance benchmark: our loop against HF transformers, and against its own limit.
 
     python -m harness.bench [--reps 5] [--prompts 6] [--ks 1 2 4] [--max-new-tokens 64]
-                            [--memory-prompts 100] [--out results/bench/bench.json] [HYDRA OVERRIDES]
+                            [--batch-sizes 4] [--memory-prompts 100] [--out results/bench/bench.json] [HYDRA OVERRIDES]
 
-Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
+Greedy decoding on one pair (default: the embedded default pair). Five parts (run in the order 1, 2, 3, 5, 4):
 
   1. throughput, every contender on every prompt, interleaved prompt by prompt
      (order alternating), medians over repetitions of total tokens / total time:
@@ -41,6 +41,10 @@ Greedy decoding on one pair (default: the embedded SmolLM2 pair). Four parts:
   coefficient of variation over the repetitions (ratio_cv, measured_speedup_cv).
   3. overhead, per k: the share of decode time spent outside model forward
      passes, and where it goes (the rule, cache rollback, stop handling, the rest).
+  5. batched, per --batch-sizes B (default 4; none to skip): our batched baseline (harness.core.batch)
+     against HF generate() on the same left-padded batch of B prompts, interleaved, tokens/s medians
+     and the median per-rep ratio. HF's assisted generation and prompt lookup refuse B > 1, so the
+     speculative contenders have no HF rival there.
   4. memory: resident memory (and CUDA allocated memory) after each of
      --memory-prompts prompts of a full baseline + speculative run, with the
      fitted growth per prompt (scipy.stats.linregress).
@@ -66,8 +70,9 @@ from transformers.utils import logging as hf_logging
 
 from harness.bench.contenders import lookup_room
 from harness.bench.goals import goals
-from harness.bench.parts import SPREAD_NOTE, limit, memory, sync_audit, throughput
+from harness.bench.parts import SPREAD_NOTE, batched_baselines, limit, memory, sync_audit, throughput
 from harness.config.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
+from harness.config.settings import BATCH_ONE_ONLY
 from harness.core.drafters import FeatureDrafter, ModelDrafter
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode_within, select
@@ -138,6 +143,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--memory-prompts", type=int, default=100, help="0: skip the memory part")
     parser.add_argument("--memory-new-tokens", type=int, default=16)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--batch-sizes", type=k_value, nargs="*", default=[4], help="part 5's batch sizes (none: skip it); each at least 2"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench/bench.json"))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +pair=smollm2 device=cuda")
     args = parser.parse_args(argv)
@@ -148,6 +156,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         ("--max-new-tokens", [args.max_new_tokens], 2),
         ("--memory-prompts", [args.memory_prompts], 0),
         ("--memory-new-tokens", [args.memory_new_tokens], 1),
+        ("--batch-sizes", args.batch_sizes or [2], 2),
     ):
         if min(values) < low:
             parser.error(f"{flag} {' '.join(map(str, values))}: each must be at least {low}")
@@ -231,6 +240,11 @@ def main(argv: list[str] | None = None) -> dict:
     if isinstance(pair.drafter, ModelDrafter):
         result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
         write_result(args.out, result)
+    if args.batch_sizes and (cfg.compile or cfg.cache != "dynamic"):
+        result["batched"] = {"note": f"not run: {BATCH_ONE_ONLY}"}
+    elif args.batch_sizes:
+        result["batched"] = batched_baselines(pair, encoded, args, device)
+        write_result(args.out, result)
     peak_before = process_peak_rss_mb()  # memory() resets the peaks (Linux RSS, CUDA) to take its own
     cuda_before = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     if args.memory_prompts > 0:
@@ -293,6 +307,15 @@ def print_summary(result: dict) -> None:
             f"    v(1..{int(k) + 1}) measured apart {v_apart}; in the loop (n = {sorted(lim['in_loop']['verify_cost_by_positions'])}) {v_loop}; "
             f"c apart {lim['cost_ratio']:.3f}, in the loop {lim['in_loop']['cost_ratio']:.3f}"
         )
+    batched = result.get("batched") or {}
+    for size, figures in ((key, value) for key, value in batched.items() if key != "note"):
+        print(
+            f"batch size {size}: ours_base / hf_base {figures['ratio']:.3f} cv {percent(figures['ratio_cv'])} "
+            f"({figures['tokens_per_s']['ours_base']:.1f} vs {figures['tokens_per_s']['hf_base']:.1f} tokens/s; "
+            f"rows with HF's output {figures['same_output_as_hf']:.2f})"
+        )
+    if batched:
+        print(batched["note"])
     for name, audit in result.get("sync_audit", {}).items():
         print(
             f"host reads of tensor values ({name}): {audit['host_reads_per_cycle']:.2f} per cycle over {audit['cycles']} cycles "

@@ -431,3 +431,76 @@ def sync_audit(pair, ids, k: int, n: int, device) -> dict:
                 syncs=sum(where.values()), syncs_per_cycle=sum(where.values()) / len(cycles), by_line=dict(where.most_common())
             )
     return out
+
+
+HF_ASSISTED_BATCH = (
+    "HF assisted generation and prompt lookup refuse more than one sequence per generate() call, so at batch "
+    "size > 1 only the baselines meet: our batched target-only decode against generate() on the same left-padded batch"
+)
+
+
+def hf_generate_batch(model, rows: list[torch.Tensor], max_new: int, eos: list[int]) -> list[list[int]]:
+    """HF generate() on rows left-padded to one length with their attention mask (greedy); each row's
+    new tokens, cut after its first EOS."""
+    width = max(r.shape[0] for r in rows)
+    ids = torch.full((len(rows), width), eos[0], dtype=torch.long, device=rows[0].device)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[0] :], mask[i, width - r.shape[0] :] = r, 1
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+        )
+    tokens = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        tokens.append(row[:cut])
+    return tokens
+
+
+def batched_baselines(pair, encoded, args, device) -> dict:
+    """Part 5: at each of args.batch_sizes, our batched baseline (harness.core.batch) against HF generate()
+    on the same left-padded batch of the first B prompts (repeated when fewer), interleaved (order
+    alternating) over args.reps; tokens/s medians, the median of the per-rep ratios, and the share of
+    rows whose greedy output is HF's (left padding and other product shapes may part them at a tie)."""
+    from harness.core.batch import autoregressive_decode_batch
+
+    target, _ = pair.batched()
+    eos = sorted(pair.eos_ids)
+    out: dict = {"note": HF_ASSISTED_BATCH}
+    for size in args.batch_sizes:
+        rows = [encoded[i % len(encoded)] for i in range(size)]
+        target.reserve(max(r.shape[0] for r in rows) + args.max_new_tokens)
+
+        def ours(rows=rows):
+            tokens = [[] for _ in rows]
+            gens = [torch.Generator(device) for _ in rows]
+            for step in autoregressive_decode_batch(target, rows, GREEDY, args.max_new_tokens, pair.eos_ids, gens):
+                for row, token in step:
+                    tokens[row].append(token)
+            return tokens
+
+        def theirs(rows=rows):
+            return hf_generate_batch(pair.target.model, rows, args.max_new_tokens, eos)
+
+        contenders = {"ours_base": ours, "hf_base": theirs}
+        for fn in contenders.values():  # warm-up, excluded
+            fn()
+        rates, same = {name: [] for name in contenders}, 0
+        for rep in range(args.reps):
+            outputs = {}
+            for name in list(contenders) if rep % 2 == 0 else list(reversed(contenders)):
+                tokens, seconds = timed_call(contenders[name], device)
+                outputs[name] = tokens
+                rates[name].append(sum(map(len, tokens)) / seconds)
+            same += sum(a == b for a, b in zip(outputs["ours_base"], outputs["hf_base"]))
+        per_rep = [a / b for a, b in zip(rates["ours_base"], rates["hf_base"])]
+        ratio_median, cv = median_and_cv(per_rep)
+        out[str(size)] = {
+            "tokens_per_s": {name: statistics.median(v) for name, v in rates.items()},
+            "ratio": ratio_median,
+            "ratio_cv": cv,
+            "ratio_per_rep": per_rep,
+            "same_output_as_hf": same / (args.reps * size),
+        }
+    return out
