@@ -109,30 +109,9 @@ class FeatureDrafter:
         self.head.reset()
         self.known = self.pairs = 0
 
-    def fresh(self) -> FeatureDrafter:
-        """The same head (weights shared) with caches of its own: one per row of a batch."""
-        other = FeatureDrafter(self.head.fresh())
-        if self.head.capacity:
-            other.head.reserve(self.head.capacity)
-        return other
-
     def observe(self, features: torch.Tensor, start: int) -> None:
         """The features [n, F] of committed positions start..start+n-1 (the target's cache held `start`)."""
-        if start > self.known:  # a target that kept a prefix it read before this sequence began
-            raise RuntimeError(
-                f"a feature head needs the target to read every position: features from {start}, known to {self.known}"
-            )
-        self.known = start
-        end = self.known + features.shape[0]
-        if self.features is None or end > self.features.shape[0]:
-            grown = features.new_empty(
-                max(end, 2 * (0 if self.features is None else self.features.shape[0]), 256), features.shape[1]
-            )
-            if self.features is not None:
-                grown[: self.known] = self.features[: self.known]
-            self.features = grown
-        self.features[self.known : end] = features
-        self.known = end
+        self.features, self.known = kept_features(self.features, self.known, features, start)
 
     def propose(self, ids, k, sampling, generator):
         L = ids.shape[0]
@@ -151,6 +130,21 @@ class FeatureDrafter:
 
     def rollback(self, length: int) -> None:
         self.head.crop(min(self.pairs, length - 1))
+
+
+def kept_features(store: torch.Tensor | None, known: int, features: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+    """A feature head's store [capacity, F] of committed positions' features (the first `known` of them
+    valid) with features [n, F] of positions start..start+n-1 written in, grown as needed; and the new count."""
+    if start > known:  # a target that kept a prefix it read before this sequence began
+        raise RuntimeError(f"a feature head needs the target to read every position: features from {start}, known to {known}")
+    end = start + features.shape[0]
+    if store is None or end > store.shape[0]:
+        grown = features.new_empty(max(end, 2 * (0 if store is None else store.shape[0]), 256), features.shape[1])
+        if store is not None:
+            grown[:start] = store[:start]
+        store = grown
+    store[start:end] = features
+    return store, end
 
 
 class NgramDrafter:

@@ -130,11 +130,11 @@ class FeatureHead(nn.Module):
         return self.midlayer if self.layout == "eagle3" else self.layers[0]
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
-        """EAGLE-3: the target's three features [T, 3H_t] into the head's space [T, H]."""
+        """EAGLE-3: the target's three features [..., 3H_t] into the head's space [..., H]."""
         return self.fc(hidden)
 
     def attention_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(what attention reads [T, H or 2H], the residual [T, H]) for tokens [T] after features hidden [T, H]."""
+        """(what attention reads [..., T, H or 2H], the residual [..., T, H]) for tokens [..., T] after features hidden [..., T, H]."""
         embedded = self.shared["embed"](tokens)  # [T, H]
         if self.layout == "eagle3":
             layer = self.midlayer
@@ -143,18 +143,22 @@ class FeatureHead(nn.Module):
         return x, x  # EAGLE-1's first layer has no input norm
 
     def qkv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated queries [heads, T, D], keys and values [kv_heads, T, D] for inputs h [T, *] at positions [T]."""
-        attn, T = self.layer.self_attn, h.shape[0]
-        cos, sin = self.rotary(h[None], positions[None])  # [1, T, D] each
-        q = attn.q_proj(h).view(T, attn.heads, attn.head_dim).transpose(0, 1)
-        k = attn.k_proj(h).view(T, attn.kv_heads, attn.head_dim).transpose(0, 1)
-        v = attn.v_proj(h).view(T, attn.kv_heads, attn.head_dim).transpose(0, 1)
-        return rotate(q, cos[0], sin[0]), rotate(k, cos[0], sin[0]), v
+        """Rotated queries [..., heads, T, D], keys and values [..., kv_heads, T, D] for inputs h [..., T, *] at
+        positions [..., T] (one sequence, or a batch's rows)."""
+        attn, lead, T = self.layer.self_attn, h.shape[:-2], h.shape[-2]
+        cos, sin = self.rotary(h.reshape(-1, T, h.shape[-1]), positions.reshape(-1, T))  # [rows, T, D] each
+        cos, sin = cos.reshape(*lead, 1, T, -1), sin.reshape(*lead, 1, T, -1)
+
+        def heads(proj: nn.Linear, count: int) -> torch.Tensor:
+            return proj(h).view(*lead, T, count, attn.head_dim).transpose(-3, -2)
+
+        q, k, v = heads(attn.q_proj, attn.heads), heads(attn.k_proj, attn.kv_heads), heads(attn.v_proj, attn.kv_heads)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The layer's output [T, H] from its residual [T, H] and attention output [heads, T, D]."""
+        """The layer's output [..., T, H] from its residual [..., T, H] and attention output [..., heads, T, D]."""
         layer = self.layer
-        x = residual + layer.self_attn.o_proj(attended.transpose(0, 1).reshape(residual.shape[0], -1))
+        x = residual + layer.self_attn.o_proj(attended.transpose(-3, -2).reshape(*residual.shape[:-1], -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -218,6 +222,66 @@ class FeatureHead(nn.Module):
         out = self.finish(residual, attended)
         self.length = end
         return self.logits(out[-1:])[0], out
+
+
+class HeadRows:
+    """A feature head over a batch's rows (batch_size > 1): KV storage [rows, kv_heads, capacity, D] of its
+    own, each row at its own length (`lengths`), written at that row's positions as the lean forward's
+    batch does (harness.models.lean.LeanLlama.batch). The head's weights are shared."""
+
+    def __init__(self, head: FeatureHead, rows: int, capacity: int = 0):
+        self.head, self.rows = head, rows
+        self.lengths = [0] * rows
+        self.capacity = 0
+        self.keys = self.values = None  # [rows, kv_heads, capacity, D]
+        self.reserve(max(capacity, 1))
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = -(-length // ROOM) * ROOM
+        attn = self.head.layer.self_attn
+        weight = attn.o_proj.weight
+        keys = weight.new_zeros(self.rows, attn.kv_heads, capacity, attn.head_dim)
+        values = torch.zeros_like(keys)
+        if self.keys is not None:
+            keys[:, :, : self.capacity], values[:, :, : self.capacity] = self.keys, self.values
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    def keep_rows(self, kept: list[int]) -> None:
+        """Only the rows `kept` (in order) go on: their storage moves up."""
+        index = torch.tensor(kept, dtype=torch.long, device=self.keys.device)
+        self.keys[: len(kept)], self.values[: len(kept)] = self.keys[index], self.values[index]
+        self.lengths = [self.lengths[i] for i in kept]
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], from_target: bool):
+        """Row i's pairs at positions lengths[i].. : tokens [B, T] after features hidden [B, T, F] (the target's
+        when from_target, else the head's outputs [B, T, H]), the first counts[i] of them real (the rest
+        padding, written past the row's length and never read). (logits [B, V] of each row's last real
+        pair (rows with none: garbage), outputs [B, T, H])."""
+        head, (B, T) = self.head, tokens.shape
+        if from_target and head.layout == "eagle3":
+            hidden = head.fuse(hidden)
+        device = tokens.device
+        starts = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        end = max(self.lengths) + T
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        h, residual = head.attention_input(tokens, hidden)
+        positions = starts[:, None] + torch.arange(T, device=device)  # [B, T]
+        q, k, v = head.qkv(h, positions)  # [B, heads, T, D], [B, kv_heads, T, D] x 2
+        rows = torch.arange(B, device=device)[:, None, None]
+        kv = torch.arange(k.shape[1], device=device)[None, :, None]
+        self.keys[rows, kv, positions[:, None, :]], self.values[rows, kv, positions[:, None, :]] = k, v
+        mask = (torch.arange(end, device=device) <= positions[..., None])[:, None]  # [B, 1, T, end]
+        attended = F.scaled_dot_product_attention(
+            q, self.keys[:B, :, :end], self.values[:B, :, :end], attn_mask=mask, enable_gqa=True
+        )  # [B, heads, T, D]
+        out = head.finish(residual, attended)  # [B, T, H]
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        last = torch.tensor([max(c, 1) - 1 for c in counts], device=device)
+        return head.logits(out[torch.arange(B, device=device), last]), out
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config.settings import DRAFT_KINDS, FEATURES_EAGER_ONLY
-from harness.core.batch_drafters import BatchModelDrafter, RowDrafters
+from harness.core.batch_drafters import BatchFeatureDrafter, BatchModelDrafter, RowDrafters
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.data.prompts import set_pair_template
 from harness.errors import HarnessError
@@ -72,12 +72,14 @@ class Pair:
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.lm.warm_up([(1, 1), (2, 1)])
 
-    def batched(self) -> tuple[BatchedLM, BatchModelDrafter | RowDrafters]:
+    def batched(self) -> tuple[BatchedLM, BatchModelDrafter | BatchFeatureDrafter | RowDrafters]:
         """The target and drafter for batch_size > 1 (harness.core.batch), made once per pair: the same
         models, caches of their own for B rows."""
         if self.batch is None:
             if isinstance(self.drafter, ModelDrafter):
                 drafter = BatchModelDrafter(batched(self.drafter.lm))
+            elif isinstance(self.drafter, FeatureDrafter):
+                drafter = BatchFeatureDrafter(self.drafter.head)
             else:
                 drafter = RowDrafters(self.drafter)
             self.batch = (batched(self.target), drafter)
@@ -89,8 +91,8 @@ class Pair:
         target.reserve(positions)
         if isinstance(drafter, BatchModelDrafter):
             drafter.lm.reserve(positions)
-        elif isinstance(self.drafter, FeatureDrafter):
-            self.drafter.head.reserve(positions)  # each row's head is a fresh one reserved as large
+        elif isinstance(drafter, BatchFeatureDrafter):
+            drafter.reserve(positions)
 
     def models(self) -> list:
         """The pair's models: the target, and the draft when it is a model."""
