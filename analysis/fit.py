@@ -179,6 +179,7 @@ def fit(
         measured = group.loc[group["speedup"].idxmax()] if group["speedup"].notna().any() else None
         row.update(
             draft_kind=group["draft_kind"].iloc[0],
+            batch_size=int(group["batch_size"].iloc[0]) if "batch_size" in group else 1,
             temperature=float(group["temperature"].iloc[0]),
             cells=len(group),
             ks=" ".join(str(k) for k in sorted(group["k"])),
@@ -243,9 +244,13 @@ class WhatIf:
     target_step_ms: float | None = None
     draft_step_ms: float | dict | None = None
     verify_slope: float | None = None  # b on that machine; None keeps the measured one
+    ridge_rows: float | None = None  # rows per pass where a step there turns compute-bound (batch_crossover)
 
     def given(self) -> bool:
-        return any(v not in (None, {}) for v in (self.cost_ratio, self.target_step_ms, self.draft_step_ms, self.verify_slope))
+        return any(
+            v not in (None, {})
+            for v in (self.cost_ratio, self.target_step_ms, self.draft_step_ms, self.verify_slope, self.ridge_rows)
+        )
 
     def cost_for(self, fit_row: pd.Series) -> tuple[float, str]:
         """(c on that machine, where it came from) for one fitted group."""
@@ -268,13 +273,55 @@ def _pick(value, label: str, kind: str):
     return value if kind == "model" else None
 
 
+BATCH_SIZES = tuple(2**i for i in range(11))  # the what-if's batch sizes, 1..1024
+
+
+def batch_speedup(
+    alpha: float, cost_ratio: float, verify_slope: float, ridge: float, batch: int, kind: str, max_k: int
+) -> tuple[int, float]:
+    """(best k, predicted speedup) at batch size `batch` on a machine whose passes are memory-bound up to
+    `ridge` rows: a pass of r rows over n positions each costs max(1 + b (n - 1), r n / ridge) one-row steps,
+    so v_B(n) = max(1 + b (n - 1), B n / ridge) / max(1, B / ridge). A draft model or head shares the
+    machine's roofline (its c holds); prompt lookup runs on the host once per row (c grows as B / max(1, B / ridge))."""
+    step = max(1.0, batch / ridge)
+    c = cost_ratio * batch / step if kind == "ngram" else cost_ratio
+    best = (0, 1.0)
+    for k in range(1, max_k + 1):
+        v = max(1.0 + verify_slope * k, batch * (k + 1) / ridge) / step
+        s = leviathan_speedup(alpha, k, c, v)
+        if s > best[1]:
+            best = (k, s)
+    return best
+
+
+def batch_crossover(alpha: float, cost_ratio: float, verify_slope: float, ridge: float, kind: str, max_k: int) -> int | None:
+    """The largest of BATCH_SIZES up to which some k predicts a speedup above 1 at every size (None: not at 1)."""
+    last = None
+    for batch in BATCH_SIZES:
+        if batch_speedup(alpha, cost_ratio, verify_slope, ridge, batch, kind, max_k)[1] <= 1.0:
+            break
+        last = batch
+    return last
+
+
 def whatif(fits: pd.DataFrame, spec: WhatIf, max_k: int = MAX_K) -> pd.DataFrame:
-    """Predicted best k and speedup under `spec`'s costs, with alpha's interval, one row per fit."""
+    """Predicted best k and speedup under `spec`'s costs, with alpha's interval, one row per fit; with
+    `ridge_rows`, up to which batch size the draft pays there (fits measured at batch size 1 only: the
+    costs the roofline scales are one-row costs)."""
     rows = []
     for _, f in fits.iterrows():
         c, source = spec.cost_for(f)
         b = f["verify_slope"] if spec.verify_slope is None else float(spec.verify_slope)
         k, s = best_k(f["alpha"], c, b, max_k)
+        crossover = {}
+        if spec.ridge_rows and int(f.get("batch_size", 1)) == 1:
+            ridge, kind = float(spec.ridge_rows), f["draft_kind"]
+            crossover = {
+                "ridge_rows": ridge,
+                "pays_up_to_batch": batch_crossover(f["alpha"], c, b, ridge, kind, max_k),
+                "pays_up_to_batch_low": batch_crossover(f["alpha_low"], c, b, ridge, kind, max_k),
+                "pays_up_to_batch_high": batch_crossover(f["alpha_high"], c, b, ridge, kind, max_k),
+            }
         rows.append(
             {
                 **{key: f[key] for key in FIT_KEYS},
@@ -289,6 +336,7 @@ def whatif(fits: pd.DataFrame, spec: WhatIf, max_k: int = MAX_K) -> pd.DataFrame
                 "predicted_high": predicted_speedup(f["alpha_high"], k, c, b) if k else math.nan,
                 "here_best_k": f["best_k"],
                 "here_predicted": f["predicted_best"],
+                **crossover,
             }
         )
     return pd.DataFrame(rows)

@@ -273,12 +273,36 @@ def _whatif_section(whatif: pd.DataFrame, pct: str, cfg: dict) -> list[str]:
         ]
 
     header = ["α", "c there", "c from", "b there", "best k there", "predicted there ↑", f"{pct} CI", "predicted here (best k)"]
-    return out + [
+    out += [
         f"Predicted on **{name}** with this sweep's α and the costs given:",
         "",
         _draft_table(whatif, header, cells),
         "",
     ]
+    if "pays_up_to_batch" in whatif:
+        crossing = whatif[whatif["pays_up_to_batch"].notna() | whatif["ridge_rows"].notna()]
+
+        def batch(value) -> str:
+            return "never" if value != value or value is None else f"{int(value)}"
+
+        def crossover_cells(w) -> list:
+            return [
+                _f(w.alpha),
+                batch(w.pays_up_to_batch),
+                f"[{batch(w.pays_up_to_batch_low)}, {batch(w.pays_up_to_batch_high)}]",
+            ]
+
+        out += [
+            f"Up to which batch size each draft pays on **{name}** (ridge at {_f(crossing['ridge_rows'].iloc[0], '.0f')} rows "
+            "per pass; fits measured at batch size 1):",
+            "",
+            _draft_table(crossing, ["α", "pays up to batch size", f"over α's {pct} interval"], crossover_cells),
+            "",
+            "A pass of r rows × n positions is priced max(1 + b (n − 1), r n / ridge) one-row steps: memory-bound "
+            "(flat but for the measured slope b) up to the ridge, compute-bound beyond it. Sizes tried: 1, 2, 4, …, 1024.",
+            "",
+        ]
+    return out
 
 
 def _batch_section(scaling: list[dict] | None) -> list[str]:

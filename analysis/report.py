@@ -46,7 +46,14 @@ DEFAULTS = {
     "n_resamples": 2000,
     "seed": 0,
     "max_k": fit_mod.MAX_K,
-    "whatif": {"name": "other hardware", "cost_ratio": None, "target_step_ms": None, "draft_step_ms": None, "verify_slope": None},
+    "whatif": {
+        "name": "other hardware",
+        "cost_ratio": None,
+        "target_step_ms": None,
+        "draft_step_ms": None,
+        "verify_slope": None,
+        "ridge_rows": None,
+    },
     "wandb_log": True,
 }
 # Maps that a settings file replaces whole when it defines them (other keys merge).
@@ -88,6 +95,8 @@ def settings(args: argparse.Namespace) -> dict:
         w["target_step_ms"] = args.target_step_ms
     if args.verify_slope is not None:
         w["verify_slope"] = args.verify_slope
+    if args.ridge_rows is not None:
+        w["ridge_rows"] = args.ridge_rows
     if args.no_wandb_log:
         out["wandb_log"] = False
     if not (isinstance(out["confidence"], (int, float)) and 0 < out["confidence"] < 1):
@@ -149,6 +158,7 @@ def _check_whatif(w: dict) -> None:
         ("draft_step_ms", 0.0, True),
         ("target_step_ms", 0.0, True),
         ("verify_slope", 0.0, False),
+        ("ridge_rows", 0.0, True),
     ):
         for value in numbers(w.get(key)):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > low if strict else value >= low)
@@ -341,6 +351,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-step-ms", type=float, help="what-if: the target's decode step there")
     p.add_argument("--draft-step-ms", action="append", help="what-if: a draft step there: NUMBER or DRAFT=NUMBER")
     p.add_argument("--verify-slope", type=float, help="what-if: b of v(n) = 1 + b(n - 1) there")
+    p.add_argument(
+        "--ridge-rows",
+        type=float,
+        help="what-if: rows per pass where a target step there turns compute-bound (peak FLOP/s x bytes per weight / "
+        "(2 x memory bandwidth)): predicts up to which batch size each draft pays there",
+    )
     p.add_argument("--no-wandb-log", action="store_true", help="reading from W&B: do not log the report back")
     return p
 

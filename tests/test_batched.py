@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from conftest import tiny_model
@@ -290,3 +291,25 @@ def test_a_batch_size_sweep_and_its_report(tiny_pair, tmp_path):
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## Batch size" in report and "speedup_vs_batch_size.png" in report
     assert len(document["decisions"]) == 2  # one decision per batch size: its costs are its own
+    from analysis.report import DEFAULTS
+
+    build(str(tmp_path / "store"), tmp_path / "whatif", {"whatif": {**DEFAULTS["whatif"], "ridge_rows": 8.0}})
+    whatif = pd.read_csv(tmp_path / "whatif" / "whatif.csv")
+    assert whatif["ridge_rows"].notna().sum() == 1  # the fit at batch size 1 only
+    assert "Up to which batch size each draft pays" in (tmp_path / "whatif" / "report.md").read_text()
+
+
+def test_the_whatif_predicts_where_speculation_stops_paying():
+    """On a machine whose passes turn compute-bound at 8 rows, a free draft accepted half the time pays
+    while B (k + 1) rows still fit under the ridge for some k (B = 4, k = 1), and never from B = 8 on,
+    where a verify of n positions costs n steps; a better draft pays no less far, prompt lookup's host
+    time per row brings the crossing earlier."""
+    from analysis.fit import batch_crossover, batch_speedup
+
+    assert batch_speedup(0.5, 0.0, 0.0, 8.0, 4, "model", 16) == (1, 1.5)
+    assert batch_speedup(0.5, 0.0, 0.0, 8.0, 8, "model", 16) == (0, 1.0)
+    assert batch_crossover(0.5, 0.0, 0.0, 8.0, "model", 16) == 4
+    assert batch_crossover(0.5, 0.0, 0.0, 1e9, "model", 16) == 1024  # memory-bound at every size tried
+    assert batch_crossover(0.9, 0.05, 0.01, 295.0, "model", 16) >= batch_crossover(0.6, 0.05, 0.01, 295.0, "model", 16)
+    assert batch_crossover(0.6, 0.05, 0.01, 295.0, "ngram", 16) < batch_crossover(0.6, 0.05, 0.01, 295.0, "model", 16)
+    assert batch_crossover(0.1, 0.5, 0.2, 295.0, "model", 16) is None  # not even alone
