@@ -142,8 +142,9 @@ def test_rows_decode_as_they_would_alone(forward, drafter_kind, temperature):
     assert len(set(cycles)) > 1, "rows should leave the batch at different cycles here"
 
 
+@pytest.mark.parametrize("forward", ["auto", "hf"])
 @pytest.mark.parametrize("temperature", ["0", "1.0"])
-def test_a_batched_cell(tiny_pair, tmp_path, temperature):
+def test_a_batched_cell(tiny_pair, tmp_path, temperature, forward):
     """batch_size=3 over 7 prompts: batches of 3, 3 and 1; every prompt's tokens are its batch_size=1
     tokens (greedy and sampled: each row has its own seed); the summary's speedup is over the batches'
     throughputs, with their count, the costs at the batch size and the batch layout in the conditions."""
@@ -152,10 +153,18 @@ def test_a_batched_cell(tiny_pair, tmp_path, temperature):
 
     from harness.runner.cell import run_cell
 
-    args = tiny_args(tiny_pair, tmp_path, "k=2", f"temperature={temperature}", "dataset.num_prompts=7", "max_new_tokens=12")
+    args = tiny_args(
+        tiny_pair,
+        tmp_path,
+        "k=2",
+        f"temperature={temperature}",
+        "dataset.num_prompts=7",
+        "max_new_tokens=12",
+        f"forward={forward}",
+    )
     one = run_cell(composed([*args, "wandb.mode=disabled"]), out_dir=tmp_path, quiet=True)
     three = run_cell(composed([*args, "wandb.mode=disabled", "batch_size=3"]), out_dir=tmp_path, quiet=True)
-    assert "-b3-" in three["cell"] and "-b" not in one["cell"].split("-t")[1]
+    assert "-b3-" in three["cell"] and three["cell"].count("-") == one["cell"].count("-") + 1
 
     def lines(summary):
         return [json.loads(line) for line in (Path(summary["cell_dir"]) / "prompts.jsonl").read_text().splitlines()]
@@ -313,3 +322,28 @@ def test_the_whatif_predicts_where_speculation_stops_paying():
     assert batch_crossover(0.9, 0.05, 0.01, 295.0, "model", 16) >= batch_crossover(0.6, 0.05, 0.01, 295.0, "model", 16)
     assert batch_crossover(0.6, 0.05, 0.01, 295.0, "ngram", 16) < batch_crossover(0.6, 0.05, 0.01, 295.0, "model", 16)
     assert batch_crossover(0.1, 0.5, 0.2, 295.0, "model", 16) is None  # not even alone
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["batch_size=0"], "batch_size=0 must be a positive integer"),
+        (["batch_size=4", "cache=static"], "batch_size > 1 runs with cache=dynamic and compile=false"),
+        (["batch_size=4", "cache=static", "compile=true"], "batch_size > 1 runs with cache=dynamic and compile=false"),
+        (["batch_size=two"], "batch_size"),
+    ],
+)
+def test_a_batch_size_that_cannot_run_is_one_line(overrides, says):
+    from test_config import refusal
+
+    assert says in refusal(overrides)
+
+
+@pytest.mark.cli
+def test_the_summary_table_names_the_batches(tiny_pair, tmp_path):
+    from test_cli import harness, tiny_args
+
+    out = harness(*tiny_args(tiny_pair, tmp_path, "batch_size=4", "k=2", "dataset.num_prompts=6", "max_new_tokens=8"))
+    assert out.returncode == 0, out.stderr
+    assert "batch_size=4 (2 batches)" in out.stdout and "speedup (geomean of batches)" in out.stdout
+    assert json.loads(out.stdout.strip().splitlines()[-1])["conditions"]["batch"]["size"] == 4
