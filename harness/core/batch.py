@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from harness.core.loop import Cycle, apply_stops
+from harness.core.loop import Cycle, commit
 from harness.core.rule import verify, verify_greedy
 from harness.core.sampling import Sampling, sample, shape_probs
 from harness.models.batched import BatchedLM
@@ -57,7 +57,6 @@ def speculative_decode_batch(
             logits = target.forward(feeds, wanted)  # per row [k'+1, V]
         cycles, lengths, finished, seen = [], [], [], []
         for i, (r, (tokens, q), rows, gen) in enumerate(zip(active, proposals, logits, gens)):
-            k_row = tokens.shape[0]
             if sampling.greedy:
                 verdict = verify_greedy(tokens, rows.argmax(-1))
             else:
@@ -67,13 +66,10 @@ def speculative_decode_batch(
             lengths.append(ids[r].shape[0] + n)
             if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
                 seen.append((features[i][: unseen[i].shape[0] + n], ids[r].shape[0] - unseen[i].shape[0]))
-            committed = torch.cat([tokens[:n], verdict.next_token[None]])  # [n + 1]
-            kept, stop = apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated[r])
-            ids[r] = torch.cat([ids[r], committed[: len(kept)]])
-            generated[r] += len(kept)
-            accepted, tested = (n, min(n + 1, k_row)) if len(kept) > n else (len(kept), len(kept))
-            after_eos = k_row - accepted if len(kept) <= n else 0
-            cycles.append((r, Cycle(kept, k_row, accepted, verdict.expected_acceptance[:tested], after_eos)))
+            cycle, committed, stop = commit(tokens, verdict, eos_ids, max_new_tokens - generated[r])
+            ids[r] = torch.cat([ids[r], committed])
+            generated[r] += len(cycle.tokens)
+            cycles.append((r, cycle))
             if stop:
                 finished.append(i)
         target.rollback(lengths)

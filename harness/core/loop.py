@@ -92,13 +92,10 @@ def speculative_decode(
         drafter.rollback(ids.shape[0] + n)
         if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
             drafter.observe(features[: unseen.shape[0] + n], ids.shape[0] - unseen.shape[0])
-        committed = torch.cat([draft_tokens[:n], verdict.next_token[None]])  # [n + 1]
-        kept, stop = apply_stops(committed.tolist(), eos_ids, max_new_tokens - generated)
-        ids = torch.cat([ids, committed[: len(kept)]])
-        generated += len(kept)
-        # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
-        accepted, tested = (n, min(n + 1, k_cycle)) if len(kept) > n else (len(kept), len(kept))
-        yield Cycle(kept, k_cycle, accepted, verdict.expected_acceptance[:tested], k_cycle - accepted if len(kept) <= n else 0)
+        cycle, committed, stop = commit(draft_tokens, verdict, eos_ids, max_new_tokens - generated)
+        ids = torch.cat([ids, committed])
+        generated += len(cycle.tokens)
+        yield cycle
         if stop:
             return
 
@@ -123,6 +120,18 @@ def autoregressive_decode(
         if token_id in eos_ids or step == max_new_tokens - 1:
             return
         logits = target.forward(token[None], num_logits=1)[0]  # [V]
+
+
+def commit(draft_tokens: torch.Tensor, verdict: Verdict, eos_ids: set[int], budget: int) -> tuple[Cycle, torch.Tensor, bool]:
+    """A verdict on drafts [k'] as a Cycle, the committed tokens [<= n + 1] to append (the accepted drafts
+    and the recovered or bonus token, cut at the first EOS or the token budget), and whether decoding stops."""
+    n, k = verdict.num_accepted, draft_tokens.shape[0]
+    committed = torch.cat([draft_tokens[:n], verdict.next_token[None]])  # [n + 1]
+    kept, stop = apply_stops(committed.tolist(), eos_ids, budget)
+    # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
+    accepted, tested = (n, min(n + 1, k)) if len(kept) > n else (len(kept), len(kept))
+    cycle = Cycle(kept, k, accepted, verdict.expected_acceptance[:tested], k - accepted if len(kept) <= n else 0)
+    return cycle, committed[: len(kept)], stop
 
 
 def apply_stops(tokens: list[int], eos_ids: set[int], budget: int) -> tuple[list[int], bool]:
