@@ -145,7 +145,7 @@ class NoRollback:
         self.length = length
 
 
-def _target_unshaped(logits, sampling: Sampling):
+def target_unshaped(logits, sampling: Sampling):
     """The target's p with the temperature but without the top-k / top-p the draft used."""
     return shape_probs(logits, Sampling(sampling.temperature))
 
@@ -208,7 +208,7 @@ VARIANTS = [
         "target_without_top_p",
         False,
         "target p without the top-k / top-p the draft used",
-        patches=((harness.core.loop, "shape_probs", _target_unshaped),),
+        patches=((harness.core.loop, "shape_probs", target_unshaped),),
         truncating=True,
         shaped=True,
     ),
@@ -281,3 +281,22 @@ def shared_seeds(decode):
         return decode(target, drafter, prompts, k, sampling, length, eos_ids, same, **kwargs)
 
     return run
+
+
+class NoRollbackRows(LeanBatch):
+    """Rows whose caches keep rejected tokens: the loop is told each row's rolled-back length, but the
+    row's next step is written after the rejected entries, which attention goes on reading."""
+
+    def start(self, rows: int) -> None:
+        super().start(rows)
+        self.ends = [0] * rows  # where each row's storage really ends
+
+    def forward(self, feeds, num_logits):
+        told, self.lengths = self.lengths, self.ends
+        out = super().forward(feeds, num_logits)
+        self.ends, self.lengths = self.lengths, [n + f.shape[0] for n, f in zip(told, feeds)]
+        return out
+
+    def keep(self, rows):
+        super().keep(rows)
+        self.ends = [self.ends[i] for i in rows]

@@ -250,6 +250,27 @@ def test_a_row_reading_another_rows_cache_is_rejected(tiny_pair):
     assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
 
 
+def test_rows_whose_caches_keep_rejected_tokens_are_rejected(tiny_pair):
+    from broken import NoRollbackRows
+
+    from harness.exactness.check import format_report
+
+    report = batch_check(tiny_pair, layout=NoRollbackRows)
+    assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
+
+
+def test_a_target_without_top_k_is_rejected_at_batch_size_4(tiny_pair, monkeypatch):
+    """The target's p shaped without the top-k the draft used (the tiny check samples with top-k 5)."""
+    from broken import target_unshaped
+
+    import harness.core.batch
+    from harness.exactness.check import format_report
+
+    monkeypatch.setattr(harness.core.batch, "shape_probs", target_unshaped)
+    report = batch_check(tiny_pair)
+    assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
+
+
 def test_rows_sharing_random_draws_are_rejected(tiny_pair, monkeypatch):
     """Every row reseeded with one seed: each row alone still follows the target's law, so only the
     rows' independence test can see it, and it must."""
