@@ -272,24 +272,19 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
     """Baseline and speculative decoding of one prompt, back to back."""
     seed = cfg.seed * PROMPT_SEED_STRIDE + index
 
-    clocks = {"spec": Clock(pair.device), "base": Clock(pair.device)}  # the passes after the first yield: in-run costs
+    def generator():
+        return torch.Generator(pair.device).manual_seed(seed)
 
-    def spec():
-        gen = torch.Generator(pair.device).manual_seed(seed)
-        decode = speculative_decode(pair.target, pair.drafter, ids, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, gen)
-        with clocks["spec"].watching(pair.target, pair.drafter) as clock:
-            return timed(clock.after_first(decode), pair.device)
-
-    def base():
-        gen = torch.Generator(pair.device).manual_seed(seed)
-        decode = autoregressive_decode(pair.target, ids, sampling, cfg.max_new_tokens, pair.eos_ids, gen)
-        with clocks["base"].watching(pair.target) as clock:
-            return timed(clock.after_first(decode), pair.device)
-
-    if index % 2 == 0:
-        base_out, spec_out = base(), spec()
-    else:
-        spec_out, base_out = spec(), base()
+    spec_out, base_out, clocks = back_to_back(
+        pair.device,
+        pair.target,
+        pair.drafter,
+        lambda: speculative_decode(
+            pair.target, pair.drafter, ids, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, generator()
+        ),
+        lambda: autoregressive_decode(pair.target, ids, sampling, cfg.max_new_tokens, pair.eos_ids, generator()),
+        base_first=index % 2 == 0,
+    )
     (cycles, spec_stamps), (base_tokens, base_stamps) = spec_out, base_out
     counts = metrics.cycle_counts(cycles, cfg.k)
     spec_tokens = [t for c in cycles for t in c.tokens]
@@ -306,7 +301,7 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
             "first_tokens": len(cycles[0].tokens),
             "draft_passes": counts["drafted"] if isinstance(pair.drafter, (ModelDrafter, FeatureDrafter)) else 0,
             "tokens": spec_tokens,
-            "clock": clocks["spec"].tally(),
+            "clock": clocks["spec"],
         },
         "base": {
             "new_tokens": len(base_tokens),
@@ -314,7 +309,7 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
             "ttft_s": base_stamps[0],
             "first_tokens": 1,
             "tokens": base_tokens,
-            "clock": clocks["base"].tally(),
+            "clock": clocks["base"],
         },
         "speedup": (len(spec_tokens) / spec_stamps[-1]) / (len(base_tokens) / base_stamps[-1]),
     }
@@ -330,27 +325,20 @@ def run_batch(
     target, drafter = pair.batched()
     prompts = [ids for _, ids, _ in rows]
     seeds = [cfg.seed * PROMPT_SEED_STRIDE + index for _, _, index in rows]
-    clocks = {"spec": Clock(pair.device), "base": Clock(pair.device)}
 
     def generators():
         return [torch.Generator(pair.device).manual_seed(seed) for seed in seeds]
 
-    def spec():
-        decode = speculative_decode_batch(
+    spec_out, base_out, clocks = back_to_back(
+        pair.device,
+        target,
+        drafter,
+        lambda: speculative_decode_batch(
             target, drafter, prompts, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, generators()
-        )
-        with clocks["spec"].watching(target, drafter) as clock:
-            return timed(clock.after_first(decode), pair.device)
-
-    def base():
-        decode = autoregressive_decode_batch(target, prompts, sampling, cfg.max_new_tokens, pair.eos_ids, generators())
-        with clocks["base"].watching(target) as clock:
-            return timed(clock.after_first(decode), pair.device)
-
-    if batch % 2 == 0:
-        base_out, spec_out = base(), spec()
-    else:
-        spec_out, base_out = spec(), base()
+        ),
+        lambda: autoregressive_decode_batch(target, prompts, sampling, cfg.max_new_tokens, pair.eos_ids, generators()),
+        base_first=batch % 2 == 0,
+    )
     (spec_cycles, spec_stamps), (base_steps, base_stamps) = spec_out, base_out
     per_row = [[] for _ in rows]  # (cycle, stamp) per row
     for cycle, stamp in zip(spec_cycles, spec_stamps):
@@ -375,14 +363,14 @@ def run_batch(
             "first_tokens": sum(len(c.tokens) for _, c in spec_cycles[0]),
             "drafted": sum(draft_steps),
             "first_drafted": draft_steps[0],
-            "clock": clocks["spec"].tally(),
+            "clock": clocks["spec"],
         },
         "base": {
             "new_tokens": base_total,
             "time_s": base_stamps[-1],
             "ttft_s": base_stamps[0],
             "first_tokens": len(rows),
-            "clock": clocks["base"].tally(),
+            "clock": clocks["base"],
         },
     }
     speedup = (spec_total / spec_stamps[-1]) / (base_total / base_stamps[-1])
@@ -417,3 +405,18 @@ def run_batch(
             }
         )
     return records
+
+
+def back_to_back(device, target, drafter, spec_decode, base_decode, base_first: bool):
+    """The speculative decode and the baseline (each made when its turn comes), one after the other in the
+    order given (alternated by the caller, so drift hits both alike), each timed from outside with a Clock on
+    its passes after the first yield (the in-run costs): (spec (items, stamps), base (items, stamps), {side: tally})."""
+    clocks = {"spec": Clock(device), "base": Clock(device)}
+    sides = {"spec": (spec_decode, (target, drafter)), "base": (base_decode, (target,))}
+    out = {}
+    for side in ("base", "spec") if base_first else ("spec", "base"):
+        decode, watched = sides[side]
+        items = decode()
+        with clocks[side].watching(*watched) as clock:
+            out[side] = timed(clock.after_first(items), device)
+    return out["spec"], out["base"], {side: clock.tally() for side, clock in clocks.items()}
