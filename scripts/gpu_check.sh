@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The performance check on a machine with a GPU, in one command (under 10 minutes on one H200):
-#   bash scripts/gpu_check.sh            # writes results/bench/gpu_*.json ($OUT/ when set) and prints the figures
-# Runs harness.bench on the embedded pair with a model draft, smollm2 (offline: no hub access needed)
-#   1. eager (HF's forward), dynamic cache: ours vs HF generate / assisted / prompt lookup, efficiency,
-#      overhead, memory over 100 prompts, the host syncs per cycle, and our batched baseline against
-#      generate() on left-padded batches of 4 and 16;
-#   2. static cache + torch.compile of both models, against HF generate's own compiled
-#      path (static cache + compile_config): throughput, efficiency and overhead;
-#   3. eager with forward=lean (harness/models/lean.py) at k=4, in the time that is left.
+#   bash scripts/gpu_check.sh            # writes results/bench/gpu_* ($OUT/ when set) and prints the figures
+# Runs on the embedded pairs (offline: no hub access needed), eager (HF's forward), dynamic cache unless said:
+#   1. harness.bench with the EAGLE-3 head (smollm2_eagle): our loop against the target alone
+#      (HF has no feature-head path), limit, efficiency, overhead, host syncs;
+#   2. python -m harness over batch_size 1, 4, 16 for the head, the 4-layer draft and prompt lookup
+#      (48 builtin prompts x 32 tokens, k=2): speedup against batch size, packed as gpu_batch_sweep.tar.gz;
+#   3. harness.bench with the model draft (smollm2): ours vs HF generate / assisted / prompt lookup,
+#      efficiency, memory over 100 prompts, and our batched baseline against generate() on
+#      left-padded batches of 4 and 16;
+#   4. static cache + torch.compile of both models, against HF generate's own compiled
+#      path (static cache + compile_config): throughput, efficiency and overhead, in the time that is left.
 #
 # On a GPU machine without network access that receives at most 64 MiB of files per command
 # (scripts/gpu_payload.sh packs what it lacks into parts of that size):
@@ -76,40 +79,62 @@ if [ -d "$STASH" ]; then  # a payload was stashed: install its wheels, assemble 
 fi
 
 if [ "$rehearse" = 1 ]; then
-    device=cpu t1=1200 t2=2400 end=3600
+    device=cpu t1=900 t2=1800 t3=2700 end=3600
+    head=(--reps 1 --prompts 2 --ks 1 --batch-sizes --max-new-tokens 8 --memory-prompts 0)
+    sweep=(batch_size=1,2 dataset.num_prompts=4 max_new_tokens=8 k=1)
     eager=(--reps 1 --prompts 2 --ks 1 --batch-sizes 2 --max-new-tokens 8 --memory-prompts 4 --memory-new-tokens 4)
     compiled=(--reps 1 --prompts 1 --ks 1 --batch-sizes --max-new-tokens 8 --memory-prompts 0)
-    lean=(--reps 1 --prompts 1 --ks 1 --batch-sizes --max-new-tokens 8 --memory-prompts 0)
 else
     # Within a 10-minute limit per command, set-up included (SECONDS counts from this script's
-    # start), with 30 s left to copy $OUT back: of the default 570 s the eager part runs until 330 s
-    # at most, the compiled part until 480 s, the lean part until the end (time a part leaves goes to the
-    # next). --seconds S scales the three, for a machine with less time left.
-    device=cuda end=$seconds t1=$((seconds * 330 / 570)) t2=$((seconds * 480 / 570))
+    # start), with 30 s left to copy $OUT back: of the default 570 s the head's part runs until 120 s
+    # at most, the batch sweep until 300 s, the model draft's part until 450 s, the compiled part until
+    # the end (time a part leaves goes to the next). --seconds S scales the four, for a machine with less time left.
+    device=cuda end=$seconds t1=$((seconds * 120 / 570)) t2=$((seconds * 300 / 570)) t3=$((seconds * 450 / 570))
     $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA device: this script checks the GPU path (--rehearse runs it on the CPU)')"
-    eager=(--reps 5 --prompts 6 --ks 1 2 4 --batch-sizes 4 16 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/results/bench/*cpu*.json
+    head=(--reps 3 --prompts 6 --ks 1 2 4 --batch-sizes --max-new-tokens 32 --memory-prompts 0)
+    sweep=(batch_size=1,16,4 dataset.num_prompts=48 max_new_tokens=32 k=2)  # as docs/results.md's CPU batch sweep, at one k
+    eager=(--reps 3 --prompts 6 --ks 1 2 4 --batch-sizes 4 16 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)  # as docs/results/bench/*cpu*.json
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --batch-sizes --max-new-tokens 32 --memory-prompts 0)  # batches run eager
-    lean=(--reps 3 --prompts 6 --ks 4 --batch-sizes --max-new-tokens 32 --memory-prompts 0)  # the extra: last, in what is left
 fi
 dir=${OUT:-results/bench}  # straight into $OUT when set: a command cut short still leaves what was written there
 mkdir -p "$dir"
+log=$dir/gpu_check.log  # one log for every part (a machine may send back only a few files)
+: > "$log"
 if [ "$rehearse" = 0 ]; then  # the GPU's driver and clocks, kept beside the JSON files
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv \
         | tee "$dir/nvidia-smi.csv" || true
 fi
-# part NAME FILE UNTIL LEAST ARGS...: one bench run, written to $dir/FILE.json and .log, cut at UNTIL seconds
-# into the script; skipped (returning 1) when fewer than LEAST seconds are left for it.
-part() {
-    local name=$1 file=$2 until=$3 least=$4; shift 4
-    local left=$((until - SECONDS))
-    if [ "$left" -lt "$least" ]; then
-        echo "[gpu_check] ${SECONDS}s in: no time left for the $name part (${left}s)"; return 1
+# left NAME UNTIL LEAST: the seconds a part may run, cut at UNTIL seconds into the script; none (returning 1)
+# when fewer than LEAST are left for it.
+left() {
+    local left=$(($2 - SECONDS))
+    if [ "$left" -lt "$3" ]; then
+        echo "[gpu_check] ${SECONDS}s in: no time left for the $1 part (${left}s)" | tee -a "$log"; return 1
     fi
-    echo "[gpu_check] ${SECONDS}s in: the $name part gets ${left}s"
-    timeout "$left" $PY -m harness.bench --out "$dir/$file.json" "$@" +pair=smollm2 device=$device 2>&1 | tee "$dir/$file.log" || status=1
+    echo "[gpu_check] ${SECONDS}s in: the $1 part gets ${left}s" | tee -a "$log"
+    seconds_left=$left
+}
+# part NAME FILE UNTIL LEAST ARGS...: one bench run, written to $dir/FILE.json.
+part() {
+    local name=$1 file=$2; shift 2
+    left "$name" "$1" "$2" || return 1
+    shift 2
+    timeout "$seconds_left" $PY -m harness.bench --out "$dir/$file.json" "$@" device=$device 2>&1 | tee -a "$log" || status=1
+}
+# sweep UNTIL LEAST ARGS...: python -m harness over the three embedded drafts, packed into $dir/gpu_batch_sweep.tar.gz
+# (the cells a cut-off sweep finished are kept).
+sweep() {
+    left "batch sweep" "$1" "$2" || return 1
+    shift 2
+    local cells=$dir/gpu_batch_sweep
+    rm -rf "$cells"
+    timeout "$seconds_left" $PY -m harness -m "$@" +pair=smollm2_eagle,smollm2,smollm2_ngram temperature=0 device=$device \
+        forward=hf wandb.mode=disabled out_dir="$cells" hydra.sweep.dir="$cells/multirun" 2>&1 | tee -a "$log" || status=1
+    if [ -d "$cells" ]; then tar -czf "$cells.tar.gz" -C "$dir" gpu_batch_sweep && rm -rf "$cells"; fi
 }
 status=0
-part eager gpu_eager "$t1" 60 "${eager[@]}" forward=hf || exit 1  # forward=auto is hf on a GPU: said, for the rehearsal too
-part compiled gpu_static_compile "$t2" 60 "${compiled[@]}" cache=static compile=true forward=hf || exit 1
-part forward=lean gpu_lean "$end" 45 "${lean[@]}" forward=lean || exit $status
+part head gpu_head "$t1" 45 "${head[@]}" +pair=smollm2_eagle forward=hf || exit 1  # forward=auto is hf on a GPU: said, for the rehearsal too
+sweep "$t2" 60 "${sweep[@]}" || exit 1
+part eager gpu_eager "$t3" 60 "${eager[@]}" +pair=smollm2 forward=hf || exit 1
+part compiled gpu_static_compile "$end" 60 "${compiled[@]}" +pair=smollm2 cache=static compile=true forward=hf || exit $status
 exit $status

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from scipy import stats
 
@@ -21,6 +23,7 @@ import harness.bench.main as bench
 import harness.bench.parts as parts
 import harness.runner.costs as runner_costs
 import harness.runner.provenance as provenance
+from harness.config.checks import CONF_DIR, check_command_line, validate, with_default_pair
 from harness.core import metrics
 from harness.core.loop import autoregressive_decode
 from harness.core.sampling import Sampling
@@ -391,15 +394,30 @@ class Parsed(Exception):
 
 def test_the_gpu_check_gives_the_bench_sizes_it_accepts(tmp_path, monkeypatch):
     """Every bench command scripts/gpu_check.sh runs (on the GPU and in its rehearsal) passes the bench's
-    own checks: a refused one would stop that part on the GPU machine, where it cannot be rerun."""
-    gpu = bench_calls(run_script(SCRIPTS / "gpu_check.sh", tmp_path))
-    rehearsal = bench_calls(run_script(SCRIPTS / "gpu_check.sh", tmp_path, "--rehearse"))
-    assert len(gpu) == len(rehearsal) == 3  # eager, compiled, lean
+    own checks, and its batch sweep composes and validates as python -m harness would: a refused one
+    would stop that part on the GPU machine, where it cannot be rerun."""
+    gpu_calls = run_script(SCRIPTS / "gpu_check.sh", tmp_path)
+    rehearsal_calls = run_script(SCRIPTS / "gpu_check.sh", tmp_path, "--rehearse")
+    gpu, rehearsal = bench_calls(gpu_calls), bench_calls(rehearsal_calls)
+    assert len(gpu) == len(rehearsal) == 3  # the head, the model draft eager, compiled
+    assert ["+pair=smollm2_eagle" in args for args in gpu] == [True, False, False]
     assert all("device=cuda" in args for args in gpu) and all("device=cpu" in args for args in rehearsal)
     monkeypatch.setattr(bench, "check_choices", lambda *a, **k: (_ for _ in ()).throw(Parsed()))
     for args in gpu + rehearsal:
         with pytest.raises(Parsed):
             bench.main(args)
+    sweeps = [c["argv"][3:] for c in gpu_calls + rehearsal_calls if c["argv"][:3] == ["-m", "harness", "-m"]]
+    assert len(sweeps) == 2 and "batch_size=1,16,4" in sweeps[0] and "device=cuda" in sweeps[0]
+    for args in sweeps:
+        overrides = [a for a in args if not a.startswith("hydra.")]
+        lists = [a.split("=", 1) for a in overrides if "," in a]
+        assert {key for key, _ in lists} == {"batch_size", "+pair"}
+        single = [a for a in overrides if "," not in a]
+        for values in itertools.product(*[v.split(",") for _, v in lists]):
+            overrides = single + [f"{key}={value}" for (key, _), value in zip(lists, values)]
+            check_command_line(overrides)
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                validate(with_default_pair(compose(config_name="config", overrides=overrides)))
 
 
 def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
@@ -592,5 +610,6 @@ def test_a_tree_without_git_names_its_commit_from_the_payload(tmp_path, monkeypa
     run_script(tree / "scripts" / "gpu_payload.sh", tmp_path, FAKE_GGUF=str(gguf))
     (last,) = (tree / ".gpu").iterdir()  # a small payload: one part
     calls = run_script(machine / "scripts" / "gpu_check.sh", tmp_path, "--stash", str(last), "--run", "--rehearse")
-    assert len(commit) == 12 and [c["commit"] for c in calls if c["argv"][:2] == ["-m", "harness.bench"]] == [commit] * 3
+    runs = [c["commit"] for c in calls if c["argv"][:2] in (["-m", "harness.bench"], ["-m", "harness"])]
+    assert len(commit) == 12 and runs == [commit] * 4  # three bench parts and the batch sweep
     assert (tmp_path / "cache" / "gguf" / "model.gguf").read_bytes() == gguf.read_bytes()  # the parts assembled, checked
