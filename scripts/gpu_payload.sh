@@ -28,11 +28,14 @@ part=${PART_BYTES:-$((LIMIT - tree - ${untracked:-0} - MARGIN))}  # PART_BYTES: 
 rm -rf .gpu && mkdir -p .gpu/stage/wheels
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 
+# transformers as tested here, with the huggingface_hub it requires (transformers 5.25 refuses to import
+# beside huggingface_hub 1.x) and that hub's own needs, each at the version installed here.
+pinned='import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in "transformers huggingface-hub httpx2 httpcore2 truststore hf-xet click".split()))'
 # Wheels for the machine's Python 3.12. All are pure Python; antlr4 4.9.3 (what
 # omegaconf 2.3 pins) is published only as a source archive, so it is built here.
 $PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .gpu/stage/wheels "transformers==$($PY -c 'import transformers; print(transformers.__version__)')" hydra-core==1.3.8 omegaconf==2.3.1 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+    -d .gpu/stage/wheels $($PY -c "$pinned") hydra-core==1.3.8 omegaconf==2.3.1 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 $PY -m pip wheel --quiet --no-deps -w .gpu/stage/wheels antlr4-python3-runtime==4.9.3
 
 gguf=$($PY -c 'from harness.models.embedded import find_gguf; print(find_gguf())')
