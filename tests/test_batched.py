@@ -12,6 +12,7 @@ import torch
 from conftest import tiny_model
 from transformers import LlamaForCausalLM
 
+from harness.core.metrics import batch_passes, predicted_by_cycles
 from harness.models.batched import HFBatch, LeanBatch
 from harness.models.cached import CachedLM
 
@@ -183,6 +184,27 @@ def test_a_batched_cell(tiny_pair, tmp_path, temperature, forward):
     assert three["costs"]["batch_size"] == 3 and len(three["costs"]["verify_cost"]) == 3
     assert three["conditions"]["batch"]["size"] == 3 and three["conditions"]["batch"]["layout"]
     assert three["spec_tokens_per_s"] == pytest.approx(three["new_tokens"] / three["spec_time_s"])
+    for index, u in units.items():  # the batch's passes (as many as its longest-running row's cycles) and baseline steps
+        rows = [r for r in batched_rows if r["batch"]["index"] == index]
+        assert sum(u["spec"]["drafted_hist"]) == max(r["spec"]["cycles"] for r in rows)
+        assert u["base"]["steps"] == max(r["base"]["new_tokens"] for r in rows)
+    assert three["predicted_speedup"] == pytest.approx(batch_passes(list(units.values()), three["cost_ratio"], three["costs"]["verify_cost"]))
+
+
+def test_a_batch_is_priced_by_its_passes():
+    """At batch_size > 1 a cycle is one pass as wide as the most any row drafted: two rows, one drafting
+    2 tokens, the other none, cost a 3-position pass (v(3)) and 2 draft steps, not v(3) + v(1) per row;
+    the baseline's rate is its tokens per step (both rows each step). The first yield is left out."""
+    c, v = 0.1, [1.0, 1.2, 1.5]
+    unit = {
+        "index": 0,
+        "spec": {"drafted_hist": [1, 0, 5], "first_drafted": 0, "new_tokens": 2 + 5 * 3, "first_tokens": 2},
+        "base": {"new_tokens": 2 * 16, "first_tokens": 2, "steps": 16},
+    }
+    spec_rate = (5 * 3) / (5 * (2 * c + v[2]))  # 5 passes of width 3 after the first
+    assert batch_passes([unit], c, v) == pytest.approx(spec_rate / 2.0)  # baseline: 30 tokens in 15 steps
+    record = {"spec": {"drafted_hist": [6, 0, 0], "committed": 0, "first_drafted": 0, "first_committed": 0}, "batch": unit}
+    assert predicted_by_cycles([record, record], c, v) == pytest.approx(spec_rate / 2.0)  # two rows of one batch
 
 
 # ---------------------------------------------------------------- exactness at batch_size > 1

@@ -262,9 +262,12 @@ def in_run_costs(records: Sequence[dict], k: int) -> dict:
 
 def predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -> float:
     """Committed tokens over what the cycles run cost in target steps (v[j] = v(j + 1)), after each
-    prompt's first cycle (the prompt's pass, which decode_speedup leaves out too)."""
+    prompt's first cycle (the prompt's pass, which decode_speedup leaves out too). At batch_size > 1,
+    priced per batch (`batch_passes`)."""
     if not records:
         return float("nan")
+    if "batch" in records[0] and "drafted_hist" in records[0]["batch"]["spec"]:
+        return batch_passes(batch_units(records), c, v)
     cycles = np.sum([r["spec"]["drafted_hist"] for r in records], axis=0)  # [k + 1] cycles that drafted 0..k
     committed = sum(r["spec"]["committed"] for r in records)
     for r in records:
@@ -272,6 +275,21 @@ def predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -
         committed -= r["spec"]["first_committed"]
     cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
     return ratio(committed, cost)
+
+
+def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
+    """The prediction at batch_size > 1, from the batches' own passes after their first yield: a cycle
+    is one pass over the rows still decoding, as wide as the most any row drafted (k' + 1 positions,
+    v(k' + 1) in units of the B-row step) after k' batched draft steps; a baseline step is one step.
+    (spec tokens / spec cost) over (baseline tokens / baseline steps): each pass is priced as one over
+    all B rows, the baseline's steps alike, whichever rows are left."""
+    cycles = np.sum([u["spec"]["drafted_hist"] for u in units], axis=0)  # [k + 1] passes by their widest draft
+    for u in units:
+        cycles[u["spec"]["first_drafted"]] -= 1
+    cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
+    spec = ratio(sum(u["spec"]["new_tokens"] - u["spec"]["first_tokens"] for u in units), cost)
+    base = ratio(sum(u["base"]["new_tokens"] - u["base"]["first_tokens"] for u in units), sum(u["base"]["steps"] - 1 for u in units))
+    return ratio(spec, base)
 
 
 def median_ci(samples: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:

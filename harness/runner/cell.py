@@ -363,6 +363,8 @@ def run_batch(
             "first_tokens": sum(len(c.tokens) for _, c in spec_cycles[0]),
             "drafted": sum(draft_steps),
             "first_drafted": draft_steps[0],
+            # [k + 1] the batch's passes by the most any row drafted (the pass is that wide: k' + 1 positions)
+            "drafted_hist": [draft_steps.count(j) for j in range(cfg.k + 1)],
             "clock": clocks["spec"],
         },
         "base": {
@@ -370,6 +372,7 @@ def run_batch(
             "time_s": base_stamps[-1],
             "ttft_s": base_stamps[0],
             "first_tokens": len(rows),
+            "steps": len(base_steps),
             "clock": clocks["base"],
         },
     }
