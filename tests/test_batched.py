@@ -188,7 +188,9 @@ def test_a_batched_cell(tiny_pair, tmp_path, temperature, forward):
         rows = [r for r in batched_rows if r["batch"]["index"] == index]
         assert sum(u["spec"]["drafted_hist"]) == max(r["spec"]["cycles"] for r in rows)
         assert u["base"]["steps"] == max(r["base"]["new_tokens"] for r in rows)
-    assert three["predicted_speedup"] == pytest.approx(batch_passes(list(units.values()), three["cost_ratio"], three["costs"]["verify_cost"]))
+    assert three["predicted_speedup"] == pytest.approx(
+        batch_passes(list(units.values()), three["cost_ratio"], three["costs"]["verify_cost"])
+    )
 
 
 def test_a_batch_is_priced_by_its_passes():

@@ -288,7 +288,9 @@ def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
         cycles[u["spec"]["first_drafted"]] -= 1
     cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
     spec = ratio(sum(u["spec"]["new_tokens"] - u["spec"]["first_tokens"] for u in units), cost)
-    base = ratio(sum(u["base"]["new_tokens"] - u["base"]["first_tokens"] for u in units), sum(u["base"]["steps"] - 1 for u in units))
+    base = ratio(
+        sum(u["base"]["new_tokens"] - u["base"]["first_tokens"] for u in units), sum(u["base"]["steps"] - 1 for u in units)
+    )
     return ratio(spec, base)
 
 
