@@ -1,0 +1,115 @@
+"""Greedy identity of batched decoding: every row of a batched speculative run (and of the batched
+baseline) commits the tokens its prompt gets decoded alone by the target, on every builtin prompt.
+
+    python scripts/batch_greedy_check.py --pairs smollm2_eagle smollm2 smollm2_ngram --batch-sizes 2 4 8 \
+        --k 1 --max-new-tokens 32 --out results/batch_greedy.json
+
+The reference is the target alone at batch size 1 (harness.core.loop.autoregressive_decode). A row
+that parts from it is explained only by a numerical tie (harness.bench.contenders.same_greedy_output:
+the target's two best logits within the dtype's tie gap at the first difference, and every later token
+the target's greedy choice on the row's own context); anything else stops the check with exit code 1.
+Prints one line per pair and batch size, writes the counts (and every tie) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness.bench.contenders import same_greedy_output
+from harness.config.checks import CONF_DIR, validate, with_default_pair
+from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
+from harness.core.loop import autoregressive_decode
+from harness.core.sampling import Sampling
+from harness.data.datasets import load_prompts
+from harness.data.prompts import as_tensor, encode, select
+from harness.errors import HarnessError
+from harness.models.loading import resolve_device
+from harness.runner.pair import load_pair
+from harness.runner.provenance import harness_commit, machine
+
+
+def check(pair_name: str, batch_sizes: list[int], k: int, max_new_tokens: int, num_prompts: int | None) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = with_default_pair(compose(config_name="config", overrides=[f"+pair={pair_name}"]))
+    validate(cfg)
+    device = resolve_device(cfg.device)
+    prompts = select(load_prompts(cfg.dataset), num_prompts, cfg.seed, cfg.prompts.shuffle)
+    pair = load_pair(cfg.pair, device, cfg.cache, cfg.compile, cfg.cpu_linear, cfg.forward)
+    greedy, none = Sampling(0.0), torch.Generator(device)
+    encoded = [(p, as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device)) for p in prompts]
+    longest = max(ids.shape[0] for _, ids in encoded)
+    pair.reserve(longest, max_new_tokens, k)
+    pair.reserve_batch(longest + max_new_tokens + k)
+    alone = [list(autoregressive_decode(pair.target, ids, greedy, max_new_tokens, pair.eos_ids, none)) for _, ids in encoded]
+    target, drafter = pair.batched()
+    out = {"pair": pair_name, "prompts": len(encoded), "by_batch_size": {}}
+    for B in batch_sizes:
+        started, rows, differ, ties = time.perf_counter(), 0, 0, []
+        for start in range(0, len(encoded), B):
+            batch = list(range(start, min(start + B, len(encoded))))
+            ids = [encoded[i][1] for i in batch]
+            gens = [torch.Generator(device) for _ in batch]
+            spec = [[] for _ in batch]
+            for cycle in speculative_decode_batch(target, drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, gens):
+                for row, c in cycle:
+                    spec[row].extend(c.tokens)
+            base = [[] for _ in batch]
+            for step in autoregressive_decode_batch(target, ids, greedy, max_new_tokens, pair.eos_ids, gens):
+                for row, token in step:
+                    base[row].append(token)
+            for row, i in enumerate(batch):
+                for name, tokens in (("speculative", spec[row]), ("baseline", base[row])):
+                    rows += 1
+                    tie = same_greedy_output(pair.target, encoded[i][1], alone[i], tokens, f"{name} row at B={B}", i)
+                    if tie is not None:
+                        differ += 1
+                        ties.append({**tie, "id": encoded[i][0]["id"]})
+        out["by_batch_size"][str(B)] = {
+            "rows_checked": rows,
+            "differ": differ,
+            "ties": ties,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        print(f"{pair_name} k={k} B={B}: {rows} rows, {differ} differ (all by a tie)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", nargs="+", default=["smollm2_eagle", "smollm2", "smollm2_ngram"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--k", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=None, help="builtin prompts (default: all 60)")
+    parser.add_argument("--out", type=Path, default=Path("results/batch_greedy.json"))
+    args = parser.parse_args(argv)
+    result = {
+        "command": "python scripts/batch_greedy_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(),
+        "harness_commit": harness_commit(Path(__file__).parents[1]),
+        "torch": torch.__version__,
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "pairs": [],
+    }
+    try:
+        for name in args.pairs:
+            result["pairs"].append(check(name, args.batch_sizes, args.k, args.max_new_tokens, args.num_prompts))
+    except HarnessError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
