@@ -1,8 +1,9 @@
-"""Greedy identity of batched decoding: every row of a batched speculative run (and of the batched
-baseline) commits the tokens its prompt gets decoded alone by the target, on every builtin prompt.
+"""Greedy identity: every row of a batched speculative run (and of the batched baseline) commits the
+tokens its prompt gets decoded alone by the target, on every builtin prompt; at batch size 1, the
+one-sequence loop (harness.core.loop.speculative_decode) likewise.
 
     python scripts/batch_greedy_check.py --pairs smollm2_eagle smollm2 smollm2_ngram --batch-sizes 2 4 8 \
-        --k 1 --max-new-tokens 32 --out results/batch_greedy.json
+        --ks 2 --max-new-tokens 32 --out results/batch_greedy.json
 
 The reference is the target alone at batch size 1 (harness.core.loop.autoregressive_decode). A row
 that parts from it is explained only by a numerical tie (harness.bench.contenders.same_greedy_output:
@@ -25,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from harness.bench.contenders import same_greedy_output
 from harness.config.checks import CONF_DIR, validate, with_default_pair
 from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
-from harness.core.loop import autoregressive_decode
+from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, select
@@ -35,7 +36,7 @@ from harness.runner.pair import load_pair
 from harness.runner.provenance import harness_commit, machine
 
 
-def check(pair_name: str, batch_sizes: list[int], k: int, max_new_tokens: int, num_prompts: int | None) -> dict:
+def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens: int, num_prompts: int | None) -> dict:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = with_default_pair(compose(config_name="config", overrides=[f"+pair={pair_name}"]))
     validate(cfg)
@@ -45,14 +46,25 @@ def check(pair_name: str, batch_sizes: list[int], k: int, max_new_tokens: int, n
     greedy, none = Sampling(0.0), torch.Generator(device)
     encoded = [(p, as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device)) for p in prompts]
     longest = max(ids.shape[0] for _, ids in encoded)
-    pair.reserve(longest, max_new_tokens, k)
-    pair.reserve_batch(longest + max_new_tokens + k)
+    pair.reserve(longest, max_new_tokens, max(ks))
+    pair.reserve_batch(longest + max_new_tokens + max(ks))
     alone = [list(autoregressive_decode(pair.target, ids, greedy, max_new_tokens, pair.eos_ids, none)) for _, ids in encoded]
     target, drafter = pair.batched()
-    out = {"pair": pair_name, "prompts": len(encoded), "by_batch_size": {}}
-    for B in batch_sizes:
+    out = {"pair": pair_name, "prompts": len(encoded), "by_k_and_batch_size": {}}
+    for k, B in ((k, B) for k in ks for B in batch_sizes):
         started, rows, differ, ties = time.perf_counter(), 0, 0, []
-        for start in range(0, len(encoded), B):
+        for i, (_, ids) in enumerate(encoded if B == 1 else []):  # the one-sequence loop
+            tokens = [
+                t
+                for c in speculative_decode(pair.target, pair.drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, none)
+                for t in c.tokens
+            ]
+            rows += 1
+            tie = same_greedy_output(pair.target, ids, alone[i], tokens, f"speculative, k={k}", i)
+            if tie is not None:
+                differ += 1
+                ties.append({**tie, "id": encoded[i][0]["id"]})
+        for start in range(0, len(encoded) if B > 1 else 0, B):
             batch = list(range(start, min(start + B, len(encoded))))
             ids = [encoded[i][1] for i in batch]
             gens = [torch.Generator(device) for _ in batch]
@@ -71,7 +83,7 @@ def check(pair_name: str, batch_sizes: list[int], k: int, max_new_tokens: int, n
                     if tie is not None:
                         differ += 1
                         ties.append({**tie, "id": encoded[i][0]["id"]})
-        out["by_batch_size"][str(B)] = {
+        out["by_k_and_batch_size"][f"k{k}-b{B}"] = {
             "rows_checked": rows,
             "differ": differ,
             "ties": ties,
@@ -85,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", nargs="+", default=["smollm2_eagle", "smollm2", "smollm2_ngram"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--k", type=int, default=1)
+    parser.add_argument("--ks", type=int, nargs="+", default=[2])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=None, help="builtin prompts (default: all 60)")
     parser.add_argument("--out", type=Path, default=Path("results/batch_greedy.json"))
@@ -95,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "harness_commit": harness_commit(Path(__file__).parents[1]),
         "torch": torch.__version__,
-        "k": args.k,
+        "ks": args.ks,
         "max_new_tokens": args.max_new_tokens,
         "pairs": [],
     }
     try:
         for name in args.pairs:
-            result["pairs"].append(check(name, args.batch_sizes, args.k, args.max_new_tokens, args.num_prompts))
+            result["pairs"].append(check(name, args.batch_sizes, args.ks, args.max_new_tokens, args.num_prompts))
     except HarnessError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
