@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose
 
 from harness.bench.contenders import same_greedy_output
-from harness.config.checks import CONF_DIR, validate, with_default_pair
+from harness.config.checks import hydra_on_conf, validate, with_default_pair
 from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
@@ -37,7 +37,7 @@ from harness.runner.provenance import harness_commit, machine
 
 
 def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens: int, num_prompts: int | None) -> dict:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with hydra_on_conf():
         cfg = with_default_pair(compose(config_name="config", overrides=[f"+pair={pair_name}"]))
     validate(cfg)
     device = resolve_device(cfg.device)
@@ -52,37 +52,29 @@ def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens:
     target, drafter = pair.batched()
     out = {"pair": pair_name, "prompts": len(encoded), "by_k_and_batch_size": {}}
     for k, B in ((k, B) for k in ks for B in batch_sizes):
-        started, rows, differ, ties = time.perf_counter(), 0, 0, []
+        started, outputs = time.perf_counter(), []  # (prompt index, what decoded it, its tokens)
         for i, (_, ids) in enumerate(encoded if B == 1 else []):  # the one-sequence loop
-            tokens = [
-                t
-                for c in speculative_decode(pair.target, pair.drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, none)
-                for t in c.tokens
-            ]
-            rows += 1
-            tie = same_greedy_output(pair.target, ids, alone[i], tokens, f"speculative, k={k}", i)
-            if tie is not None:
-                differ += 1
-                ties.append({**tie, "id": encoded[i][0]["id"]})
+            cycles = speculative_decode(pair.target, pair.drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, none)
+            outputs.append((i, f"speculative, k={k}", [t for c in cycles for t in c.tokens]))
         for start in range(0, len(encoded) if B > 1 else 0, B):
             batch = list(range(start, min(start + B, len(encoded))))
             ids = [encoded[i][1] for i in batch]
             gens = [torch.Generator(device) for _ in batch]
-            spec = [[] for _ in batch]
+            spec, base = [[] for _ in batch], [[] for _ in batch]
             for cycle in speculative_decode_batch(target, drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, gens):
                 for row, c in cycle:
                     spec[row].extend(c.tokens)
-            base = [[] for _ in batch]
             for step in autoregressive_decode_batch(target, ids, greedy, max_new_tokens, pair.eos_ids, gens):
                 for row, token in step:
                     base[row].append(token)
             for row, i in enumerate(batch):
-                for name, tokens in (("speculative", spec[row]), ("baseline", base[row])):
-                    rows += 1
-                    tie = same_greedy_output(pair.target, encoded[i][1], alone[i], tokens, f"{name} row at B={B}", i)
-                    if tie is not None:
-                        differ += 1
-                        ties.append({**tie, "id": encoded[i][0]["id"]})
+                outputs += [(i, f"speculative row at B={B}", spec[row]), (i, f"baseline row at B={B}", base[row])]
+        ties = []
+        for i, name, tokens in outputs:
+            tie = same_greedy_output(pair.target, encoded[i][1], alone[i], tokens, name, i)
+            if tie is not None:
+                ties.append({**tie, "id": encoded[i][0]["id"]})
+        rows, differ = len(outputs), len(ties)
         out["by_k_and_batch_size"][f"k{k}-b{B}"] = {
             "rows_checked": rows,
             "differ": differ,

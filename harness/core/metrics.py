@@ -273,8 +273,12 @@ def predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -
     for r in records:
         cycles[r["spec"]["first_drafted"]] -= 1
         committed -= r["spec"]["first_committed"]
-    cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
-    return ratio(committed, cost)
+    return ratio(committed, cycles_cost(cycles, c, v))
+
+
+def cycles_cost(cycles: np.ndarray, c: float, v: Sequence[float]) -> float:
+    """Target steps that cycles[j] cycles drafting j tokens each cost: j draft steps (c) and a pass of j + 1 positions."""
+    return sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
 
 
 def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
@@ -286,8 +290,7 @@ def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
     cycles = np.sum([u["spec"]["drafted_hist"] for u in units], axis=0)  # [k + 1] passes by their widest draft
     for u in units:
         cycles[u["spec"]["first_drafted"]] -= 1
-    cost = sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
-    spec = ratio(sum(u["spec"]["new_tokens"] - u["spec"]["first_tokens"] for u in units), cost)
+    spec = ratio(sum(u["spec"]["new_tokens"] - u["spec"]["first_tokens"] for u in units), cycles_cost(cycles, c, v))
     base = ratio(
         sum(u["base"]["new_tokens"] - u["base"]["first_tokens"] for u in units), sum(u["base"]["steps"] - 1 for u in units)
     )
