@@ -320,6 +320,34 @@ def trained(heads):
     return {"folder": folder, "before": before, "after": after}
 
 
+def test_unrolled_training_steps_of_a_padded_batch_equal_each_sequence_alone(heads):
+    """Training batches right-padded sequences: each row's outputs at every drafting step are those of its sequence
+    run alone (padding never reaches a real pair)."""
+    from harness.distill.head import new_head, reads, unrolled
+    from harness.models.loading import ModelSpec, load_model
+
+    target = load_model(ModelSpec(str(heads["target"])), torch.device("cpu"))
+    torch.manual_seed(0)
+    head = new_head(target, torch.arange(target.config.vocab_size - 10)).float()
+    with torch.no_grad():
+        for p in head.parameters():  # away from the initialisation's zeros and identities
+            p.add_(0.05 * torch.randn_like(p))
+    width = len(reads(target)) * target.config.hidden_size
+    lengths = (11, 7, 15)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    feats = torch.zeros(len(lengths), max(lengths), width)
+    for row, n in enumerate(lengths):
+        tokens[row, :n] = torch.randint(3, target.config.vocab_size, (n,), generator=gen)
+        feats[row, :n] = torch.randn(n, width, generator=gen)
+    with torch.no_grad():
+        together = unrolled(head, tokens, feats, 3)
+        for row, n in enumerate(lengths):
+            alone = unrolled(head, tokens[row, :n], feats[row, :n], 3)
+            for s, (a, b) in enumerate(zip(alone, together)):
+                torch.testing.assert_close(b[row, :n][s:], a[s:], atol=1e-5, rtol=1e-5)
+
+
 def test_training_raises_held_out_agreement(trained):
     before, after = trained["before"]["t0_agreement_by_step"], trained["after"]["t0_agreement_by_step"]
     assert after[0] > before[0] + 0.2 and after[1] > before[1] + 0.05, (before, after)

@@ -336,38 +336,49 @@ def training_job(
     return job
 
 
-def build_training_data(args, model, tok, model_dir: Path) -> dict:
-    """All training sequences (one per prompt and temperature), teacher top-k and token masses."""
-    prompts = training_prompts(args.seed)
+def training_prompt_ids(args, tok, seed: int) -> tuple[list[tuple[str, str]], list[list[int]], int]:
+    """The training prompts made with `seed` (checked disjoint from the evaluation set, cut to --max-prompts),
+    their chat-formatted ids, and the length of the preamble they all share (losses start where they differ)."""
+    prompts = training_prompts(seed)
     check_disjoint(prompts, load_eval_prompts())
     if args.max_prompts:
         prompts = prompts[:: max(1, len(prompts) // args.max_prompts)][: args.max_prompts]
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompt_ids = encode_prompts(tok, [p for _, p in prompts])
-    # Skip the fixed system preamble: losses start where the prompts start to differ.
     common = 0
     while all(len(p) > common + 1 for p in prompt_ids) and len({p[common] for p in prompt_ids}) == 1:
         common += 1
-    jobs = [
-        training_job(args, model, prompts, prompt_ids, common, t_index, temperature, eos, model_dir)
-        for t_index, temperature in enumerate(args.temperatures)
-    ]
+    return prompts, prompt_ids, common
+
+
+def merge_jobs(jobs: list[dict], vocab_size: int, num_prompts: int, keys: tuple[str, ...] = ()) -> dict:
+    """The jobs' sequences as one data set, with the target's probability mass per token over the training
+    positions (from the top-k, loss-weighted) for choosing the draft vocabulary."""
     data = {
         key: [x for job in jobs for x in job[key]]
-        for key in ("seqs", "prompt_lens", "starts", "weights", "categories", "probs", "ids")
+        for key in ("seqs", "prompt_lens", "starts", "weights", "categories", "probs", "ids", *keys)
     }
-    # Target probability mass per token over the training positions (from the top-k, loss-weighted).
-    mass = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
     for p, i, w in zip(data["probs"], data["ids"], data["weights"]):
         mass.index_add_(0, i.flatten().long(), (p.double() * w.double()[:, None]).flatten())
     data.update(
         mass=mass,
-        num_prompts=len(prompts),
+        num_prompts=num_prompts,
         generated_tokens=sum(len(s) - pl for s, pl in zip(data["seqs"], data["prompt_lens"])),
         gen_time_s=sum(job["gen_time_s"] for job in jobs),
         teacher_time_s=sum(job["teacher_time_s"] for job in jobs),
     )
     return data
+
+
+def build_training_data(args, model, tok, model_dir: Path) -> dict:
+    """All training sequences (one per prompt and temperature), teacher top-k and token masses."""
+    prompts, prompt_ids, common = training_prompt_ids(args, tok, args.seed)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    jobs = [
+        training_job(args, model, prompts, prompt_ids, common, t_index, temperature, eos, model_dir)
+        for t_index, temperature in enumerate(args.temperatures)
+    ]
+    return merge_jobs(jobs, model.config.vocab_size, len(prompts))
 
 
 def build_eval_data(args, model, tok, model_dir: Path) -> dict:

@@ -95,11 +95,12 @@ def new_head(target, vocab_ids: torch.Tensor) -> FeatureHead:
 def features(target, seqs: list[list[int]], layers: tuple[int, ...], batch_size: int = 8) -> list[torch.Tensor]:
     """Per sequence, the target's features [len - 1, len(layers) * H] (fp16) at positions 0..len-2."""
     out: list[torch.Tensor | None] = [None] * len(seqs)
+    device = next(target.parameters()).device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     for first in range(0, len(order), batch_size):
         idx = order[first : first + batch_size]
         width = max(len(seqs[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        ids = torch.zeros(len(idx), width, dtype=torch.long, device=device)
         for row, i in enumerate(idx):
             ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
         with captured(target, layers) as taken:
@@ -125,28 +126,35 @@ def cached_features(target, data: dict, layers, key: dict) -> list[torch.Tensor]
 
 
 def unrolled(head: FeatureHead, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The head's outputs [n, H] at each of `steps` drafting steps over pairs 0..n-1 (tokens [n]: token i + 1
-    of pair i; feats [n, F]: the target's at position i). Row i of step s is meaningful for i >= s - 1."""
-    n = tokens.shape[0]
-    positions = torch.arange(n)
-    hidden = head.fuse(feats.float())  # [n, H]
+    """The head's outputs [..., n, H] at each of `steps` drafting steps over pairs 0..n-1 (tokens [..., n]: token i + 1
+    of pair i; feats [..., n, F]: the target's at position i), for one sequence or a batch of right-padded ones
+    (a pair never attends to a later one, so padding after a sequence leaves its outputs as they are alone).
+    Row i of step s is meaningful for i >= s - 1."""
+    if tokens.dim() == 1:  # one sequence: a batch of one
+        return [out[0] for out in unrolled(head, tokens[None], feats[None], steps)]
+    n = tokens.shape[-1]
+    index = torch.arange(n, device=tokens.device)
+    positions = index.expand(tokens.shape)
+    hidden = head.fuse(feats.float())  # [..., n, H]
     keys, values, outs = [], [], []
     for s in range(1, steps + 1):
         h, residual = head.attention_input(tokens, hidden)
-        q, k, v = head.qkv(h, positions)  # [heads, n, D], [kv, n, D], [kv, n, D]
+        q, k, v = head.qkv(h, positions)  # [..., heads, n, D], [..., kv, n, D], [..., kv, n, D]
         keys.append(k)
         values.append(v)
         # query i: step-1 keys at j <= i - s + 1; step-s' keys (s' >= 2) at j == i - (s - s')
-        i, j = positions[:, None], positions[None, :]
+        i, j = index[:, None], index[None, :]
         blocks = [j <= i - s + 1] + [j == i - (s - later) for later in range(2, s + 1)]
         mask = torch.cat(blocks, dim=1)  # [n, s * n]
         mask[:, 0] |= ~mask.any(dim=1)  # rows before s - 1 see nothing: any key, unscored
         attended = F.scaled_dot_product_attention(
-            q[None], torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None], attn_mask=mask, enable_gqa=True
-        )[0]
-        out = head.finish(residual, attended)  # [n, H]
+            q, torch.cat(keys, dim=-2), torch.cat(values, dim=-2), attn_mask=mask, enable_gqa=True
+        )
+        out = head.finish(residual, attended)  # [..., n, H]
         outs.append(out)
-        hidden = torch.cat([out[:1], out[:-1]])  # pair i of the next step reads this step's output at i - 1
+        hidden = torch.cat(
+            [out[..., :1, :], out[..., :-1, :]], dim=-2
+        )  # pair i of the next step reads this step's output at i - 1
     return outs
 
 
@@ -172,11 +180,12 @@ def head_loss(head: FeatureHead, outs, probs, ids, weights, first: int, to_draft
 
 
 def train_head(head: FeatureHead, data: dict, feats: list[torch.Tensor], args, evaluate=None) -> dict:
-    """AdamW with warmup and cosine decay over the sequences, `args.batch_size` sequences a step."""
+    """AdamW with warmup and cosine decay over the sequences, `args.batch_size` sequences a step, on the head's device."""
+    device = head.d2t.device
     params = [p for p in head.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    to_draft = torch.full((head.target_vocab,), -1, dtype=torch.long)
-    to_draft[head.to_target_ids()] = torch.arange(head.draft_vocab)
+    to_draft = torch.full((head.target_vocab,), -1, dtype=torch.long, device=device)
+    to_draft[head.to_target_ids()] = torch.arange(head.draft_vocab, device=device)
     n = len(data["seqs"])
     per_epoch = math.ceil(n / args.batch_size)
     total = per_epoch * args.epochs if not args.max_steps else min(per_epoch * args.epochs, args.max_steps)
@@ -200,14 +209,22 @@ def train_head(head: FeatureHead, data: dict, feats: list[torch.Tensor], args, e
             for group in optim.param_groups:
                 group["lr"] = lr
             optim.zero_grad()
-            agree = []
-            for i in order[b : b + args.batch_size]:
-                seq = torch.tensor(data["seqs"][i])
+            batch = order[b : b + args.batch_size]
+            pairs = [len(data["seqs"][i]) - 2 for i in batch]  # pairs 0..len-3 of each sequence
+            tokens = torch.zeros(len(batch), max(pairs), dtype=torch.long, device=device)
+            hidden = torch.zeros(len(batch), max(pairs), feats[batch[0]].shape[-1], device=device)
+            for row, (i, n) in enumerate(zip(batch, pairs)):
+                tokens[row, :n] = torch.tensor(data["seqs"][i][1:-1])
+                hidden[row, :n] = feats[i][:-1].to(device)
+            outs = unrolled(head, tokens, hidden, args.ttt_steps)  # [B, n, H] per step, right-padded
+            loss, agree = 0.0, []
+            for row, (i, n) in enumerate(zip(batch, pairs)):
                 first = data["starts"][i]  # pair p scores token p + 2: the teacher row of position p + 1, row p - first here
-                outs = unrolled(head, seq[1:-1], feats[i][:-1], args.ttt_steps)  # pairs 0..len-3
-                loss, a = head_loss(head, outs, data["probs"][i][1:], data["ids"][i][1:], data["weights"][i][1:], first, to_draft)
-                (loss / args.batch_size).backward()
+                probs, ids, weights = (data[key][i][1:].to(device) for key in ("probs", "ids", "weights"))
+                one, a = head_loss(head, [out[row, :n] for out in outs], probs, ids, weights, first, to_draft)
+                loss = loss + one / len(batch)
                 agree.append(a)
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(params, args.clip)
             optim.step()
             step += 1
@@ -230,7 +247,7 @@ def held_out(head: FeatureHead, target, eval_data: dict, layers, steps: int) -> 
     first draft from the target's features, the later ones from the head's own outputs), overall and by category."""
     by_cat: dict[str, list[list[float]]] = {}
     for prompt, cont, cat in zip(eval_data["prompt_ids"], eval_data["greedy"], eval_data["categories"]):
-        seq = torch.tensor(prompt + cont)
+        seq = torch.tensor(prompt + cont, device=head.d2t.device)
         feats = features(target, [seq.tolist()], layers)[0]
         outs = unrolled(head, seq[1:-1], feats[:-1], steps)
         first = len(prompt) - 2  # pair first scores the first continuation token... onwards

@@ -24,8 +24,11 @@ from harness.distill.head import cached_features, held_out, new_head, reads, sav
 def distil_head(args, command: str, started: float, target, data: dict, eval_data: dict, vocab_ids, coverage: float) -> None:
     torch.manual_seed(args.seed)
     layers = reads(target)
-    head = new_head(target, vocab_ids).float()
-    feats = cached_features(target, data, layers, {"data": data.get("key", ""), "seqs": sum(len(s) for s in data["seqs"])})
+    target = target.to(args.device)  # --device: the head trains and is evaluated there
+    head = new_head(target, vocab_ids).float().to(args.device)
+    feats = data.get("feats") or cached_features(
+        target, data, layers, {"data": data.get("key", ""), "seqs": sum(len(s) for s in data["seqs"])}
+    )
     head.train()
     for p in head.parameters():
         p.requires_grad_(True)
@@ -74,6 +77,6 @@ def distil_head(args, command: str, started: float, target, data: dict, eval_dat
         },
         "threads": torch.get_num_threads(),
     }
-    save_head(head, args.out, meta)
+    save_head(head.cpu(), args.out, meta)
     size = (args.out / "model.safetensors").stat().st_size
     print(f"[distill] saved {args.out} ({size / 1e6:.1f} MB) in {meta['total_time_s']:.0f}s total", flush=True)

@@ -116,6 +116,19 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-weight", type=float, default=0.5, help="loss weight of prompt positions")
     ap.add_argument("--no-cache", action="store_true", help="regenerate the data even if cached")
     ap.add_argument("--data-only", action="store_true", help="only generate (and cache) the data")
+    ap.add_argument(
+        "--one-pass",
+        action="store_true",
+        help="eagle3: sample the continuations with the lean forward, keeping the teacher's top-k and the features of the same pass",
+    )
+    ap.add_argument(
+        "--prompt-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--one-pass: the training prompts made with each of these seeds (templates, languages, numbers; default: --seed)",
+    )
+    ap.add_argument("--device", default="cpu", help="--one-pass: where the target samples the data (cpu, cuda)")
     # training
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -137,6 +150,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if (args.prompt_seeds or args.device != "cpu") and not args.one_pass:
+        raise SystemExit("--prompt-seeds and --device apply to --one-pass data only: add --one-pass")
+    if args.one_pass and args.kind != "eagle3":
+        raise SystemExit("--one-pass makes the data of feature heads: use it with --kind eagle3")
     command = "python -m harness.distill " + shlex.join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -153,7 +170,17 @@ def main(argv=None) -> None:
     assert len(init_layers) == args.layers, "--init-layers must name --layers layers"
 
     print(f"[distill] training data ({args.temperatures}, {args.max_new_tokens} new tokens) ...", flush=True)
-    data = build_training_data(args, target, tok, model_dir)
+    if args.one_pass:
+        from harness.distill.head import reads
+        from harness.distill.one_pass import build_one_pass_data
+
+        sampler = target.to(args.device)
+        data = build_one_pass_data(args, sampler, tok, model_dir, reads(target))
+        target = sampler.to("cpu")
+        if args.device != "cpu":  # the lean forward's fused weights are of the device copy
+            del target._harness_lean_fused
+    else:
+        data = build_training_data(args, target, tok, model_dir)
     positions = sum(len(p) for p in data["probs"])
     print(
         f"[distill] {data['num_prompts']} prompts, {len(data['seqs'])} sequences, {data['generated_tokens']} "
