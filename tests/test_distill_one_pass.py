@@ -77,3 +77,15 @@ def test_one_pass_options_are_refused_where_they_do_not_apply(tmp_path, argv, me
 
     with pytest.raises(SystemExit, match=message):
         main(["--out", str(tmp_path / "out"), *argv])
+
+
+def test_training_prompts_sharing_ten_words_with_an_evaluation_prompt_are_left_out(capsys):
+    from harness.distill.data import drop_overlapping
+
+    evaluation = [{"prompt": "Summarize the following product review in two sentences: I bought this kettle"}]
+    train = [
+        ("summarization", "Summarize the following product review in two sentences: I bought these headphones"),
+        ("summarization", "Summarize the following product review in one paragraph: I bought these headphones"),
+    ]
+    assert drop_overlapping(train, evaluation) == train[1:]
+    assert "1 training prompts share 10 words" in capsys.readouterr().out

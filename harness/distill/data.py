@@ -148,18 +148,19 @@ def load_eval_prompts() -> list[dict]:
     return load_builtin()
 
 
-def check_disjoint(train: list[tuple[str, str]], evaluation: list[dict], ngram: int = 10) -> None:
-    """Refuse training prompts sharing a run of `ngram` words with an evaluation prompt."""
+def drop_overlapping(train: list[tuple[str, str]], evaluation: list[dict], ngram: int = 10) -> list[tuple[str, str]]:
+    """The training prompts sharing no run of `ngram` words with an evaluation prompt (the others are left out, and
+    said so: a template's fixed words can meet an evaluation prompt's)."""
 
     def shingles(text: str) -> set[tuple[str, ...]]:
         words = re.findall(r"\w+", text.lower())
         return {tuple(words[i : i + ngram]) for i in range(len(words) - ngram + 1)}
 
     eval_shingles = set().union(*(shingles(e["prompt"]) for e in evaluation))
-    for _, prompt in train:
-        common = shingles(prompt) & eval_shingles
-        if common:
-            raise SystemExit(f"training prompt overlaps the evaluation set ({' '.join(next(iter(common)))}): {prompt!r}")
+    kept = [(category, prompt) for category, prompt in train if not shingles(prompt) & eval_shingles]
+    if len(kept) < len(train):
+        print(f"[distill] {len(train) - len(kept)} training prompts share {ngram} words in a row with an evaluation prompt: left out")
+    return kept
 
 
 def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
@@ -339,8 +340,7 @@ def training_job(
 def training_prompt_ids(args, tok, seed: int) -> tuple[list[tuple[str, str]], list[list[int]], int]:
     """The training prompts made with `seed` (checked disjoint from the evaluation set, cut to --max-prompts),
     their chat-formatted ids, and the length of the preamble they all share (losses start where they differ)."""
-    prompts = training_prompts(seed)
-    check_disjoint(prompts, load_eval_prompts())
+    prompts = drop_overlapping(training_prompts(seed), load_eval_prompts())
     if args.max_prompts:
         prompts = prompts[:: max(1, len(prompts) // args.max_prompts)][: args.max_prompts]
     prompt_ids = encode_prompts(tok, [p for _, p in prompts])

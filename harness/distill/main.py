@@ -15,12 +15,16 @@ Method, step by step:
    the six kinds of task of the evaluation set (conversation, translation,
    summarization, qa, math, code) with different text. The
    evaluation prompts (harness/data/builtin_prompts.jsonl) are never used
-   for training; a check refuses training prompts sharing a long word
-   sequence with them. Prompts are formatted with the target's chat
-   template, generation prompt included.
+   for training; training prompts sharing 10 words in a row with one of
+   them are left out. Prompts are formatted with the target's chat
+   template, generation prompt included. With --one-pass, --prompt-seeds
+   makes the list once per seed (other templates, languages and numbers).
 2. Data: continuations sampled from the target itself (batched
    `generate`, left padding; one per prompt at each of `--temperatures`,
    up to 128 new tokens each), so the draft learns the target's own text.
+   --one-pass (feature heads; harness.distill.one_pass) samples with the
+   lean forward on --device and keeps step 3's teacher and the target's
+   features from the same forwards, so no second pass runs.
 3. Teacher: one full forward of the target over each prompt+continuation;
    at every training position (from the first user-message token on: the
    fixed system preamble is skipped) its next-token distribution at
