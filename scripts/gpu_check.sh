@@ -11,6 +11,10 @@
 #      a left-padded batch of 4;
 #   4. static cache + torch.compile of both models, against HF generate's own compiled
 #      path (static cache + compile_config): throughput, efficiency and overhead, in the time that is left.
+# With --distill it runs one other part instead: the embedded EAGLE-3 head distilled on the GPU
+# (python -m harness.distill --kind eagle3 --one-pass --device cuda, several prompt seeds and
+# temperatures: more of the target's text than 2 CPU cores sample in an hour), the head written to
+# $OUT/smollm2_eagle (config.json, model.safetensors, harness_head.json) with its log.
 #
 # On a GPU machine without network access that receives at most 64 MiB of files per command
 # (scripts/gpu_payload.sh packs what it lacks into parts of that size):
@@ -23,14 +27,15 @@ cd "$(dirname "$0")/.."
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STASH=${SPECBENCH_PAYLOAD:-/tmp/specbench-payload}
-stash="" run=1 rehearse=0 seconds=570
+stash="" run=1 rehearse=0 seconds=570 distill=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --stash) stash=$2; run=0; shift 2 ;;
         --run) run=1; shift ;;
         --rehearse) rehearse=1; shift ;;
+        --distill) distill=1; shift ;;
         --seconds) seconds=$2; shift 2 ;;
-        *) echo "usage: bash scripts/gpu_check.sh [--stash DIR [--run]] [--seconds S] [--rehearse]" >&2; exit 2 ;;
+        *) echo "usage: bash scripts/gpu_check.sh [--stash DIR [--run]] [--seconds S] [--rehearse] [--distill]" >&2; exit 2 ;;
     esac
 done
 case "$seconds" in
@@ -84,6 +89,7 @@ if [ "$rehearse" = 1 ]; then
     sweep=(batch_size=1,2 dataset.num_prompts=4 max_new_tokens=8 k=1)
     eager=(--reps 1 --prompts 2 --ks 1 --batch-sizes 2 --max-new-tokens 8 --memory-prompts 4 --memory-new-tokens 4)
     compiled=(--reps 1 --prompts 1 --ks 1 --batch-sizes --max-new-tokens 8 --memory-prompts 0)
+    distilled=(--threads 2 --prompt-seeds 0 --temperatures 1.0 --max-prompts 6 --max-new-tokens 8 --gen-batch-size 4 --epochs 1 --eval-prompts 2 --eval-new-tokens 8)
 else
     # Within a 10-minute limit per command, set-up included (SECONDS counts from this script's
     # start), with 30 s left to copy $OUT back: of the default 570 s the head's part runs until 170 s
@@ -97,6 +103,8 @@ else
     sweep=(batch_size=1,8 dataset.num_prompts=16 max_new_tokens=32 k=2)  # the smallest and a batch of 8, at one k
     eager=(--reps 2 --prompts 4 --ks 1 2 --batch-sizes 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --batch-sizes --max-new-tokens 32 --memory-prompts 0)  # batches run eager
+    # 8 prompt seeds x 3 temperatures (about 8,500 sequences, over a million training positions), 4 epochs
+    distilled=(--threads 8 --prompt-seeds 0 1 2 3 4 5 6 7 --temperatures 0 0.7 1.0 --gen-batch-size 256 --epochs 4 --lr 1.5e-3 --log-every 100)
 fi
 dir=${OUT:-results/bench}  # straight into $OUT when set: a command cut short still leaves what was written there
 mkdir -p "$dir"
@@ -135,6 +143,13 @@ sweep() {
     if [ -d "$cells" ]; then tar -czf "$cells.tar.gz" -C "$dir" gpu_batch_sweep && rm -rf "$cells"; fi
 }
 status=0
+if [ "$distill" = 1 ]; then  # the head distilled here, in the whole time (the data are sampled first: a cut run has them cached)
+    $PY -c "from harness.models.embedded import embedded_model_dir; embedded_model_dir('smollm2')" 2>&1 | tee -a "$log" || exit 1
+    left distill "$end" 120 || exit 1
+    timeout "$seconds_left" $PY -m harness.distill --kind eagle3 --one-pass --device $device --out "$dir/smollm2_eagle" \
+        --head-tokens 4096 --seed 0 "${distilled[@]}" 2>&1 | tee -a "$log" || status=1
+    exit $status
+fi
 # The embedded target dequantised once (tens of seconds the first time), before any part's clock runs.
 $PY -c "from harness.models.embedded import embedded_model_dir; embedded_model_dir('smollm2')" 2>&1 | tee -a "$log" || exit 1
 part head gpu_head "$t1" 45 "${head[@]}" +pair=smollm2_eagle forward=hf || exit 1  # forward=auto is hf on a GPU: said, for the rehearsal too

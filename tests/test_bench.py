@@ -613,3 +613,18 @@ def test_a_tree_without_git_names_its_commit_from_the_payload(tmp_path, monkeypa
     runs = [c["commit"] for c in calls if c["argv"][:2] in (["-m", "harness.bench"], ["-m", "harness"])]
     assert len(commit) == 12 and runs == [commit] * 4  # three bench parts and the batch sweep
     assert (tmp_path / "cache" / "gguf" / "model.gguf").read_bytes() == gguf.read_bytes()  # the parts assembled, checked
+
+
+def test_the_gpu_check_distil_part_gives_the_distillation_command_it_accepts(tmp_path):
+    """scripts/gpu_check.sh --distill runs python -m harness.distill alone (no bench part), with options that parse
+    and pass its checks, on the GPU and in the rehearsal."""
+    from harness.distill.main import parse_args
+
+    for extra, device in (((), "cuda"), (("--rehearse",), "cpu")):
+        calls = run_script(SCRIPTS / "gpu_check.sh", tmp_path, "--distill", *extra)
+        assert bench_calls(calls) == []
+        distils = [c["argv"][2:] for c in calls if c["argv"][:2] == ["-m", "harness.distill"]]
+        assert len(distils) == 1
+        args = parse_args(distils[0])
+        assert args.kind == "eagle3" and args.one_pass and args.device == device
+        assert args.out == Path(tmp_path / "out" / "smollm2_eagle")
