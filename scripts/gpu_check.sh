@@ -103,7 +103,7 @@ else
     sweep=(batch_size=1,8 dataset.num_prompts=16 max_new_tokens=32 k=2)  # the smallest and a batch of 8, at one k
     eager=(--reps 2 --prompts 4 --ks 1 2 --batch-sizes 4 --max-new-tokens 32 --memory-prompts 100 --memory-new-tokens 16)
     compiled=(--reps 3 --prompts 6 --ks 1 2 4 --batch-sizes --max-new-tokens 32 --memory-prompts 0)  # batches run eager
-    # 8 prompt seeds x 3 temperatures (about 8,500 sequences, over a million training positions), 4 epochs
+    # 8 prompt seeds x 3 temperatures (7,524 sequences, about a million training positions), 4 epochs
     distilled=(--threads 8 --prompt-seeds 0 1 2 3 4 5 6 7 --temperatures 0 0.7 1.0 --gen-batch-size 256 --epochs 4 --lr 1.5e-3 --log-every 100)
 fi
 dir=${OUT:-results/bench}  # straight into $OUT when set: a command cut short still leaves what was written there
