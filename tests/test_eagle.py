@@ -311,13 +311,13 @@ def trained(heads):
         log_every=1000,
     )
     head.train()
-    train_head(head, data, feats, args)
+    training = train_head(head, data, feats, args)
     after = held_out(head.eval(), target, evaluation, layers, 2)
     folder = heads["target"].parent / "trained"
     from harness.distill.head import save_head
 
     save_head(head.requires_grad_(False), folder, {"test": True})
-    return {"folder": folder, "before": before, "after": after}
+    return {"folder": folder, "before": before, "after": after, "training": training}
 
 
 def test_unrolled_training_steps_of_a_padded_batch_equal_each_sequence_alone(heads):
@@ -349,6 +349,7 @@ def test_unrolled_training_steps_of_a_padded_batch_equal_each_sequence_alone(hea
 
 
 def test_training_raises_held_out_agreement(trained):
+    assert trained["training"]["steps"] == 10 * 12  # every epoch over all 48 sequences, 4 a step
     before, after = trained["before"]["t0_agreement_by_step"], trained["after"]["t0_agreement_by_step"]
     assert after[0] > before[0] + 0.2 and after[1] > before[1] + 0.05, (before, after)
 

@@ -213,15 +213,15 @@ def train_head(head: FeatureHead, data: dict, feats: list[torch.Tensor], args, e
             pairs = [len(data["seqs"][i]) - 2 for i in batch]  # pairs 0..len-3 of each sequence
             tokens = torch.zeros(len(batch), max(pairs), dtype=torch.long, device=device)
             hidden = torch.zeros(len(batch), max(pairs), feats[batch[0]].shape[-1], device=device)
-            for row, (i, n) in enumerate(zip(batch, pairs)):
-                tokens[row, :n] = torch.tensor(data["seqs"][i][1:-1])
-                hidden[row, :n] = feats[i][:-1].to(device)
+            for row, (i, m) in enumerate(zip(batch, pairs)):
+                tokens[row, :m] = torch.tensor(data["seqs"][i][1:-1])
+                hidden[row, :m] = feats[i][:-1].to(device)
             outs = unrolled(head, tokens, hidden, args.ttt_steps)  # [B, n, H] per step, right-padded
             loss, agree = 0.0, []
-            for row, (i, n) in enumerate(zip(batch, pairs)):
+            for row, (i, m) in enumerate(zip(batch, pairs)):
                 first = data["starts"][i]  # pair p scores token p + 2: the teacher row of position p + 1, row p - first here
                 probs, ids, weights = (data[key][i][1:].to(device) for key in ("probs", "ids", "weights"))
-                one, a = head_loss(head, [out[row, :n] for out in outs], probs, ids, weights, first, to_draft)
+                one, a = head_loss(head, [out[row, :m] for out in outs], probs, ids, weights, first, to_draft)
                 loss = loss + one / len(batch)
                 agree.append(a)
             loss.backward()
