@@ -159,7 +159,9 @@ def drop_overlapping(train: list[tuple[str, str]], evaluation: list[dict], ngram
     eval_shingles = set().union(*(shingles(e["prompt"]) for e in evaluation))
     kept = [(category, prompt) for category, prompt in train if not shingles(prompt) & eval_shingles]
     if len(kept) < len(train):
-        print(f"[distill] {len(train) - len(kept)} training prompts share {ngram} words in a row with an evaluation prompt: left out")
+        print(
+            f"[distill] {len(train) - len(kept)} training prompts share {ngram} words in a row with an evaluation prompt: left out"
+        )
     return kept
 
 
