@@ -269,6 +269,31 @@ def data_key(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def job_payload(args, prompts: list[tuple[str, str]], temperature: float, seed: int, model_dir: Path) -> dict:
+    """What a cached training job depends on, common to both kinds of data (each adds its own keys)."""
+    return {
+        "format": DATA_FORMAT,
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "temperature": temperature,
+        "seed": seed,
+        "max_new_tokens": args.max_new_tokens,
+        "gen_batch_size": args.gen_batch_size,
+        "topk": args.topk,
+        "prompt_weight": args.prompt_weight,
+        "model": str(model_dir),
+        "torch": str(torch.__version__),
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def save_atomically(obj, path: Path) -> None:
+    """torch.save to a temporary name, then rename: an interrupted save is never loaded as the data."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+
+
 def training_job(
     args,
     model,
@@ -282,21 +307,7 @@ def training_job(
 ) -> dict:
     """One continuation of every prompt at `temperature`, with the teacher's top-k; cached on disk."""
     seed = args.seed * 1000 + t_index * 100_000
-    payload = {
-        "format": DATA_FORMAT,
-        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "temperature": temperature,
-        "seed": seed,
-        "max_new_tokens": args.max_new_tokens,
-        "gen_batch_size": args.gen_batch_size,
-        "teacher_batch_size": args.teacher_batch_size,
-        "topk": args.topk,
-        "prompt_weight": args.prompt_weight,
-        "model": str(model_dir),
-        "torch": str(torch.__version__),
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-    }
+    payload = job_payload(args, prompts, temperature, seed, model_dir) | {"teacher_batch_size": args.teacher_batch_size}
     path = cache_root() / "distill" / f"train-{data_key(payload)}.pt"
     if path.exists() and not args.no_cache:
         print(f"[distill] T={temperature}: cached {path}", flush=True)
@@ -332,9 +343,7 @@ def training_job(
         "gen_time_s": gen_time,
         "teacher_time_s": time.time() - started,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(job, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
+    save_atomically(job, path)
     shutil.rmtree(path.with_suffix(".partial"), ignore_errors=True)
     return job
 

@@ -14,15 +14,12 @@ features [len-1, F] (fp16) at positions 0 .. len-2: the same layout as the two-p
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from pathlib import Path
 
 import torch
-import transformers
 
-from harness.distill.data import DATA_FORMAT, data_key, merge_jobs, position_weights, training_prompt_ids
+from harness.distill.data import data_key, job_payload, merge_jobs, position_weights, save_atomically, training_prompt_ids
 from harness.models.embedded import cache_root
 from harness.models.lean import LeanLlama
 
@@ -149,22 +146,10 @@ def one_pass_job(
 ) -> dict:
     """One continuation of every prompt at `temperature`, with the teacher's top-k and the features; cached on disk."""
     seed = prompt_seed * 1000 + t_index * 100_000
-    payload = {
-        "format": DATA_FORMAT,
+    payload = job_payload(args, prompts, temperature, seed, model_dir) | {
         "one_pass": True,
-        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "temperature": temperature,
-        "seed": seed,
         "layers": list(layers),
-        "max_new_tokens": args.max_new_tokens,
-        "gen_batch_size": args.gen_batch_size,
-        "topk": args.topk,
-        "prompt_weight": args.prompt_weight,
-        "model": str(model_dir),
         "device": str(model.lm_head.weight.device.type),
-        "torch": str(torch.__version__),
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
     }
     path = cache_root() / "distill" / f"onepass-{data_key(payload)}.pt"
     if path.exists() and not args.no_cache:
@@ -189,9 +174,7 @@ def one_pass_job(
         "gen_time_s": time.time() - started,
         "teacher_time_s": 0.0,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(job, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
+    save_atomically(job, path)
     return job
 
 
