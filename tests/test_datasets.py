@@ -9,6 +9,7 @@ or read from a cache laid out the way a connected machine leaves it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -208,15 +209,19 @@ def test_more_prompts_than_the_set_warns_and_uses_all(tmp_path, capsys):
         ("", [], "is empty"),
         ("\n", [], "holds no rows"),
         ('{"turns": ["hi"]}\nnot json\n', [], "cannot be read as json"),
-        (
+        (  # a field named is read, whatever the file has that the defaults would find
             '{"question_id": 1, "prompt": "hi", "category": "x"}\n',
-            [],
+            ["dataset.text_field=turns"],
             "has no field 'turns' (its fields: question_id, prompt, category)",
         ),
-        ('{"question_id": 1, "turns": ["hi"]}\n', [], "set dataset.category_field to one of them"),
+        (
+            '{"question_id": 1, "turns": ["hi"]}\n',
+            ["dataset.category_field=category"],
+            "set dataset.category_field to one of them",
+        ),
         (
             '{"qid": 1, "turns": ["hi"], "category": "x"}\n',
-            [],
+            ["dataset.id_field=question_id"],
             "has no field 'question_id' (its fields: qid, turns, category): set dataset.id_field to one of them, or dataset.id_field=null",
         ),
         ('{"turns": ["hi"], "category": "x"}\n', ["dataset.id_field=qid"], "has no field 'qid'"),
@@ -808,3 +813,128 @@ def test_a_jsonl_whose_fields_change_late_names_the_cause(tmp_path, monkeypatch)
         load_prompts(composed("dataset=local", f"dataset.path={rows}").dataset)
     message = str(err.value)
     assert "cannot be read as json" in message and "'category'" in message and "same fields" in message and "\n" not in message
+
+
+# ------------------------------------------------- a prompt file with only its path
+
+
+def found_line(text: str, category: str, pid: str, file: str = "p.jsonl") -> str:
+    """The line a run prints for a set whose fields were found (dataset=local's auto)."""
+    return (
+        f"[harness] dataset local: prompts from {text} of {file} (category: {category}, id: {pid}); "
+        f"dataset.text_field, dataset.category_field and dataset.id_field choose others"
+    )
+
+
+@pytest.mark.parametrize("field", ["prompt", "text", "question", "instruction"])
+def test_a_file_of_prompts_needs_only_its_path(tmp_path, capsys, field):
+    rows = write_jsonl(tmp_path / "p.jsonl", [{field: "What is 2 + 2?"}, {field: "Name a color."}])
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}").dataset)
+    assert prompts == [
+        {"id": "local-0", "category": "local", "prompt": "What is 2 + 2?"},
+        {"id": "local-1", "category": "local", "prompt": "Name a color."},
+    ]
+    assert capsys.readouterr().err.splitlines() == [found_line(f"field '{field}'", "'local' for all", "row number")]
+
+
+def test_the_first_usual_field_is_the_prompt_and_ids_and_categories_are_found(tmp_path, capsys):
+    rows = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "category": "math", "instruction": "Answer briefly.", "question": "What is 2 + 2?"},
+            {"id": "b", "category": "chat", "instruction": "Be kind.", "question": "How are you?"},
+        ],
+    )
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}").dataset)
+    assert prompts == [
+        {"id": "a", "category": "math", "prompt": "What is 2 + 2?"},
+        {"id": "b", "category": "chat", "prompt": "How are you?"},
+    ]
+    assert capsys.readouterr().err.splitlines() == [found_line("field 'question'", "field 'category'", "field 'id'")]
+
+
+def test_turns_give_the_first_turn(tmp_path, capsys):
+    """MT-Bench / Spec-Bench turns without their ids and categories: the first turn, rows numbered."""
+    rows = write_jsonl(tmp_path / "t.jsonl", [{"turns": ["Write a haiku.", "Now another."]}, {"turns": ["Say hi."]}])
+    prompts = load_prompts(composed("dataset=local", f"dataset.path={rows}").dataset)
+    assert [(p["id"], p["category"], p["prompt"]) for p in prompts] == [
+        ("local-0", "local", "Write a haiku."),
+        ("local-1", "local", "Say hi."),
+    ]
+    assert capsys.readouterr().err.splitlines() == [
+        found_line("field 'turns' (its first turn)", "'local' for all", "row number", "t.jsonl")
+    ]
+    spec_bench = write_jsonl(tmp_path / "question.jsonl", SPEC_BENCH)  # read as with its fields named
+    named = ("dataset.text_field=turns", "dataset.id_field=question_id", "dataset.category_field=category")
+    assert load_prompts(composed("dataset=local", f"dataset.path={spec_bench}").dataset) == load_prompts(
+        composed("dataset=local", f"dataset.path={spec_bench}", *named).dataset
+    )
+    assert capsys.readouterr().err.splitlines() == [
+        found_line("field 'turns' (its first turn)", "field 'category'", "field 'question_id'", "question.jsonl")
+    ]  # the run with every field named says nothing
+
+
+def test_fields_named_win_over_those_found(tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "p.jsonl", [{"id": 7, "category": "a", "prompt": "From prompt.", "text": "From text."}])
+    named = ("dataset.text_field=text", "dataset.id_field=null", "dataset.category_field=null", "dataset.category=mine")
+    assert load_prompts(composed("dataset=local", f"dataset.path={rows}", *named).dataset) == [
+        {"id": "local-0", "category": "mine", "prompt": "From text."}
+    ]
+    assert capsys.readouterr().err == ""
+    [p] = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.template='{text} / {prompt}'").dataset)
+    assert p == {"id": "7", "category": "a", "prompt": "From text. / From prompt."}  # a template makes the text
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_file_without_a_usual_prompt_field_is_one_line(tmp_path, streaming):
+    rows = write_jsonl(tmp_path / "p.jsonl", [{"body": "Hello.", "label": "x"}])
+    with pytest.raises(HarnessError) as err:
+        load_prompts(composed("dataset=local", f"dataset.path={rows}", f"dataset.streaming={streaming}").dataset)
+    assert str(err.value) == (
+        f"dataset.path={rows} has none of the fields a prompt is read from by default (turns, prompt, text, question, "
+        "instruction; its fields: body, label): set dataset.text_field to the one that holds the prompt, "
+        "or build it with dataset.template='...{field}...'"
+    )
+    [p] = load_prompts(composed("dataset=local", f"dataset.path={rows}", "dataset.text_field=body").dataset)
+    assert p == {"id": "local-0", "category": "local", "prompt": "Hello."}
+
+
+def test_a_column_oriented_file_of_found_fields_is_one_line(tmp_path):
+    path = tmp_path / "cols.json"
+    path.write_text(json.dumps({"id": ["q1", "q2"], "prompt": ["What is 2+2?", "Say hi."]}))
+    with pytest.raises(HarnessError, match="looks column-oriented"):
+        load_prompts(composed("dataset=local", f"dataset.path={path}").dataset)
+
+
+def test_a_file_of_found_fields_is_keyed_by_its_content(tmp_path):
+    from harness.runner.store import cell_key, dataset_sha256
+
+    rows = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "What is 2 + 2?"}])
+    cfg = with_default_pair(composed("dataset=local", f"dataset.path={rows}"))
+    key, sha = cell_key(cfg), dataset_sha256(cfg)
+    assert sha == hashlib.sha256(rows.read_bytes()).hexdigest()
+    assert cell_key(with_default_pair(composed("dataset=local", f"dataset.path={rows}"))) == key
+    write_jsonl(rows, [{"prompt": "What is 3 + 3?"}])
+    assert dataset_sha256(cfg) != sha and cell_key(cfg) != key
+
+
+@pytest.mark.cli
+def test_a_file_of_prompts_runs_with_only_its_path(tiny_pair, tmp_path):
+    path = write_jsonl(tmp_path / "my.jsonl", [{"prompt": "The quick brown fox"}, {"prompt": "1 2 3 4"}])
+    args = [
+        "+pair=llama_7b_68m",
+        f"pair.target.id={tiny_pair['target']}",
+        f"pair.draft.id={tiny_pair['draft']}",
+        "dataset=local",
+        f"dataset.path={path}",
+        "max_new_tokens=4",
+        f"out_dir={tmp_path / 'out'}",
+    ]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
+    out = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert found_line("field 'prompt'", "'local' for all", "row number", "my.jsonl") in out.stderr.splitlines()
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["dataset_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    summary = json.loads((Path(last["cell_dir"]) / "summary.json").read_text())
+    assert sorted(summary["prompt_ids"]) == ["local-0", "local-1"] and list(summary["categories"]) == ["local"]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.data.prompts import BUILTIN_PROMPTS
-from harness.data.rows import field_name, to_prompts
+from harness.data.rows import field_candidates, to_prompts
 from harness.errors import HarnessError, one_line
 
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # extension -> datasets builder
@@ -143,8 +143,8 @@ def _refuse_column_oriented(cfg, shown: str, ds, rows: Iterable[dict]) -> None:
         f"or df.to_json() write), which reads as one row"
     )
     fix = "write one object per row, as a jsonl (df.to_json(path, orient='records', lines=True)) or a list of objects (orient='records')"
-    labels = [field_name(cfg.get(key)) for key in ("id_field", "category_field")]
-    if any(label in first[0] for label in labels if label):  # an id or a category per row, as a list: columns
+    labels = [name for key in ("id_field", "category_field") for name in field_candidates(cfg, key)]
+    if any(label in first[0] for label in labels):  # an id or a category per row, as a list: columns
         raise HarnessError(f"{what}: {fix}")
     print(f"warning: {what}, so it gives one prompt; if its fields are columns, {fix}", file=sys.stderr)
 

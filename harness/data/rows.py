@@ -6,23 +6,34 @@
     "{translation[de]}"); with no template the text field(s) are the prompt;
   - the id is the row's `id_field` when it has one, else "<name>-<row index>";
   - the category is the row's `category_field`, else the fixed `category`,
-    always as text; an id or category the set declares a ClassLabel is its name.
+    always as text; an id or category the set declares a ClassLabel is its name;
+  - a field set to `auto` (conf/dataset/local.yaml's defaults) is the first of
+    its usual names the set has (TEXT_NAMES, ID_NAMES, CATEGORY_NAMES): the text's
+    must be there, an id or category may not be (rows numbered, fixed category).
 Templates are only ever formatted with the row (format_map), never evaluated.
 Reading the rows is harness.data.datasets' job.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import string
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
 
 # A template field: a row field, optionally indexed ({translation[de]}); no attribute access.
 FIELD = re.compile(r"^([A-Za-z_]\w*)((?:\[[^\[\]]+\])*)$")
+# text_field, id_field or category_field set to AUTO: the first of these names the set has. MT-Bench /
+# Spec-Bench's fields come first, so that a question.jsonl reads as it does with them named.
+AUTO = "auto"
+TEXT_NAMES = ("turns", "prompt", "text", "question", "instruction")
+ID_NAMES = ("question_id", "id")
+CATEGORY_NAMES = ("category",)
 
 
 def _as_list(value) -> list[str]:
@@ -35,6 +46,62 @@ def _as_list(value) -> list[str]:
 def field_name(value) -> str | None:
     """id_field or category_field as a field name (text: a csv column may be named 5)."""
     return None if value is None else str(value)
+
+
+def is_auto(value) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+def field_candidates(cfg, key: str) -> list[str]:
+    """The fields id_field or category_field may name: the configured one, or each of its usual names when it is auto."""
+    value = cfg.get(key)
+    if is_auto(value):
+        return list(ID_NAMES if key == "id_field" else CATEGORY_NAMES)
+    return [name] if (name := field_name(value)) else []
+
+
+def _resolve_fields(cfg, columns: list[str], template: str | None) -> tuple[list[str], str | None, str | None]:
+    """(text fields, id field, category field) as configured, each set to auto replaced by the first of
+    its usual names among `columns`: the text's none when a template makes the text, and refused in one
+    line when the set has none of them; the id's or category's None when the set has none (rows are
+    numbered, prompts take the fixed category)."""
+    text_fields = _as_list(cfg.get("text_field"))
+    if text_fields == [AUTO]:
+        found = next((name for name in TEXT_NAMES if name in columns), None)
+        if found is None and not template:
+            raise HarnessError(
+                f"{_where(cfg)} has none of the fields a prompt is read from by default ({', '.join(TEXT_NAMES)}; "
+                f"its fields: {', '.join(columns)}): set dataset.text_field to the one that holds the prompt, "
+                f"or build it with dataset.template='...{{field}}...'"
+            )
+        text_fields = [] if template else [found]
+    id_field, category_field = (
+        next((name for name in field_candidates(cfg, key) if name in columns), None)
+        if is_auto(cfg.get(key))
+        else field_name(cfg.get(key))
+        for key in ("id_field", "category_field")
+    )
+    return text_fields, id_field, category_field
+
+
+def _where(cfg) -> str:
+    return f"dataset.path={cfg.path}" if cfg.get("path") else (cfg.get("hf_id") or cfg.name)
+
+
+def _say_fields(cfg, text_fields: list[str], id_field: str | None, category_field: str | None, fixed_category: str) -> None:
+    """The one line that says which fields a set whose fields were found (auto) is read from."""
+    if not text_fields:
+        text = "dataset.template"
+    else:
+        text = ", ".join(f"field '{f}'" + (" (its first turn)" if f == "turns" else "") for f in text_fields)
+    source = Path(str(cfg.path)).name if cfg.get("path") else (cfg.get("hf_id") or cfg.name)
+    category = f"field '{category_field}'" if category_field else f"'{fixed_category}' for all"
+    pid = f"field '{id_field}'" if id_field else "row number"
+    print(
+        f"[harness] dataset {cfg.name}: prompts from {text} of {source} (category: {category}, id: {pid}); "
+        f"dataset.text_field, dataset.category_field and dataset.id_field choose others",
+        file=sys.stderr,
+    )
 
 
 def _template(cfg) -> str | None:
@@ -145,7 +212,7 @@ def _check_fields(cfg, needed: list[str], columns: list[str], id_field: str | No
     missing = [f for f in needed if f not in columns]
     if not missing:
         return
-    where = f"dataset.path={cfg.path}" if cfg.get("path") else (cfg.get("hf_id") or cfg.name)
+    where = _where(cfg)
     own_fix = {
         category_field: "set dataset.category_field to one of them, or dataset.category_field=null dataset.category=<name>",
         id_field: "set dataset.id_field to one of them, or dataset.id_field=null to number the rows",
@@ -192,6 +259,14 @@ def to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None, features: A
             f"dataset={cfg.name} names no text: set dataset.text_field=<field> or dataset.template='...{{field}}...'"
         )
     id_field, category_field = field_name(cfg.get("id_field")), field_name(cfg.get("category_field"))
+    any_auto = text_fields == [AUTO] or AUTO in (id_field, category_field)
+    if any_auto and columns is None:  # a streamed set that declares no fields: found on its first row
+        rows = iter(rows)
+        first = next(rows, None)
+        rows = itertools.chain([] if first is None else [first], rows)
+        columns = None if first is None else list(first)  # no rows: said below
+    if any_auto and columns is not None:
+        text_fields, id_field, category_field = _resolve_fields(cfg, columns, template)
     category = cfg.get("category")
     fixed_category = str(cfg.name) if category is None or category == "" else str(category)  # text: metrics sorts categories
     id_labels, category_labels = _class_label(features, id_field), _class_label(features, category_field)
@@ -250,4 +325,6 @@ def to_prompts(cfg, rows: Iterable[dict], columns: list[str] | None, features: A
         )
     if not prompts:
         raise HarnessError(f"{cfg.name} gave no prompts: all {read} rows read have an empty {what_empty}")
+    if any_auto:
+        _say_fields(cfg, text_fields, id_field, category_field, fixed_category)
     return prompts
