@@ -338,8 +338,29 @@ def load_head(head_id: str, layout: str, target: nn.Module, dtype: torch.dtype, 
     folder = head_folder(head_id, revision)
     if not (folder / "config.json").exists():
         raise HarnessError(f"feature head '{head_id}' has no config.json in {folder}: not a head checkpoint")
-    config = LlamaConfig(**json.loads((folder / "config.json").read_text()))
-    state = _weights(folder)
+    try:
+        config = LlamaConfig(**json.loads((folder / "config.json").read_text()))
+        state = _weights(folder)
+    except HarnessError:
+        raise
+    except Exception as err:  # a damaged file raises whatever its reader raises (SafetensorError, JSONDecodeError...)
+        from harness.models.integrity import unreadable_head
+
+        if (found := unreadable_head(folder, WEIGHT_FILES)) is None:
+            raise
+        if head_id.startswith("embedded:"):
+            fix = "the harness's installation is damaged: reinstall it"
+        elif Path(head_id).expanduser().exists():
+            fix = (
+                f"download or save the head into {folder} again (an interrupted download leaves files cut short "
+                f"or missing), or point pair.draft.id at a complete head folder"
+            )
+        else:
+            fix = (
+                f"delete that cache entry (hf cache rm model/{head_id}) and download it again (hf download {head_id}), "
+                f"or point pair.draft.id at a complete head folder"
+            )
+        raise HarnessError(f"feature head '{head_id}' cannot be read: {found[0]} {found[1]}: {fix}") from err
     target_config = target.config.get_text_config(decoder=True)
     target_hidden = int(getattr(config, "target_hidden_size", None) or target_config.hidden_size)
     target_vocab = target.get_input_embeddings().weight.shape[0]

@@ -4,8 +4,9 @@ What an interrupted download or copy leaves (a truncated file), a file of anothe
 weight file's name (an HTML error page saved as model.safetensors), a shard that
 model.safetensors.index.json lists but the folder lacks, a corrupt GGUF file or a JSON file that
 does not parse. Only headers are read (a safetensors file's header, checked against the file's
-size; a GGUF file's header and tensor table), so the check is cheap; harness.models.loading runs
-it when a load fails, to name the file and the fix rather than pass on a library's traceback.
+size; a GGUF file's header and tensor table; a torch.save zip archive's central directory), so the
+check is cheap; harness.models.loading and harness.models.eagle run it when a load fails, to name the
+file and the fix rather than pass on a library's traceback.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def unreadable(folder: Path, gguf_file: str | None = None, weights: bool = True)
     return None
 
 
+def unreadable_head(folder: Path, weight_files: tuple[str, ...]) -> tuple[Path, str] | None:
+    """(file, why) for the first file of the feature head in `folder` (harness.models.eagle) that cannot be
+    read: its config.json, then the first of `weight_files` present (the one the head loads); None when both can."""
+    checks = [(folder / "config.json", json_problem)]
+    if weights := next((folder / name for name in weight_files if (folder / name).exists()), None):
+        checks.append((weights, safetensors_problem if weights.suffix == ".safetensors" else torch_file_problem))
+    for path, problem_of in checks:
+        if problem := problem_of(path):
+            return path, problem
+    return None
+
+
 def json_problem(path: Path) -> str | None:
     try:
         json.loads(path.read_bytes())
@@ -63,6 +76,27 @@ def safetensors_problem(path: Path) -> str | None:
             pass
     except (SafetensorError, OSError) as err:
         return f"is not a readable safetensors file ({one_line(err).removeprefix('Error while deserializing header: ')})"
+    return None
+
+
+def torch_file_problem(path: Path) -> str | None:
+    """A torch.save file (pytorch_model.bin): since torch 1.6 a zip archive, whose central directory, at
+    its end, is read. The legacy format (a pickle stream) is not checked: only loading it reads it all."""
+    import zipfile
+
+    if not path.exists():
+        return "is missing"
+    magic = b""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(4)
+        if magic.startswith(b"\x80"):  # a pickle stream's protocol opcode: torch.save's legacy format
+            return None
+        with zipfile.ZipFile(path):
+            pass
+    except (zipfile.BadZipFile, OSError) as err:
+        what = "a zip archive cut short" if magic.startswith(b"PK") else "neither a zip archive nor a pickle"
+        return f"is not a readable PyTorch checkpoint ({what}: {one_line(err)})"
     return None
 
 
