@@ -196,7 +196,7 @@ def cell_row(raw: RawCell) -> dict:
         "compile": str(cfg["compile"]),
         "forward": str(conditions["forward"]),
         "prompt_format": _prompt_format(cfg),
-        "batch_size": int(cfg.get("batch_size", 1)),  # prompts decoded together (harness.core.batch)
+        "batch_size": int(cfg.get("batch_size", 1)),  # prompts decoded together (harness.core.loop)
         "has_prompts": raw.records is not None and len(raw.records) > 0,
         # The draft's own weights as they sat in memory (harness.runner.pair.draft_size): 0 for prompt lookup.
         "draft_params": _num(s["draft_params"]),

@@ -25,8 +25,7 @@ from hydra import compose
 
 from harness.bench.contenders import same_greedy_output
 from harness.config.checks import hydra_on_conf, validate, with_default_pair
-from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
-from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.core.loop import autoregressive_decode, autoregressive_decode_rows, speculative_decode, speculative_decode_rows
 from harness.core.sampling import Sampling
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, select
@@ -46,10 +45,10 @@ def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens:
     greedy, none = Sampling(0.0), torch.Generator(device)
     encoded = [(p, as_tensor(encode(pair.tokenizer, p["prompt"], cfg.prompts.template), device)) for p in prompts]
     longest = max(ids.shape[0] for _, ids in encoded)
-    pair.reserve(longest, max_new_tokens, max(ks))
-    pair.reserve_batch(longest + max_new_tokens + max(ks))
+    for B in batch_sizes:
+        pair.reserve(longest, max_new_tokens, max(ks), B)
     alone = [list(autoregressive_decode(pair.target, ids, greedy, max_new_tokens, pair.eos_ids, none)) for _, ids in encoded]
-    target, drafter = pair.batched()
+    target, drafter = pair.target, pair.drafter
     out = {"pair": pair_name, "prompts": len(encoded), "by_k_and_batch_size": {}}
     for k, B in ((k, B) for k in ks for B in batch_sizes):
         started, outputs = time.perf_counter(), []  # (prompt index, what decoded it, its tokens)
@@ -61,10 +60,10 @@ def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens:
             ids = [encoded[i][1] for i in batch]
             gens = [torch.Generator(device) for _ in batch]
             spec, base = [[] for _ in batch], [[] for _ in batch]
-            for cycle in speculative_decode_batch(target, drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, gens):
+            for cycle in speculative_decode_rows(target, drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, gens):
                 for row, c in cycle:
                     spec[row].extend(c.tokens)
-            for step in autoregressive_decode_batch(target, ids, greedy, max_new_tokens, pair.eos_ids, gens):
+            for step in autoregressive_decode_rows(target, ids, greedy, max_new_tokens, pair.eos_ids, gens):
                 for row, token in step:
                     base[row].append(token)
             for row, i in enumerate(batch):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 import harness.core.loop
-from harness.core.drafters import ModelDrafter, NgramDrafter
-from harness.core.rule import Verdict
+from harness.core.drafters import ModelDrafter, NgramDrafter, Proposal
+from harness.core.rule import Verdict, Verdicts
 from harness.core.sampling import Sampling, sample, shape_probs
 from harness.models.batched import LeanBatch
 
@@ -80,11 +80,35 @@ def rule_with(**hooks):
     return lambda tokens, q, p, generator: speculative_rule(tokens, q, p, generator, **hooks)
 
 
+def per_row(rule):
+    """The loop's rule (harness.core.rule.verify_rows' signature) from a rule for one sequence alone
+    (verify's), applied to each row in turn with the row's own generator."""
+
+    def rows_rule(draft_tokens, counts, draft_probs, target_probs, generators) -> Verdicts:
+        verdicts = [
+            rule(
+                draft_tokens[i, :c],
+                target_probs[i, :0] if draft_probs is None else draft_probs[i, :c],
+                target_probs[i, : c + 1],
+                g,
+            )
+            for i, (c, g) in enumerate(zip(counts, generators))
+        ]
+        expected = target_probs.new_zeros(draft_tokens.shape)
+        for i, v in enumerate(verdicts):
+            expected[i, : v.expected_acceptance.shape[0]] = v.expected_acceptance
+        accepted = torch.tensor([int(v.num_accepted) for v in verdicts], device=draft_tokens.device)
+        return Verdicts(accepted, torch.stack([v.next_token for v in verdicts]), expected)
+
+    return rows_rule
+
+
 class UnshapedQDrafter(ModelDrafter):
     """Samples from the shaped draft distribution but reports the unshaped
     softmax (temperature 1, no top-k / top-p) as q."""
 
-    def propose(self, ids, k, sampling, generator):
+    def propose(self, rows, budgets, sampling):
+        (ids,), (k,), (generator,) = rows.ids, budgets, rows.generators
         tokens, probs = [], []
         feed = ids[self.lm.length :]
         for _ in range(k):
@@ -94,8 +118,8 @@ class UnshapedQDrafter(ModelDrafter):
             tokens.append(token)
             feed = token[None]
         if not tokens:
-            return ids.new_empty(0), None
-        return torch.stack(tokens), torch.stack(probs)
+            return Proposal(ids.new_zeros(1, 0), [0], None)
+        return Proposal(torch.stack(tokens)[None], [k], torch.stack(probs)[None])
 
 
 class NextRowDrafter(ModelDrafter):
@@ -104,13 +128,13 @@ class NextRowDrafter(ModelDrafter):
 
     next_q: torch.Tensor | None = None
 
-    def propose(self, ids, k, sampling, generator):
-        tokens, probs = super().propose(ids, k, sampling, generator)
-        if tokens.shape[0]:
-            logits = self.lm.forward(tokens[-1:], num_logits=1)[0]
+    def propose(self, rows, budgets, sampling):
+        proposal = super().propose(rows, budgets, sampling)
+        if proposal.counts[0]:
+            logits = self.lm.forward(proposal.tokens[0, proposal.counts[0] - 1 :], num_logits=1)[0]
             self.lm.rollback(self.lm.length - 1)
             self.next_q = shape_probs(logits, sampling)
-        return tokens, probs
+        return proposal
 
 
 class NoRollback:
@@ -125,7 +149,7 @@ class NoRollback:
     def __getattr__(self, name):
         return getattr(self.lm, name)
 
-    def reset(self) -> None:
+    def reset(self, rollback: bool = True) -> None:
         self.lm.reset()
         self.length = 0
 
@@ -238,12 +262,13 @@ LOSSLESS = [v for v in VARIANTS if v.lossless]
 
 @contextmanager
 def plugged(variant: Variant, target, drafter):
-    """(target, drafter, rule) for the loop, with the variant's patches applied."""
+    """(target, drafter, rule) for the loop, with the variant's patches applied (rule None: the loop's own)."""
     saved = [(module, name, getattr(module, name)) for module, name, _ in variant.patches]
     for module, name, value in variant.patches:
         setattr(module, name, value)
     try:
-        yield variant.plug(target, drafter)
+        t, d, rule = variant.plug(target, drafter)
+        yield t, d, (None if rule is None else per_row(rule))
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
@@ -287,7 +312,7 @@ class NoRollbackRows(LeanBatch):
     """Rows whose caches keep rejected tokens: the loop is told each row's rolled-back length, but the
     row's next step is written after the rejected entries, which attention goes on reading."""
 
-    def start(self, rows: int) -> None:
+    def start(self, rows: int, rollback: bool = True) -> None:
         super().start(rows)
         self.ends = [0] * rows  # where each row's storage really ends
 

@@ -209,7 +209,7 @@ def missing_rollback_report(tiny_pair: dict[str, Path], forward: str = "hf") -> 
 
 def tiny_check(target, drafter, prompt, law_target, rule=None) -> dict:
     """The exactness check's report at the tiny settings on one prompt; `law_target` gives the exact law."""
-    from harness.core.rule import verify
+    from harness.core.rule import verify_rows
     from harness.exactness.check import check
 
     return check(
@@ -221,6 +221,15 @@ def tiny_check(target, drafter, prompt, law_target, rule=None) -> dict:
         length=TINY_LENGTH,
         samples=TINY_SAMPLES,
         alpha=FAMILY_ALPHA,
-        rule=rule or verify,
+        rule=rule or verify_rows,
         law_target=law_target,
     )
+
+
+def proposal_of(drafter, ids: torch.Tensor, k: int, sampling=None, generator=None) -> list[int]:
+    """What a drafter proposes for one sequence's committed ids [L] with a budget of k (greedy by default)."""
+    from harness.core.loop import Rows
+    from harness.core.sampling import Sampling
+
+    drafted = drafter.propose(Rows([ids], [generator]), [k], sampling or Sampling(0.0))
+    return drafted.tokens[0, : drafted.counts[0]].tolist()

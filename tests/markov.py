@@ -29,7 +29,7 @@ class MarkovLM:
         self.device = table.device
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, rollback: bool = True) -> None:
         """Forget everything: a new sequence starts."""
         self.tokens: list[int] = []
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.core.drafters import ModelDrafter, NgramDrafter
-from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.core.loop import Rows, autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
 from harness.exactness.acceptance import teacher_forced_agreement
 from harness.models.cached import CachedLM
@@ -53,41 +53,41 @@ class StaleDrafter(ModelDrafter):
     """Broken: after a rejection its context holds the rejected draft where the recovered token
     was committed (as a rollback that kept the rejected entry would), for the rest of the sequence."""
 
-    def start(self, prompt_ids):
-        super().start(prompt_ids)
+    def start(self, prompts):
+        super().start(prompts)
         self.stale: tuple[int, torch.Tensor] | None = None  # (position, rejected draft) to feed there
-        self.last: tuple[int, torch.Tensor] = (prompt_ids.shape[0], prompt_ids[:0])
+        self.last: tuple[int, torch.Tensor] = (prompts[0].shape[0], prompts[0][:0])
 
-    def propose(self, ids, k, sampling, generator):
+    def propose(self, rows, budgets, sampling):
+        ids = rows.ids[0]
         if self.stale is not None:
             position, token = self.stale
             ids = torch.cat([ids[:position], token[None], ids[position + 1 :]])  # the bug
             self.stale = None
-        tokens, probs = super().propose(ids, k, sampling, generator)
-        self.last = (ids.shape[0], tokens)
-        return tokens, probs
+        proposal = super().propose(Rows([ids], rows.generators), budgets, sampling)
+        self.last = (ids.shape[0], proposal.tokens[0, : proposal.counts[0]])
+        return proposal
 
-    def rollback(self, length):
+    def rollback(self, lengths):
         committed, tokens = self.last
-        accepted = length - committed
+        accepted = lengths[0] - committed
         if accepted < tokens.shape[0]:  # a rejection: its draft stands where the recovered token goes
-            self.stale = (length, tokens[accepted])
-        super().rollback(length)
+            self.stale = (lengths[0], tokens[accepted])
+        super().rollback(lengths)
 
 
 class ShiftedDrafter(ModelDrafter):
     """Broken: its cache starts with the first prompt token twice (a doubled BOS), so every
     committed token sits one position later in the draft's context than in the target's."""
 
-    def start(self, prompt_ids):
-        self.lm.reset()
-        self.lm.prefill(torch.cat([prompt_ids[:1], prompt_ids[:-1]]))
+    def start(self, prompts):
+        super().start([torch.cat([prompts[0][:1], prompts[0]])])
 
-    def propose(self, ids, k, sampling, generator):
-        return super().propose(torch.cat([ids[:1], ids]), k, sampling, generator)
+    def propose(self, rows, budgets, sampling):
+        return super().propose(Rows([torch.cat([rows.ids[0][:1], rows.ids[0]])], rows.generators), budgets, sampling)
 
-    def rollback(self, length):
-        super().rollback(length + 1)
+    def rollback(self, lengths):
+        super().rollback([lengths[0] + 1])
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

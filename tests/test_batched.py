@@ -1,5 +1,5 @@
 """batch_size > 1: batched forwards (harness.models.batched) give each row its own logits, and the
-batched loop (harness.core.batch) gives each row the tokens it would get alone."""
+the loop (harness.core.loop) gives each row the tokens it would get alone."""
 
 from __future__ import annotations
 
@@ -100,25 +100,23 @@ def solo_runs(target, draft_lm, drafter_kind, prompts, k, sampling, max_new, see
 
 
 def batch_runs(target, draft_lm, drafter_kind, prompts, k, sampling, max_new, seeds):
-    from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
-    from harness.core.batch_drafters import BatchModelDrafter, RowDrafters
-    from harness.core.drafters import NgramDrafter
-    from harness.models.batched import batched
+    from harness.core.drafters import ModelDrafter, NgramDrafter
+    from harness.core.loop import autoregressive_decode_rows, speculative_decode_rows
 
-    big = batched(target)
-    drafter = BatchModelDrafter(batched(draft_lm)) if drafter_kind == "model" else RowDrafters(NgramDrafter(VOCAB))
+    big = target
+    drafter = ModelDrafter(draft_lm) if drafter_kind == "model" else NgramDrafter(VOCAB)
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     tokens = [[] for _ in prompts]
     accepted = [0] * len(prompts)
     cycles = [0] * len(prompts)
-    for cycle in speculative_decode_batch(big, drafter, prompts, k, sampling, max_new, {2}, gens):
+    for cycle in speculative_decode_rows(big, drafter, prompts, k, sampling, max_new, {2}, gens):
         for row, c in cycle:
             tokens[row] += c.tokens
             accepted[row] += c.num_accepted
             cycles[row] += 1
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     base = [[] for _ in prompts]
-    for step in autoregressive_decode_batch(big, prompts, sampling, max_new, {2}, gens):
+    for step in autoregressive_decode_rows(big, prompts, sampling, max_new, {2}, gens):
         for row, token in step:
             base[row].append(token)
     return list(zip(tokens, accepted)), base, cycles
@@ -219,8 +217,8 @@ def batch_check(tiny_pair, batch_size: int = 4, rule=None, layout=None, prompts=
     different lengths (rows alternate between them), with an optional broken rule or batch layout."""
     from conftest import FAMILY_ALPHA, TINY_K, TINY_LENGTH, TINY_SAMPLES, TINY_SAMPLING, tiny_cached_pair
 
-    from harness.core.batch_drafters import BatchModelDrafter
-    from harness.core.rule import verify
+    from harness.core.drafters import ModelDrafter
+    from harness.core.rule import verify_rows
     from harness.exactness.check import check
     from harness.models.batched import LeanBatch
 
@@ -228,16 +226,17 @@ def batch_check(tiny_pair, batch_size: int = 4, rule=None, layout=None, prompts=
     layout = layout or LeanBatch
     chosen = [("long", prompt), ("short", prompt[:3])][:prompts]
     return check(
-        target,
-        drafter,
+        layout(target),
+        ModelDrafter(layout(drafter.lm)),
         chosen,
         k=TINY_K,
         sampling=TINY_SAMPLING,
         length=TINY_LENGTH,
         samples=TINY_SAMPLES,
         alpha=FAMILY_ALPHA,
-        rule=rule or verify,
-        batch=(layout(target), BatchModelDrafter(layout(drafter.lm)), batch_size),
+        rule=rule or verify_rows,
+        law_target=target,
+        batch=batch_size,
     )
 
 
@@ -254,13 +253,13 @@ def test_the_batched_loop_passes_the_check(tiny_pair):
 
 @pytest.mark.parametrize("name", RULE_ONLY)
 def test_broken_rules_are_rejected_at_batch_size_4(tiny_pair, name):
-    from broken import VARIANTS
+    from broken import VARIANTS, per_row
 
     from harness.exactness.check import format_report
 
     variant = next(v for v in VARIANTS if v.name == name)
     _, _, rule = variant.plug(None, None)
-    report = batch_check(tiny_pair, rule=rule)
+    report = batch_check(tiny_pair, rule=per_row(rule))
     assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
 
 
@@ -287,10 +286,10 @@ def test_a_target_without_top_k_is_rejected_at_batch_size_4(tiny_pair, monkeypat
     """The target's p shaped without the top-k the draft used (the tiny check samples with top-k 5)."""
     from broken import target_unshaped
 
-    import harness.core.batch
+    import harness.core.loop
     from harness.exactness.check import format_report
 
-    monkeypatch.setattr(harness.core.batch, "shape_probs", target_unshaped)
+    monkeypatch.setattr(harness.core.loop, "shape_probs", target_unshaped)
     report = batch_check(tiny_pair)
     assert report["testable"] and report["family_p"] < 1e-4, format_report(report)
 
@@ -304,7 +303,7 @@ def test_rows_sharing_random_draws_are_rejected(tiny_pair, monkeypatch):
     from harness.exactness.check import format_report
 
     monkeypatch.setattr(
-        harness.exactness.law, "speculative_decode_batch", shared_seeds(harness.exactness.law.speculative_decode_batch)
+        harness.exactness.law, "speculative_decode_rows", shared_seeds(harness.exactness.law.speculative_decode_rows)
     )
     report = batch_check(tiny_pair)
     assert report["testable"] and report["family_p"] < 1e-4, format_report(report)

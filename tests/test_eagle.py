@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import make_model, make_tokenizer, tiny_cached_pair
 from omegaconf import OmegaConf
 
 from harness.core.drafters import FeatureDrafter
@@ -192,9 +192,9 @@ def test_reported_acceptance_is_the_heads_own(heads, kind):
 class KeepsDrafts(FeatureDrafter):
     """Broken: its cache keeps the drafted pairs (built on its own outputs) in place of the target's."""
 
-    def rollback(self, length: int) -> None:
-        self.pairs = self.head.length
-        self.head.crop(length - 1)
+    def rollback(self, lengths) -> None:
+        self.pairs = list(self.store.lengths)
+        self.store.lengths = [min(n, length - 1) for n, length in zip(self.store.lengths, lengths)]
 
 
 def test_no_capture_for_other_drafters(tiny_pair):
@@ -425,7 +425,7 @@ def test_the_bench_limit_times_a_heads_steps(heads):
 def test_a_batch_of_rows_drafts_as_each_row_alone(heads, kind, forward, temperature):
     """batch_size=4: every row's tokens and acceptance are its own run's at batch size 1 (each row a
     head of its own, handed its row's features of the batched verify pass)."""
-    from harness.core.batch import speculative_decode_batch
+    from harness.core.loop import speculative_decode_rows
 
     pair = head_pair(heads, kind, forward)
     rows = prompts(pair)
@@ -436,11 +436,136 @@ def test_a_batch_of_rows_drafts_as_each_row_alone(heads, kind, forward, temperat
             speculative_decode(pair.target, pair.drafter, ids, 3, sampling, 30, set(), torch.Generator().manual_seed(i))
         )
         alone.append(([t for c in cycles for t in c.tokens], [c.num_accepted for c in cycles]))
-    target, drafter = pair.batched()
     together = [([], []) for _ in rows]
     generators = [torch.Generator().manual_seed(i) for i in range(len(rows))]
-    for step in speculative_decode_batch(target, drafter, rows, 3, sampling, 30, set(), generators):
+    for step in speculative_decode_rows(pair.target, pair.drafter, rows, 3, sampling, 30, set(), generators):
         for row, c in step:
             together[row][0].extend(c.tokens)
             together[row][1].append(c.num_accepted)
     assert together == alone
+
+
+# A head whose files cannot be read (what an interrupted download leaves) is one line naming the file and the fix.
+DAMAGED_HEAD = {
+    "model.safetensors": r"is not a readable safetensors file \(incomplete metadata",
+    "pytorch_model.bin": r"is not a readable PyTorch checkpoint \(a zip archive cut short",
+    "config.json": r"is not valid JSON",
+}
+
+
+def _damaged_head(heads, folder: Path, file: str) -> tuple[Path, str]:
+    """A copy of a tiny head with `file` cut to its first half, and its layout: the EAGLE-1 head for
+    pytorch_model.bin, else the EAGLE-3 head with its weights in model.safetensors."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    kind = "eagle" if file == "pytorch_model.bin" else "eagle3"
+    shutil.copytree(heads[kind], folder)
+    if kind == "eagle3":
+        state = torch.load(folder / "pytorch_model.bin")
+        (folder / "pytorch_model.bin").unlink()
+        save_file({key: value.contiguous() for key, value in state.items()}, folder / "model.safetensors")
+    data = (folder / file).read_bytes()
+    (folder / file).write_bytes(data[: len(data) // 2])
+    return folder, kind
+
+
+@pytest.mark.parametrize("file", DAMAGED_HEAD)
+def test_a_head_that_cannot_be_read_is_one_line_naming_the_file_and_the_fix(heads, tmp_path, file):
+    from harness.models.eagle import load_head
+    from harness.models.loading import ModelSpec, load_model
+
+    target = load_model(ModelSpec(str(heads["target"])), torch.device("cpu"))
+    folder, kind = _damaged_head(heads, tmp_path / "head", file)
+    fix = f"download or save the head into {folder} again .*, or point pair.draft.id at a complete head folder$"
+    says = f"^feature head '{folder}' cannot be read: {folder}/{file} {DAMAGED_HEAD[file]}.*: {fix}"
+    with pytest.raises(HarnessError, match=says) as err:
+        load_head(str(folder), kind, target, torch.float32)
+    assert "\n" not in str(err.value)
+
+
+def test_a_damaged_head_in_the_hf_cache_says_to_download_it_again(heads, tmp_path, monkeypatch):
+    """A hub id whose head the HF cache holds (snapshots/<commit>/) with its weights cut short."""
+    from huggingface_hub import constants
+
+    from harness.models.eagle import load_head
+    from harness.models.loading import ModelSpec, load_model
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-head"
+    _damaged_head(heads, repo / "snapshots" / commit, "model.safetensors")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    target = load_model(ModelSpec(str(heads["target"])), torch.device("cpu"))
+    with pytest.raises(
+        HarnessError,
+        match=f"^feature head 'tiny-org/tiny-head' cannot be read: {repo}/snapshots/{commit}/model.safetensors .*: "
+        r"delete that cache entry \(hf cache rm model/tiny-org/tiny-head\) and download it again \(hf download tiny-org/tiny-head\)",
+    ):
+        load_head("tiny-org/tiny-head", "eagle3", target, torch.float32)
+
+
+@pytest.mark.cli
+def test_the_cli_says_which_file_of_the_head_cannot_be_read(heads, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    folder, _ = _damaged_head(heads, tmp_path / "head", "model.safetensors")
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "+pair=smollm2_eagle",
+            f"pair.target.id={heads['target']}",
+            f"pair.draft.id={folder}",
+            f"out_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    said = [line for line in out.stderr.splitlines() if not line.startswith("[harness] ")]  # less the progress lines
+    assert said == [
+        f"error: feature head '{folder}' cannot be read: {folder}/model.safetensors is not a readable safetensors file "
+        f"(incomplete metadata, file not fully covered): download or save the head into {folder} again "
+        f"(an interrupted download leaves files cut short or missing), or point pair.draft.id at a complete head folder"
+    ], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "eagle3"])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_host_read_per_cycle_for_every_drafter_at_any_batch_size(heads, tiny_pair, kind, rows, temperature):
+    """Every drafter kind, one row or eight: the host reads one tensor per cycle for the whole batch
+    (the accepted counts and committed tokens); prompt lookup, which searches the committed tokens on
+    the host, also reads the prompts once, all rows in one transfer."""
+    from harness.core.drafters import ModelDrafter, NgramDrafter
+    from harness.core.host_syncs import HostReads
+    from harness.core.loop import speculative_decode_rows
+
+    if kind == "model":
+        target, drafter, prompt = tiny_cached_pair(tiny_pair, "lean")
+        batch = [prompt[: 3 + i % 4] for i in range(rows)]
+        assert isinstance(drafter, ModelDrafter)
+    else:
+        pair = head_pair(heads, kind if kind != "lookup" else "eagle3", "lean")
+        target, drafter = pair.target, pair.drafter
+        if kind == "lookup":
+            drafter = NgramDrafter(target.vocab_size)
+        batch = [prompts(pair)[i % 4] for i in range(rows)]
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+    with HostReads() as reads:
+        steps = list(speculative_decode_rows(target, drafter, batch, 3, Sampling(temperature), 24, set(), generators))
+    drafted = sum(c.num_drafted for step in steps for _, c in step)
+    assert drafted > len(steps)  # a read per drafted token would show
+    start = 1 if kind == "lookup" else 0
+    assert reads.total == len(steps) + start, reads.sites

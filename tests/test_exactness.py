@@ -30,7 +30,7 @@ import broken
 import numpy as np
 import pytest
 import torch
-from broken import BROKEN, LOSSLESS, VARIANTS, plugged, variant_table
+from broken import BROKEN, LOSSLESS, VARIANTS, per_row, plugged, variant_table
 from conftest import (
     FAMILY_ALPHA,
     TINY_CHECK,
@@ -51,7 +51,7 @@ import harness.core.rule
 from harness.config.checks import CONF_DIR
 from harness.core.drafters import ModelDrafter, NgramDrafter
 from harness.core.loop import speculative_decode
-from harness.core.rule import verify
+from harness.core.rule import verify, verify_rows
 from harness.core.sampling import Sampling, shape_probs
 from harness.errors import HarnessError
 from harness.exactness.check import TESTS, check, format_report
@@ -115,6 +115,9 @@ class Enumerator:
         w = weights.double()
         return torch.tensor(self.branches.choose((w / w.sum()).tolist()))
 
+    def sample_rows(self, weights, generators):
+        return torch.stack([self.sample(w, g) for w, g in zip(weights, generators)])
+
     def coins(self, accept_probs, generator):
         j = self.branches.choose(first_rejection_probs(accept_probs.double().tolist()))
         return torch.arange(accept_probs.shape[0]) < j
@@ -143,8 +146,8 @@ class Enumerator:
     @contextmanager
     def installed(self):
         patches = [
-            (harness.core.rule, "sample", self.sample),
-            (harness.core.drafters, "sample", self.sample),
+            (harness.core.rule, "sample_rows", self.sample_rows),
+            (harness.core.drafters, "sample_rows", self.sample_rows),
             (broken, "sample", self.sample),
             (broken, "coins", self.coins),
             (torch, "rand", self.rand),
@@ -174,7 +177,7 @@ def loop_law(target, drafter, prompt, k, sampling, length, eos_ids=frozenset(), 
     """Exact law of the committed tokens of the real speculative loop."""
     enum = Enumerator()
     # verify draws its coins with torch.rand: wrap it. The copies in broken.py draw through broken.coins.
-    rule = enum.wrap(verify) if rule is None else rule
+    rule = per_row(enum.wrap(verify)) if rule is None else rule
 
     def run():
         cycles = speculative_decode(target, drafter, prompt, k, sampling, length, set(eos_ids), torch.Generator(), rule=rule)
@@ -415,10 +418,10 @@ def test_cost_aware_lookup_law_is_target_law_exactly(variant):
     drafter, lengths = cost_aware_lookup(4), set()
     propose = drafter.propose
 
-    def counted(ids, k, sampling, generator):
-        tokens, q = propose(ids, k, sampling, generator)
-        lengths.add(tokens.shape[0])
-        return tokens, q
+    def counted(rows, budgets, sampling):
+        proposal = propose(rows, budgets, sampling)
+        lengths.add(proposal.counts[0])
+        return proposal
 
     drafter.propose = counted
     exact = target_law(TargetLaw(target, prompt, sampling, set(), length))
@@ -655,7 +658,7 @@ def check_variant(markov, variant, n: int) -> dict:
             length=VARIANT_K + 2,
             samples=n,
             alpha=PER_CHECK_ALPHA,
-            rule=rule or verify,
+            rule=rule or verify_rows,
             law_target=target,
         )
 
@@ -1135,7 +1138,7 @@ def test_default_pair_at_detectable_tv_005(variant, setting, capsys):
                 samples=n,
                 eos_ids=pair.eos_ids,
                 alpha=alpha,
-                rule=rule or verify,
+                rule=rule or verify_rows,
                 law_target=pair.target,
                 progress=True,
             )

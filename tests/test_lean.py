@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 from transformers import DynamicCache, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import harness.models.lean
+import harness.models.kv_store
 from harness.config.checks import CONF_DIR, validate, with_default_pair
 from harness.core.loop import speculative_decode
 from harness.core.sampling import Sampling
@@ -119,7 +119,7 @@ def test_storage_grows_past_what_was_reserved():
     chunks = [ids[:250], ids[250:251], *ids[251:300].split(7)]  # past ROOM = 256 positions mid-sequence
     lm = CachedLM(model, VOCAB, forward="lean")
     lm.reserve(10)
-    assert lm.lean.capacity == harness.models.lean.ROOM
+    assert lm.lean.capacity == harness.models.kv_store.ROOM
     for got, want in zip(lean_steps(lm, chunks, {}), hf_steps(model, chunks, {}), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert lm.lean.capacity >= 300
@@ -130,7 +130,9 @@ def test_a_copy_writes_storage_of_its_own():
     model = llama()
     lm = CachedLM(model, VOCAB, forward="lean")
     other = copy.copy(lm)
-    assert other.lean is not lm.lean and other.lean.keys[0] is not lm.lean.keys[0] and other.lean.fused is lm.lean.fused
+    assert (
+        other.lean is not lm.lean and other.lean.store.keys[0] is not lm.lean.store.keys[0] and other.lean.fused is lm.lean.fused
+    )
     lm.forward(CHUNKS[0])
     other.forward(torch.arange(50, 60))  # would overwrite lm's positions if shared
     torch.testing.assert_close(lm.forward(CHUNKS[1]), hf_steps(model, CHUNKS[:2], {})[1], rtol=1e-5, atol=1e-5)

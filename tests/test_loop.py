@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tokenizer, tiny_model
+from conftest import make_tokenizer, proposal_of, tiny_model
 
 from harness.core import sampling as sampling_module
 from harness.core.drafters import ModelDrafter, NgramDrafter
@@ -358,23 +358,23 @@ def test_prompt_lookup_greedy_equals_target_greedy(models, length):
 
 def test_cost_aware_lookup_proposes_what_pays_for_its_verification():
     ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 5, 6])  # "5 6" recurs: the match offers 7 8 9 10
-    assert NgramDrafter(98).propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
+    assert proposal_of(NgramDrafter(98), ids, 4) == [7, 8, 9, 10]
     drafter = cost_aware_lookup()
-    drafter.start(ids)
+    drafter.start([ids])
     # prior a = 1/2: (1 + a + a^2) / v(3) = 1.47 tokens per unit of cost, against 1.34 for one token and 1.19 for three
-    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8]
+    assert proposal_of(drafter, ids, 4) == [7, 8]
     for _ in range(5):  # every proposal accepted: a rises (to 17/18) and the whole match pays
-        tokens = drafter.propose(ids, 4, GREEDY, None)[0]
-        drafter.rollback(ids.shape[0] + tokens.shape[0])
-    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
+        tokens = proposal_of(drafter, ids, 4)
+        drafter.rollback([ids.shape[0] + len(tokens)])
+    assert proposal_of(drafter, ids, 4) == [7, 8, 9, 10]
     drafter.start(ids)  # a new sequence starts from the prior again
-    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8]
+    assert proposal_of(drafter, ids, 4) == [7, 8]
     for _ in range(10):  # every proposal rejected at its first token: a falls below v(2) - 1 (1/9 after 7)
-        drafter.propose(ids, 4, GREEDY, None)
-        drafter.rollback(ids.shape[0])
-    assert drafter.propose(ids, 4, GREEDY, None)[0].tolist() == []  # a plain target step pays more
+        proposal_of(drafter, ids, 4)
+        drafter.rollback([ids.shape[0]])
+    assert proposal_of(drafter, ids, 4) == []  # a plain target step pays more
     unset = NgramDrafter(98, length="cost_aware")  # before measure_costs has given it v: the whole match
-    assert unset.propose(ids, 4, GREEDY, None)[0].tolist() == [7, 8, 9, 10]
+    assert proposal_of(unset, ids, 4) == [7, 8, 9, 10]
 
 
 def test_drafts_after_an_accepted_eos_do_not_count_against_acceptance(models):
@@ -398,10 +398,10 @@ def test_prompt_lookup_continues_a_repeat_that_runs_into_the_end():
     """The latest match of "7 7 7" ends one token before the end: what followed it is one 7, and a
     greedy loop repeating itself gets k tokens proposed, not one period of the repeat."""
     lookup = NgramDrafter(98)
-    assert lookup.propose(torch.tensor([7] * 6), 4, GREEDY, None)[0].tolist() == [7, 7, 7, 7]
-    assert lookup.propose(torch.tensor([5, 6, 5, 6, 5, 6, 5]), 4, GREEDY, None)[0].tolist() == [6, 5, 6, 5]
-    assert lookup.propose(torch.tensor([1, 2, 3, 4, 1, 2, 3]), 6, GREEDY, None)[0].tolist() == [4, 1, 2, 3, 4, 1]
-    assert lookup.propose(torch.tensor([1, 2, 3, 4, 1, 2, 3]), 1, GREEDY, None)[0].tolist() == [4]
+    assert proposal_of(lookup, torch.tensor([7] * 6), 4) == [7, 7, 7, 7]
+    assert proposal_of(lookup, torch.tensor([5, 6, 5, 6, 5, 6, 5]), 4) == [6, 5, 6, 5]
+    assert proposal_of(lookup, torch.tensor([1, 2, 3, 4, 1, 2, 3]), 6) == [4, 1, 2, 3, 4, 1]
+    assert proposal_of(lookup, torch.tensor([1, 2, 3, 4, 1, 2, 3]), 1) == [4]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, Sampling(1.0), Sampling(0.7, top_p=0.9)])
@@ -457,7 +457,8 @@ class RecordingDrafter(ModelDrafter):
 
     checked = 0
 
-    def propose(self, ids, k, sampling, generator):
+    def propose(self, rows, budgets, sampling):
+        ids = rows.ids[0]
         cached_len = self.lm.length  # the drafter caches a prefix of the committed ids
         if cached_len > 0:
             logits = self.lm.forward(ids[cached_len : cached_len + 1], 1)
@@ -465,7 +466,7 @@ class RecordingDrafter(ModelDrafter):
             fresh = CachedLM(self.lm.model, self.lm.vocab_size).forward(ids[: cached_len + 1], 1)
             torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
             RecordingDrafter.checked += 1
-        return super().propose(ids, k, sampling, generator)
+        return super().propose(rows, budgets, sampling)
 
 
 def test_cache_rollback_matches_fresh_forward(models):

@@ -422,7 +422,12 @@ def test_a_draft_that_scores_fewer_tokens_than_the_target_leaves_the_target_its_
         assert [t for c in cycles for t in c.tokens] == expected
         seen |= set(expected)
     assert seen & {vocab - 1, vocab - 2}  # the target does produce the ids the draft lacks
-    pair.drafter.start(torch.tensor([10, vocab - 1, 30]))
-    tokens, q = pair.drafter.propose(torch.tensor([10, vocab - 1, 30]), 3, Sampling(1.0), torch.Generator().manual_seed(0))
+    from harness.core.loop import Rows
+
+    pair.drafter.start([torch.tensor([10, vocab - 1, 30])])
+    proposal = pair.drafter.propose(
+        Rows([torch.tensor([10, vocab - 1, 30])], [torch.Generator().manual_seed(0)]), [3], Sampling(1.0)
+    )
+    tokens, q = proposal.tokens[0], proposal.q[0]
     assert q.shape == (3, vocab) and (q[:, vocab - 2 :] == 0).all() and torch.allclose(q.sum(-1), torch.ones(3))
     assert (tokens < vocab - 2).all()

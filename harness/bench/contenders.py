@@ -9,7 +9,7 @@ import torch
 from transformers import CompileConfig
 from transformers import __version__ as transformers_version
 
-from harness.core.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
+from harness.core.drafters import NgramDrafter
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError, one_line
@@ -82,7 +82,7 @@ def contenders(pair, ks: list[int], max_new: int, verify_cost: list[float]) -> t
     target alone (HF's generate() has no EAGLE path). Compiled (compile=true), HF gets generate()'s own
     compiled path (hf_compiled)."""
     target, eos, n = pair.target, sorted(pair.eos_ids), max_new
-    draft_model = pair.drafter.lm.model if isinstance(pair.drafter, ModelDrafter) else None
+    draft_model = next(iter(pair.drafter.models()), None)  # a draft model, where the pair has one
     ngram = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)
     ngram_cost_aware = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1, length="cost_aware")
     ngram_cost_aware.verify_cost = verify_cost
@@ -103,7 +103,7 @@ def contenders(pair, ks: list[int], max_new: int, verify_cost: list[float]) -> t
             named[f"ours_spec_k{k}"] = ours_spec(pair.drafter, k)
             named[f"hf_assisted_k{k}"] = hf_assisted(target.model, draft_model, k, n, eos, **hf)
             rivals[f"ours_spec_k{k}"] = f"hf_assisted_k{k}"
-        if isinstance(pair.drafter, FeatureDrafter):  # HF's generate() has no feature-head (EAGLE) path: ours alone
+        if pair.drafter.reads_target:  # a feature head: HF's generate() has no feature-head (EAGLE) path: ours alone
             named[f"ours_head_k{k}"] = ours_spec(pair.drafter, k)
             rivals[f"ours_head_k{k}"] = "ours_base"
         named[f"ours_ngram_k{k}"] = ours_spec(ngram, k)

@@ -41,7 +41,7 @@ Greedy decoding on one pair (default: the embedded default pair). Five parts (ru
   coefficient of variation over the repetitions (ratio_cv, measured_speedup_cv).
   3. overhead, per k: the share of decode time spent outside model forward
      passes, and where it goes (the rule, cache rollback, stop handling, the rest).
-  5. batched, per --batch-sizes B (default 4; none to skip): our batched baseline (harness.core.batch)
+  5. batched, per --batch-sizes B (default 4; none to skip): our batched baseline (harness.core.loop)
      against HF generate() on the same left-padded batch of B prompts, interleaved, tokens/s medians
      and the median per-rep ratio. HF's assisted generation and prompt lookup refuse B > 1, so the
      speculative contenders have no HF rival there.
@@ -73,7 +73,6 @@ from harness.bench.goals import goals
 from harness.bench.parts import SPREAD_NOTE, batched_baselines, limit, memory, sync_audit, throughput
 from harness.config.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
 from harness.config.settings import BATCH_ONE_ONLY
-from harness.core.drafters import FeatureDrafter, ModelDrafter
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode_within, select
 from harness.errors import HarnessError
@@ -234,12 +233,11 @@ def main(argv: list[str] | None = None) -> dict:
             )
         )
         write_result(args.out, result)
-    if isinstance(pair.drafter, (ModelDrafter, FeatureDrafter)):
+    if pair.drafter.forwards:
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device, args.reps) for k in args.ks}
         write_result(args.out, result)
-    if isinstance(pair.drafter, ModelDrafter):
-        result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
-        write_result(args.out, result)
+    result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)  # every drafter kind
+    write_result(args.out, result)
     if args.batch_sizes and (cfg.compile or cfg.cache != "dynamic"):
         result["batched"] = {"note": f"not run: {BATCH_ONE_ONLY}"}
     elif args.batch_sizes:

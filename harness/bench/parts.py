@@ -204,15 +204,15 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
     spec_target, base_target = TimedLM(pair.target), TimedLM(pair.target)
     draft: TimedHead | TimedLM  # a draft forward is a head's step or a draft model's pass
-    if isinstance(pair.drafter, FeatureDrafter):
+    if pair.drafter.reads_target:
         draft = TimedHead(pair.drafter.head)
-        drafter: FeatureDrafter | ModelDrafter = FeatureDrafter(draft)
+        drafter: FeatureDrafter | ModelDrafter = FeatureDrafter(pair.drafter.head, draft.store)
     else:
         draft = TimedLM(pair.drafter.lm)
         drafter = ModelDrafter(draft)
     watch = Stopwatch(device)
-    saved = loop.verify_greedy, loop.apply_stops
-    loop.verify_greedy, loop.apply_stops = watch.wrap("rule", loop.verify_greedy), watch.wrap("stops", loop.apply_stops)
+    saved = loop.greedy_rows, loop.apply_stops
+    loop.greedy_rows, loop.apply_stops = watch.wrap("rule", loop.greedy_rows), watch.wrap("stops", loop.apply_stops)
     decode_cycles, all_cycles, spent = [], [], defaultdict(float)
     runs = []  # each speculative run's counts (metrics.cycle_counts), as a run's records hold them
     per_rep = []  # [reps] (spec tokens, spec s, base tokens, base s) of the decode phase
@@ -249,7 +249,7 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
                         spent["base_forwards"] += run["decode_spent"]["forwards_0"]
             per_rep.append(totals)
     finally:
-        loop.verify_greedy, loop.apply_stops = saved
+        loop.greedy_rows, loop.apply_stops = saved
     spec_tokens, spec_s, base_tokens, base_s = (sum(column) for column in zip(*per_rep))
     speedups = [ratio(ratio(st, ss), ratio(bt, bs)) for st, ss, bt, bs in per_rep]
     instrumented = {}
@@ -394,8 +394,8 @@ def sync_audit(pair, ids, k: int, n: int, device) -> dict:
     prompt, greedy and sampled, counted by the source line that asked for it
     (`HostReads`, on any device), and on CUDA every synchronisation the device
     reports (torch.cuda.set_sync_debug_mode), which also sees those made inside
-    kernels. The loop's own are the accept count (rule.py) and the committed
-    tokens (loop.py), once per cycle each; none is per drafted token."""
+    kernels. The loop's own is one per cycle (loop.py: the accepted counts and
+    committed tokens together); none is per drafted token."""
     cuda = device.type == "cuda"
     out = {}
     for name, sampling in (("greedy", GREEDY), ("T=1", Sampling(1.0))):
@@ -459,23 +459,24 @@ def hf_generate_batch(model, rows: list[torch.Tensor], max_new: int, eos: list[i
 
 
 def batched_baselines(pair, encoded, args, device) -> dict:
-    """Part 5: at each of args.batch_sizes, our batched baseline (harness.core.batch) against HF generate()
+    """Part 5: at each of args.batch_sizes, our batched baseline (harness.core.loop) against HF generate()
     on the same left-padded batch of the first B prompts (repeated when fewer), interleaved (order
     alternating) over args.reps; tokens/s medians, the median of the per-rep ratios, and the share of
     rows whose greedy output is HF's (left padding and other product shapes may part them at a tie)."""
-    from harness.core.batch import autoregressive_decode_batch
+    from harness.core.loop import autoregressive_decode_rows
+    from harness.models.batched import rows_of
 
-    target, _ = pair.batched()
     eos = sorted(pair.eos_ids)
     out: dict = {"note": HF_ASSISTED_BATCH}
     for size in args.batch_sizes:
         rows = [encoded[i % len(encoded)] for i in range(size)]
+        target = rows_of(pair.target, size)
         target.reserve(max(r.shape[0] for r in rows) + args.max_new_tokens)
 
-        def ours(rows=rows):
+        def ours(rows=rows, target=target):
             tokens = [[] for _ in rows]
             gens = [torch.Generator(device) for _ in rows]
-            for step in autoregressive_decode_batch(target, rows, GREEDY, args.max_new_tokens, pair.eos_ids, gens):
+            for step in autoregressive_decode_rows(target, rows, GREEDY, args.max_new_tokens, pair.eos_ids, gens):
                 for row, token in step:
                     tokens[row].append(token)
             return tokens

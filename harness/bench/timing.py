@@ -66,19 +66,19 @@ class TimedLM(Tally):
 
 
 class TimedHead(Tally):
-    """A feature head (FeatureHead.fresh: the same weights, a KV storage of its own) whose steps
-    accumulate their device-synchronised wall time as TimedLM's forwards do. Its rollback (a crop)
-    only moves a length: nothing to time."""
+    """A feature head's storage for one row (harness.models.eagle.HeadRows: the same weights, a KV
+    storage of its own), `store`, whose steps accumulate their device-synchronised wall time as
+    TimedLM's forwards do, counted by the pairs fed. Its rollback only moves a length: nothing to time."""
 
     def __init__(self, head):
-        self.head = head.fresh()
+        from harness.models.eagle import HeadRows
+
         super().__init__(next(head.parameters()).device)
-
-    def __getattr__(self, name):
-        return getattr(self.head, name)
-
-    def step(self, tokens, hidden, from_target):
-        return self.timed(tokens.shape[0], self.head.step, tokens, hidden, from_target)
+        self.store = HeadRows(head, 1)
+        step = self.store.step
+        self.store.step = lambda tokens, hidden, counts, from_target: self.timed(
+            tokens.shape[1], step, tokens, hidden, counts, from_target
+        )
 
 
 class Stopwatch:

@@ -1,135 +1,264 @@
-"""Drafters: whatever proposes tokens for the target to verify.
+"""Drafters: whatever proposes tokens for the target to verify, over a batch of rows (one row: a batch of one).
 
-Every drafter has the same three verbs, and the loop knows nothing else:
-  start(prompt_ids)                       a new sequence begins;
-  propose(ids, k, sampling, generator)    up to k tokens after the committed
-                                          ids, with the distributions q they
-                                          were drawn from;
-  rollback(length)                        only the first `length` tokens of
-                                          what it has seen are committed.
-A drafter may propose fewer than k tokens (prompt lookup finds no match):
-the cycle then verifies what there is, down to a plain target step.
-
-A drafter that reads the target (a feature head) also names the target
-layers it reads (`reads_target`) and is handed their hidden states at the
-committed positions after each verify (`observe`); the others have neither.
+Every drafter has the same verbs, and the loop (harness.core.loop) knows nothing else:
+  start(prompts)                      B new sequences begin;
+  propose(rows, budgets, sampling)    per row i of the loop's state (harness.core.loop.Rows: its committed
+                                      ids and its own generator), up to budgets[i] tokens after its committed
+                                      ids, with the laws q they were drawn from: a Proposal;
+  observe(seen)                       a drafter that reads the target (`reads_target`, the target layers
+                                      it reads) is handed each row's hidden states at the committed positions
+                                      after each verify; the others ignore it;
+  rollback(lengths)                   only the first lengths[i] tokens of what row i has seen are committed;
+  keep(rows)                          only these rows (indices into the rows, in order) go on.
+And what the runner asks of any drafter: `reserve`, `warm_up`, `use_costs`, `models`, `context`,
+`size`, `forwards` (whether each drafted token costs a forward pass). A drafter may propose fewer
+than budgets[i] tokens (prompt lookup finds no match): the cycle then verifies what there is, down
+to a plain target step. harness.runner.pair.load_pair is the one place that knows the classes.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from harness.config.settings import LOOKUP_LENGTHS
-from harness.core.sampling import Sampling, sample, shape_probs
-from harness.models.cached import CachedLM
+from harness.core.host_syncs import from_host
+from harness.core.sampling import Sampling, sample_rows, shape_probs
+from harness.models.batched import rows_of
+
+if TYPE_CHECKING:
+    from harness.core.loop import Rows
+    from harness.models.cached import CachedLM
+    from harness.models.eagle import FeatureHead
+
+
+@dataclass
+class Proposal:
+    """What a batch's rows drafted in a cycle."""
+
+    tokens: torch.Tensor  # [B, K] row i's first counts[i] real, the rest 0
+    counts: list[int]  # [B] tokens row i drafted (host ints: the drafter knows them without a read)
+    q: torch.Tensor | None  # [B, K, V] the laws row i's drafts were drawn from; None when greedy or none drafted
+
+
+def no_proposal(rows: int, device: torch.device) -> Proposal:
+    return Proposal(torch.zeros(rows, 0, dtype=torch.long, device=device), [0] * rows, None)
+
+
+def draw_rows(logits: torch.Tensor, sampling: Sampling, generators) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row of logits [B, V]: the argmax when greedy, else a sample from q with the
+    row's generator. (tokens [B], q [B, V] or None)."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    q = shape_probs(logits, sampling)  # [B, V]
+    return sample_rows(q, generators), q
 
 
 class Drafter(Protocol):
-    def start(self, prompt_ids: torch.Tensor) -> None: ...
+    kind: str
+    reads_target: tuple[int, ...]
+    forwards: bool
 
-    def propose(
-        self, ids: torch.Tensor, k: int, sampling: Sampling, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(tokens [k'], q [k', V] or None when greedy), k' <= k."""
-        ...
+    def start(self, prompts: list[torch.Tensor]) -> None: ...
 
-    def rollback(self, length: int) -> None: ...
+    def propose(self, rows: Rows, budgets: list[int], sampling: Sampling) -> Proposal: ...
+
+    def observe(self, seen: list[tuple[torch.Tensor, int]]) -> None: ...
+
+    def rollback(self, lengths: list[int]) -> None: ...
+
+    def keep(self, rows: list[int]) -> None: ...
 
 
-class ModelDrafter:
-    """A small causal LM drafting autoregressively with its own KV cache.
+class DrafterBase:
+    """What a drafter does when it has nothing to do: no features read, no storage, no costs used."""
 
-    Its cache holds a prefix of the committed ids. Each proposal first feeds
-    whatever it has not seen (the tokens committed last cycle: one recovered
-    token, or the last draft plus the bonus when all were accepted), then
-    feeds its own drafts one at a time. The k-th draft is never fed: if it is
-    accepted it is caught up next cycle. No host sync happens here.
+    kind = ""  # what drafts: "model", "feature head" or "prompt lookup" (how the exactness check replays it)
+    reads_target: tuple[int, ...] = ()
+    forwards = True  # each drafted token costs a forward pass of the draft
+    context: int | None = None  # the longest sequence the draft takes (None: no limit of its own)
+
+    def observe(self, seen) -> None:
+        pass
+
+    def reserve(self, positions: int, rows: int = 1) -> None:
+        pass
+
+    def warm_up(self, k: int) -> None:
+        pass
+
+    def use_costs(self, costs: dict) -> None:
+        pass
+
+    def models(self) -> list:
+        return []
+
+    def size(self, target_model) -> dict:
+        return {"draft_params": 0, "draft_bytes": 0}
+
+
+class ModelDrafter(DrafterBase):
+    """A small causal LM drafting autoregressively with its own KV cache, every row in one pass per step.
+
+    Its cache holds a prefix of each row's committed ids. A proposal first feeds each row whatever it
+    has not seen (the tokens committed last cycle: one recovered token, or the last draft plus the
+    bonus when all were accepted), then its own drafts one at a time; a row drafts budgets[i] tokens
+    and never feeds its last (if it is accepted it is caught up next cycle). No host read.
     """
+
+    kind = "model"
 
     def __init__(self, lm: CachedLM):
         self.lm = lm
+        self.rows = None  # the lm as the rows of the current batch (harness.models.batched.rows_of)
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
-        self.lm.reset()
-        self.lm.prefill(prompt_ids[:-1])
+    @property
+    def context(self) -> int:
+        return self.lm.context
 
-    def propose(self, ids, k, sampling, generator):
-        tokens, probs = [], []
-        feed = ids[self.lm.length :]  # [>= 1] committed tokens not yet cached
-        for _ in range(k):
-            logits = self.lm.forward(feed, num_logits=1)[0]  # [V]
-            token = draw(logits, sampling, generator, probs)
-            tokens.append(token)
-            feed = token[None]
-        return stacked(ids, tokens, probs)
+    def start(self, prompts) -> None:
+        self.rows = rows_of(self.lm, len(prompts))
+        self.rows.start(len(prompts))
+        self.rows.forward([p[:-1] for p in prompts], [0] * len(prompts))
 
-    def rollback(self, length: int) -> None:
-        self.lm.rollback(length)
+    def propose(self, rows, budgets, sampling):
+        K, B, device = max(budgets, default=0), len(budgets), self.lm.device
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        q = None
+        feeds = [ids[n:] if b else ids[:0] for ids, n, b in zip(rows.ids, self.rows.lengths, budgets)]
+        for step in range(K):
+            drafting = [i for i, b in enumerate(budgets) if b > step]
+            logits = self.rows.forward(feeds, [int(b > step) for b in budgets])  # per row [1 or 0, V]
+            drawn, probs = draw_rows(torch.cat([logits[i] for i in drafting]), sampling, [rows.generators[i] for i in drafting])
+            tokens[drafting, step] = drawn
+            if probs is not None:
+                q = probs.new_zeros(B, K, probs.shape[-1]) if q is None else q
+                q[drafting, step] = probs
+            feeds = [tokens[i, step : step + 1] if b > step + 1 else rows.ids[i][:0] for i, b in enumerate(budgets)]
+        return Proposal(tokens, list(budgets), q)
+
+    def rollback(self, lengths) -> None:
+        self.rows.rollback(lengths)
+
+    def keep(self, rows) -> None:
+        self.rows.keep(rows)
+
+    def reserve(self, positions: int, rows: int = 1) -> None:
+        self.lm.reserve(positions)
+        if rows > 1:
+            rows_of(self.lm, rows).reserve(positions)
+
+    def warm_up(self, k: int) -> None:
+        """With compile=true: its one-token steps and two-token catch-up (last draft + bonus)."""
+        self.lm.warm_up([(1, 1), (2, 1)])
+
+    def models(self) -> list:
+        return [self.lm.model]
+
+    def size(self, target_model) -> dict:
+        shared = {id(p) for p in target_model.parameters()}
+        own = [p for p in self.lm.model.parameters() if id(p) not in shared]
+        return {"draft_params": sum(p.numel() for p in own), "draft_bytes": sum(p.numel() * p.element_size() for p in own)}
 
 
-def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator, probs: list) -> torch.Tensor:
-    """One draft token from logits [V]: the argmax when greedy, else a sample from q, which joins `probs`."""
-    if sampling.greedy:
-        return logits.argmax()
-    q = shape_probs(logits, sampling)  # [V]
-    probs.append(q)
-    return sample(q, generator)
-
-
-def stacked(ids: torch.Tensor, tokens: list, probs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A proposal's (tokens [k'], q [k', V] or None) from the drawn tokens."""
-    if not tokens:
-        return ids.new_empty(0), None
-    return torch.stack(tokens), (torch.stack(probs) if probs else None)
-
-
-class FeatureDrafter:
-    """A feature head (harness.models.eagle.FeatureHead) drafting from the target's hidden states.
+class FeatureDrafter(DrafterBase):
+    """A feature head (harness.models.eagle.FeatureHead) drafting from the target's hidden states, its
+    passes batched over the rows (harness.models.eagle.HeadRows).
 
     Pair i of the head reads the target's feature at position i and the committed token i + 1. After
     a verify the loop hands over the features of the committed positions (`observe`): with L tokens
     committed, those of positions 0..L-2, the last one having been fed with the next verify. A
-    proposal first feeds the head the pairs it has not seen, up to pair L-2 (their last output
-    scores the first draft), then feeds its own output and each draft, one at a time. Only pairs
-    built on the target's features stay in its cache: `rollback` drops the drafted ones, whatever
-    was accepted, so that accepted drafts are read again next cycle with the target's features.
-    The first cycle drafts nothing: the target has not read the prompt yet. No host sync happens here.
+    proposal first feeds each row the pairs it has not seen, up to pair L-2 (their last output scores
+    the first draft), then its own output and each draft, one pair per row per step. Only pairs built
+    on the target's features stay in its cache: `rollback` drops the drafted ones, whatever was
+    accepted, so that accepted drafts are read again next cycle with the target's features. A row's
+    first cycle drafts nothing: the target has not read its prompt yet. No host read.
     """
 
-    def __init__(self, head):
+    kind = "feature head"
+
+    def __init__(self, head: FeatureHead, store=None):
+        from harness.models.eagle import HeadRows
+
         self.head = head
-        self.reads_target = tuple(head.reads)  # the target layers whose features it reads (CachedLM.forward_features)
-        self.features: torch.Tensor | None = None  # [capacity, F] the committed positions' features, 0..known-1
-        self.known = 0
-        self.pairs = 0  # pairs in the head's cache built on the target's features
+        self.reads_target = tuple(head.reads)  # the target layers whose features it reads
+        self.capacity = 0
+        self.store = store if store is not None else HeadRows(head, 1)  # its KV storage, for as many rows as a batch has
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
-        self.head.reset()
-        self.known = self.pairs = 0
+    def reserve(self, positions: int, rows: int = 1) -> None:
+        self.capacity = max(self.capacity, positions)
 
-    def observe(self, features: torch.Tensor, start: int) -> None:
-        """The features [n, F] of committed positions start..start+n-1 (the target's cache held `start`)."""
-        self.features, self.known = kept_features(self.features, self.known, features, start)
+    def start(self, prompts) -> None:
+        from harness.models.eagle import HeadRows
 
-    def propose(self, ids, k, sampling, generator):
-        L = ids.shape[0]
-        if k == 0 or L < 2 or self.known < L - 1:  # no feature of the last pair yet (the first cycle)
-            return ids.new_empty(0), None
-        start = self.head.length  # == self.pairs after a rollback
-        logits, out = self.head.step(ids[start + 1 : L], self.features[start : L - 1], from_target=True)  # [V], [n, H]
-        self.pairs = L - 1
-        tokens, probs = [], []
-        for j in range(k):
-            token = draw(logits, sampling, generator, probs)
-            tokens.append(token)
-            if j + 1 < k:
-                logits, out = self.head.step(token[None], out[-1:], from_target=False)
-        return stacked(ids, tokens, probs)
+        if self.store.rows != len(prompts):
+            self.store = HeadRows(self.head, len(prompts), self.capacity)
+        self.store.reserve(self.capacity)
+        self.store.lengths = [0] * len(prompts)
+        self.features: list[torch.Tensor | None] = [None] * len(prompts)  # per row [capacity, F]
+        self.known = [0] * len(prompts)  # per row: committed positions whose features it holds
+        self.pairs = [0] * len(prompts)  # per row: pairs in the head's cache built on the target's features
 
-    def rollback(self, length: int) -> None:
-        self.head.crop(min(self.pairs, length - 1))
+    def observe(self, seen) -> None:
+        """Per row, (features [n, F] of committed positions start.., start)."""
+        for i, (features, start) in enumerate(seen):
+            self.features[i], self.known[i] = kept_features(self.features[i], self.known[i], features, start)
+
+    def propose(self, rows, budgets, sampling):
+        lengths = [ids.shape[0] for ids in rows.ids]
+        B, device = len(budgets), rows.ids[0].device
+        drafting = [b > 0 and n >= 2 and known >= n - 1 for b, n, known in zip(budgets, lengths, self.known)]
+        if not any(drafting):
+            return no_proposal(B, device)
+        counts = [b if d else 0 for b, d in zip(budgets, drafting)]
+        K = max(counts)
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        q = None
+        logits, last = self._read_target(rows.ids, lengths, drafting)  # [B, V], [B, H]
+        self.pairs = [n - 1 if d else p for n, d, p in zip(lengths, drafting, self.pairs)]
+        for j in range(K):
+            live = [i for i, c in enumerate(counts) if c > j]
+            drawn, probs = draw_rows(logits[live], sampling, [rows.generators[i] for i in live])
+            tokens[live, j] = drawn
+            if probs is not None:
+                q = probs.new_zeros(B, K, probs.shape[-1]) if q is None else q
+                q[live, j] = probs
+            going = [int(c > j + 1) for c in counts]
+            if any(going):
+                logits, out = self.store.step(tokens[:, j : j + 1], last[:, None], going, from_target=False)
+                last = out[:, 0]
+        return Proposal(tokens, counts, q)
+
+    def _read_target(self, ids, lengths, drafting):
+        """Feed each drafting row the pairs it has not seen, built on the target's features: the logits
+        [B, V] of each row's last pair and its output [B, H] (rows not drafting: garbage)."""
+        starts = self.store.lengths
+        counts = [n - 1 - s if d else 0 for n, s, d in zip(lengths, starts, drafting)]
+        width, some = max(counts), self.features[drafting.index(True)]
+        feed = ids[0].new_zeros(len(ids), width)  # [B, T]
+        hidden = some.new_zeros(len(ids), width, some.shape[1])  # [B, T, F]
+        for i, (c, s) in enumerate(zip(counts, starts)):
+            if c:
+                feed[i, :c], hidden[i, :c] = ids[i][s + 1 : s + 1 + c], self.features[i][s : s + c]
+        logits, out = self.store.step(feed, hidden, counts, from_target=True)  # [B, V], [B, T, H]
+        last = out[torch.arange(len(ids), device=out.device), from_host([max(c, 1) - 1 for c in counts], out.device)]  # [B, H]
+        return logits, last
+
+    def rollback(self, lengths) -> None:
+        self.store.lengths = [min(n, p, length - 1) for n, p, length in zip(self.store.lengths, self.pairs, lengths)]
+
+    def keep(self, rows) -> None:
+        self.store.keep_rows(rows)
+        self.features = [self.features[i] for i in rows]
+        self.known = [self.known[i] for i in rows]
+        self.pairs = [self.pairs[i] for i in rows]
+
+    def size(self, target_model) -> dict:
+        own = list(self.head.parameters()) + list(self.head.buffers())  # the target's embedding and LM head are not registered
+        params = sum(p.numel() for p in self.head.parameters())
+        return {"draft_params": params, "draft_bytes": sum(p.numel() * p.element_size() for p in own)}
 
 
 def kept_features(store: torch.Tensor | None, known: int, features: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
@@ -147,74 +276,101 @@ def kept_features(store: torch.Tensor | None, known: int, features: torch.Tensor
     return store, end
 
 
-class NgramDrafter:
-    """Model-free prompt lookup: find the latest earlier occurrence of the
-    context's last n tokens (n from max_ngram down to min_ngram) and propose
-    the tokens that followed it; where those run into the end of the context
-    (a repeat: "7 7 7", "a b a b"), the repeat continues. Its q is a point
-    mass on each proposal, so the rule accepts x with probability p(x) and
-    stays exact.
+class NgramDrafter(DrafterBase):
+    """Model-free prompt lookup, per row: find the latest earlier occurrence of the context's last n
+    tokens (n from max_ngram down to min_ngram) and propose the tokens that followed it; where those run
+    into the end of the context (a repeat: "7 7 7", "a b a b"), the repeat continues. Its q is a point
+    mass on each proposal, so the rule accepts x with probability p(x) and stays exact. It searches the
+    rows' committed tokens as the host holds them (harness.core.loop.Rows.tokens): no device read.
 
-    length="match" proposes the whole match, up to k tokens (as HF's
-    prompt_lookup_num_tokens does). length="cost_aware" proposes only the part
-    that pays for its verification, once `verify_cost` is set (v(n): the
-    target's time to score n positions over its time for one, n = 1..k+1, as
-    run.measure_costs gives it): the j <= k maximising expected committed
-    tokens over verify cost, (1 + a + ... + a^j) / v(j + 1), where a is the
-    acceptance rate this sequence has had so far from matches of the same
-    n-gram length (prior 1/2). j = 0 is a plain target step. A proposal
+    length="match" proposes the whole match, up to k tokens (as HF's prompt_lookup_num_tokens does).
+    length="cost_aware" proposes only the part that pays for its verification, once `verify_cost` is
+    set (v(n): the target's time to score n positions over its time for one, n = 1..k+1, as
+    harness.runner.costs.measure_costs gives it): the j <= k maximising expected committed tokens over
+    verify cost, (1 + a + ... + a^j) / v(j + 1), where a is the acceptance rate the row has had so far
+    from matches of the same n-gram length (prior 1/2). j = 0 is a plain target step. A proposal
     depends only on what came before its cycle, so the rule stays exact.
     """
+
+    kind = "prompt lookup"
+    forwards = False
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, length: str = "match"):
         if length not in LOOKUP_LENGTHS:
             raise ValueError(f"length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
         self.vocab_size, self.max_ngram, self.min_ngram, self.length = vocab_size, max_ngram, min_ngram, length
         self.verify_cost: list[float] | None = None  # [>= 2] v(1..); cost_aware proposes whole matches until it is set
-        self.start(torch.empty(0))  # the per-sequence acceptance counts
+        self.start([None])
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
-        self._accepted = [1.0] * (self.max_ngram + 1)  # per n-gram length: pseudo-counts of a 1/2 prior
-        self._tested = [2.0] * (self.max_ngram + 1)
-        self._pending: tuple[int, int, int] | None = None  # (n, committed length, proposed) of the last proposal
+    def start(self, prompts) -> None:
+        self.state = [LookupRow(self.max_ngram) for _ in prompts]
 
-    def propose(self, ids, k, sampling, generator):
-        n, tokens = self._lookup(ids, k)
-        if self.length == "cost_aware" and self.verify_cost is not None and tokens.shape[0]:
-            tokens = tokens[: self._worth_proposing(n, tokens.shape[0])]
-            self._pending = (n, ids.shape[0], tokens.shape[0]) if tokens.shape[0] else None
-        if tokens.shape[0] == 0 or sampling.greedy:
-            return tokens, None
-        q = torch.zeros(tokens.shape[0], self.vocab_size, device=ids.device)
-        q[torch.arange(tokens.shape[0]), tokens] = 1.0
-        return tokens, q
+    def use_costs(self, costs: dict) -> None:
+        self.verify_cost = costs["verify_cost"]
 
-    def _worth_proposing(self, n: int, longest: int) -> int:
+    def propose(self, rows, budgets, sampling):
+        proposed = []
+        for state, tokens, budget in zip(self.state, rows.tokens, budgets):
+            n, found = lookup(tokens, budget, self.max_ngram, self.min_ngram)
+            if self.length == "cost_aware" and self.verify_cost is not None and found:
+                found = found[: state.worth_proposing(n, len(found), self.verify_cost)]
+                state.pending = (n, len(tokens), len(found)) if found else None
+            proposed.append(found)
+        counts = [len(found) for found in proposed]
+        K, device = max(counts, default=0), rows.ids[0].device
+        tokens = from_host([t for found in proposed for t in found + [0] * (K - len(found))], device).view(len(counts), K)
+        if K == 0 or sampling.greedy:
+            return Proposal(tokens, counts, None)
+        valid = torch.arange(K, device=device) < from_host(counts, device)[:, None]  # [B, K]
+        q = torch.zeros(len(counts), K, self.vocab_size, device=device)
+        q.scatter_(-1, tokens[..., None], valid[..., None].float())  # a point mass on each drafted token
+        return Proposal(tokens, counts, q)
+
+    def rollback(self, lengths) -> None:
+        for state, length in zip(self.state, lengths):
+            state.outcome(length)
+
+    def keep(self, rows) -> None:
+        self.state = [self.state[i] for i in rows]
+
+
+class LookupRow:
+    """One row's prompt-lookup acceptance so far, per n-gram length (cost_aware's estimate)."""
+
+    def __init__(self, max_ngram: int):
+        self.accepted = [1.0] * (max_ngram + 1)  # pseudo-counts of a 1/2 prior
+        self.tested = [2.0] * (max_ngram + 1)
+        self.pending: tuple[int, int, int] | None = None  # (n, committed length, proposed) of the last proposal
+
+    def worth_proposing(self, n: int, longest: int, verify_cost: list[float]) -> int:
         """The proposal length j <= longest with the most expected tokens per unit of verify cost."""
-        a = self._accepted[n] / self._tested[n]
-        longest = min(longest, len(self.verify_cost) - 1)
-        per_cost = [sum(a**i for i in range(j + 1)) / self.verify_cost[j] for j in range(longest + 1)]
+        a = self.accepted[n] / self.tested[n]
+        longest = min(longest, len(verify_cost) - 1)
+        per_cost = [sum(a**i for i in range(j + 1)) / verify_cost[j] for j in range(longest + 1)]
         return max(range(longest + 1), key=per_cost.__getitem__)  # the shortest among equals
 
-    def _lookup(self, ids: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
-        """(n, the up to k tokens after the latest earlier match of the last n tokens); n = 0: none."""
-        if k == 0:
-            return 0, ids.new_empty(0)
-        for n in range(min(self.max_ngram, ids.shape[0] - 1), self.min_ngram - 1, -1):
-            windows = ids.unfold(0, n, 1)[:-1]  # [len - n, n] every earlier n-gram
-            hits = (windows == ids[-n:]).all(-1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n  # the latest match: most recent context
-                # A match that runs into the end is a repeat with period len - start: continue it
-                # (a greedy loop such as "7 7 7" or "a b a b" then gets k tokens, not one period).
-                period = ids.shape[0] - start  # >= 1
-                return n, ids[start + torch.arange(k, device=ids.device) % period]  # [k]
-        return 0, ids.new_empty(0)
-
-    def rollback(self, length: int) -> None:
-        if self._pending is not None:  # the last proposal's outcome: length - committed of it were accepted
-            n, committed, proposed = self._pending
+    def outcome(self, length: int) -> None:
+        """The last proposal's outcome: length - committed of it were accepted."""
+        if self.pending is not None:
+            n, committed, proposed = self.pending
             accepted = length - committed
-            self._accepted[n] += accepted
-            self._tested[n] += min(accepted + 1, proposed)
-            self._pending = None
+            self.accepted[n] += accepted
+            self.tested[n] += min(accepted + 1, proposed)
+            self.pending = None
+
+
+def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
+    """(n, the up to k tokens after the latest earlier match of the last n tokens); n = 0: none. A match
+    that runs into the end is a repeat with period len - start: it continues (a greedy loop such as
+    "7 7 7" or "a b a b" then gets k tokens, not one period)."""
+    if k == 0:
+        return 0, []
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        tail = tokens[-n:]
+        for at in range(length - n - 1, -1, -1):  # the latest match: most recent context
+            if tokens[at : at + n] == tail:
+                start = at + n
+                period = length - start  # >= 1
+                return n, [tokens[start + j % period] for j in range(k)]
+    return 0, []

@@ -171,3 +171,11 @@ def unwatched(fn, *args, **kwargs):
                 _pop_mode()
         for mode in stack:
             _push_mode(mode)
+
+
+def from_host(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of host values on `device` without waiting for the device's queue: on CUDA
+    through pinned memory, copied asynchronously (a plain copy of pageable memory would sync)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)

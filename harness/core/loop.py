@@ -1,50 +1,54 @@
-"""The one speculative loop, and the target-only baseline it is measured against.
+"""The one speculative loop, and the target-only baseline it is measured against, over a batch of rows.
 
-Both are generators: the benchmark times each `next()` from outside, so the
-algorithm carries no timing code. Both drive the same CachedLM wrapper and
-the same sampler, so the only difference between them is speculation.
+A sequence alone is a batch of one: `speculative_decode` and `autoregressive_decode` are the
+one-row views of `speculative_decode_rows` and `autoregressive_decode_rows`, not second paths.
+Both are generators: the benchmark times each `next()` from outside, so the algorithm carries no
+timing code. Both drive the same models (harness.models.batched.rows_of: a CachedLM behind OneRow
+for one row, its batched form for several) and the same sampler, so the only difference between
+them is speculation.
 
-Cache invariant (both models): after a cycle the cache holds every
-committed token but the last; the next forward feeds that last token, whose
-logits give the distribution of the token after it. A cycle therefore feeds
-the target [last committed, x_1..x_k] and gets k + 1 rows: row i scores
-x_{i+1}, and row k is the bonus row. The first cycle feeds the whole prompt
-before x_1..x_k, so the prompt's prefill and the first verify are one pass
-(as in HF's assisted generation). Rolling back is cropping both caches to
-the committed length minus one.
+Cache invariant (both models, every row): after a cycle the cache holds every committed token but
+the last; the next forward feeds that last token, whose logits give the distribution of the token
+after it. A cycle therefore feeds the target, per row, [last committed, x_1..x_k'] and gets k' + 1
+rows: row i scores x_{i+1}, and row k' is the bonus row. The first cycle feeds the whole prompt
+before the drafts, so the prompt's prefill and the first verify are one pass (as in HF's assisted
+generation). Rolling back is cropping both caches to the committed length minus one, per row.
+
+Rows draft different counts (prompt lookup's matches, a row near its token budget), accept
+different numbers of drafts and commit different numbers of tokens; a row that hits EOS or its
+token budget leaves the batch at the end of that cycle, and the passes after it run only the rows
+still decoding. Every row's law is the one-sequence law: its drafts depend only on its own
+committed tokens, its target rows are those of its own tokens alone, and every random draw of its
+cycle (the draft's samples, the acceptance coins, the recovered or bonus token) comes from its own
+generator (harness.core.rule.verify_rows).
 
 A feature head (harness.core.drafters.FeatureDrafter) reads the target's hidden states: the verify
-pass captures the layers it names, and after the rollback the drafter is handed those of the
-committed positions only (the unseen tokens and the accepted drafts), on the device. Its first
-cycle drafts nothing, since the target has not read the prompt yet.
+pass returns the layers it names, and after the verdict the drafter is handed those of the
+committed positions only (the unseen tokens and the accepted drafts). Its first cycle drafts
+nothing, since the target has not read the prompt yet.
 
-Host synchronisation (what a CUDA device waits for): drafting, shaping,
-sampling and verifying are all device ops, so the draft's k forwards are
-queued without waiting. Per cycle the host reads back two things it must
-branch on: the number of accepted tokens (in the rule: it decides the
-rollback lengths) and the committed token ids (below: EOS and the token
-budget decide whether to stop). The baseline reads back each token for the
-same stop check. tests/test_host_syncs.py holds the loop to this on any
-device (harness.core.host_syncs.HostReads); `python -m harness.bench` reports the
-reads per cycle by source line, and on CUDA the device's own count too.
+Host reads (what a CUDA device waits for): drafting, shaping, sampling and the rule are device ops
+for every row at once, so the draft's forwards are queued without waiting. Per cycle the host
+reads ONE tensor for the whole batch: each row's accepted count and committed tokens (the rollback
+lengths, EOS and the token budget need them). The baseline reads each step's tokens once.
+tests/test_host_syncs.py holds the loop to this on any device (harness.core.host_syncs.HostReads).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from harness.core.drafters import Drafter
-from harness.core.rule import Verdict, verify, verify_greedy
-from harness.core.sampling import Sampling, sample, shape_probs
-from harness.models.cached import CachedLM
+from harness.core.rule import Verdicts, greedy_rows, verify_rows
+from harness.core.sampling import Sampling, sample_rows, shape_probs
+from harness.models.batched import rows_of
 
 
 @dataclass
 class Cycle:
-    """One draft / verify cycle, as committed."""
+    """One draft / verify cycle of one row, as committed."""
 
     tokens: list[int]  # committed this cycle (accepted drafts + recovered/bonus), after stops
     num_drafted: int  # k' <= k
@@ -53,85 +57,163 @@ class Cycle:
     num_after_eos: int = 0  # drafted tokens after an accepted EOS: never to be kept, so neither accepted nor rejected
 
 
-def speculative_decode(
-    target: CachedLM,
-    drafter: Drafter,
-    prompt_ids: torch.Tensor,  # [T] on the target's device
+class Rows:
+    """The loop's state of the rows still decoding, one entry per row in the order the batch holds them."""
+
+    def __init__(self, prompts: Sequence[torch.Tensor], generators: Sequence):
+        self.ids = list(prompts)  # [L_i] committed so far, on the device
+        self.index = list(range(len(self.ids)))  # the row each one is, among the prompts
+        self.generators = list(generators)  # each row's own random stream
+        self.generated = [0] * len(self.ids)
+        self._tokens: list[list[int]] | None = None  # the committed ids on the host, made when first asked for
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each row's committed ids as host ints (prompt lookup searches them): read once, when first asked
+        for, then kept up to date from each cycle's read."""
+        if self._tokens is None:  # one transfer for every row
+            flat, lengths = torch.cat(self.ids).tolist(), [ids.shape[0] for ids in self.ids]
+            self._tokens = [flat[sum(lengths[:i]) : sum(lengths[: i + 1])] for i in range(len(lengths))]
+        return self._tokens
+
+    def commit(self, i: int, tokens: torch.Tensor, kept: list[int]) -> None:
+        """Row i commits `kept` (its values, the host's) = tokens [len(kept)] (the same, on the device)."""
+        self.ids[i] = torch.cat([self.ids[i], tokens])
+        self.generated[i] += len(kept)
+        if self._tokens is not None:
+            self._tokens[i].extend(kept)
+
+    def keep(self, going: list[int]) -> None:
+        self.ids, self.index, self.generators, self.generated = (
+            [values[i] for i in going] for values in (self.ids, self.index, self.generators, self.generated)
+        )
+        if self._tokens is not None:
+            self._tokens = [self._tokens[i] for i in going]
+
+
+def speculative_decode_rows(
+    target,  # a CachedLM (or a wrapper of one), or its rows form
+    drafter,  # harness.core.drafters.Drafter
+    prompts: Sequence[torch.Tensor],  # B x [T_i] on the target's device
     k: int,
     sampling: Sampling,
     max_new_tokens: int,
     eos_ids: set[int],
-    generator: torch.Generator,
-    rule=verify,  # tests swap in deliberately broken rules; users cannot
-) -> Iterator[Cycle]:
-    target.reset()  # the first cycle's verify pass is also the prompt's prefill
-    drafter.start(prompt_ids)
-    reads = getattr(drafter, "reads_target", ())  # a feature head's target layers (Drafter): only it costs a capture
-    ids = prompt_ids  # [L] committed so far
-    generated = 0
-    while generated < max_new_tokens:
+    generators: Sequence,  # one per row (None when greedy)
+    rule=verify_rows,  # tests swap in deliberately broken rules; users cannot
+) -> Iterator[list[tuple[int, Cycle]]]:
+    """Per cycle, (row, its Cycle) for every row that took part in it."""
+    B = len(prompts)
+    lm = rows_of(target, B)
+    lm.start(B)  # the first cycle's verify pass is also the prompts' prefill
+    drafter.start(list(prompts))
+    reads = drafter.reads_target  # a feature head's target layers: only it costs a capture
+    rows = Rows(prompts, generators)
+    while rows.ids:
         # A cycle commits at most k' + 1 tokens: draft no more than can be kept.
-        k_cycle = min(k, max_new_tokens - generated - 1)
-        draft_tokens, draft_probs = drafter.propose(ids, k_cycle, sampling, generator)  # [k'], [k', V]
-        k_cycle = draft_tokens.shape[0]
-        unseen = ids[target.length :]  # the whole prompt in the first cycle, then the last committed token
-        fed = torch.cat([unseen, draft_tokens])  # [u + k']
+        budgets = [min(k, max_new_tokens - g - 1) for g in rows.generated]
+        proposal = drafter.propose(rows, budgets, sampling)
+        counts = proposal.counts
+        unseen = [ids[n:] for ids, n in zip(rows.ids, lm.lengths)]  # the whole prompt in the first cycle
+        feeds = [torch.cat([u, drafts[:c]]) for u, drafts, c in zip(unseen, proposal.tokens, counts)]
+        wanted = [c + 1 for c in counts]
         if reads:
-            logits, features = target.forward_features(fed, k_cycle + 1, reads)  # [k'+1, V], [u + k', F]
+            logits, features = lm.forward_features(feeds, wanted, reads)  # per row [k'+1, V], [u + k', F]
         else:
-            logits = target.forward(fed, num_logits=k_cycle + 1)  # [k'+1, V]
+            logits = lm.forward(feeds, wanted)  # per row [k'+1, V]
+        scored = logits[0][None] if B == 1 else torch.nn.utils.rnn.pad_sequence(logits, batch_first=True)  # [B, K+1, V]
         if sampling.greedy:
-            verdict: Verdict = verify_greedy(draft_tokens, logits.argmax(-1))
+            verdicts: Verdicts = greedy_rows(proposal.tokens, counts, scored.argmax(-1))
         else:
-            target_probs = shape_probs(logits, sampling)  # [k'+1, V]
-            if draft_probs is None:  # nothing drafted (k' = 0): a plain target step
-                draft_probs = target_probs[:0]
-            verdict = rule(draft_tokens, draft_probs, target_probs, generator)
-        n = verdict.num_accepted
-        target.rollback(ids.shape[0] + n)  # keep ids and the n accepted drafts; the next token is fed next cycle
-        drafter.rollback(ids.shape[0] + n)
-        if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
-            drafter.observe(features[: unseen.shape[0] + n], ids.shape[0] - unseen.shape[0])
-        cycle, committed, stop = commit(draft_tokens, verdict, eos_ids, max_new_tokens - generated)
-        ids = torch.cat([ids, committed])
-        generated += len(cycle.tokens)
-        yield cycle
-        if stop:
-            return
+            verdicts = rule(proposal.tokens, counts, proposal.q, shape_probs(scored, sampling), rows.generators)
+        accepted, committed, tokens = read_verdicts(proposal.tokens, verdicts)  # the cycle's one host read
+        cycles, lengths, seen, finished = [], [], [], []
+        for i, (n, c) in enumerate(zip(accepted, counts)):
+            length = rows.ids[i].shape[0]
+            kept, stop = apply_stops(committed[i][: n + 1], eos_ids, max_new_tokens - rows.generated[i])
+            # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
+            took, tested = (n, min(n + 1, c)) if len(kept) > n else (len(kept), len(kept))
+            expected = verdicts.expected_acceptance[i, :tested]
+            cycles.append((rows.index[i], Cycle(kept, c, took, expected, c - took if len(kept) <= n else 0)))
+            lengths.append(length + n)  # the committed ids and the n accepted drafts; the next token is fed next cycle
+            if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
+                seen.append((features[i][: unseen[i].shape[0] + n], length - unseen[i].shape[0]))
+            rows.commit(i, tokens[i, : len(kept)], kept)
+            if stop:
+                finished.append(i)
+        lm.rollback(lengths)
+        drafter.rollback(lengths)
+        if reads:
+            drafter.observe(seen)
+        yield cycles
+        if finished:
+            going = [i for i in range(len(rows.ids)) if i not in finished]
+            lm.keep(going)
+            drafter.keep(going)
+            rows.keep(going)
 
 
-def autoregressive_decode(
-    target: CachedLM,
-    prompt_ids: torch.Tensor,  # [T]
+def read_verdicts(drafts: torch.Tensor, verdicts: Verdicts) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    """The host's one read of a cycle: per row its accepted count, and its accepted drafts followed by
+    the next token (what follows them in the list is not committed); and those tokens [B, K + 1] on the device."""
+    B, K = drafts.shape
+    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1)  # [B, K + 1]
+    tokens.scatter_(1, verdicts.accepted[:, None], verdicts.next_token[:, None])
+    packed = torch.cat([verdicts.accepted[:, None], tokens], dim=1).tolist()  # host read: [B, 1 + K + 1]
+    return [row[0] for row in packed], [row[1:] for row in packed], tokens
+
+
+def autoregressive_decode_rows(
+    target,
+    prompts: Sequence[torch.Tensor],
     sampling: Sampling,
     max_new_tokens: int,
     eos_ids: set[int],
-    generator: torch.Generator,
-) -> Iterator[int]:
-    """Target-only decoding, one token per step: the baseline. Like HF's
-    generate(), the prompt's forward pass also gives the first token's row,
-    so n tokens cost one prefill and n - 1 one-token steps."""
-    target.reset(rollback=False)
-    logits = target.prefill(prompt_ids)  # [V] the row after the whole prompt
+    generators: Sequence,
+) -> Iterator[list[tuple[int, int]]]:
+    """Target-only decoding of B rows, one token per row per step: per step, (row, token) for every row
+    still decoding. Like HF's generate(), the prompt's forward pass also gives the first token's row,
+    so n tokens cost one prefill and n - 1 one-token steps; the host reads each step's tokens once."""
+    B = len(prompts)
+    lm = rows_of(target, B)
+    lm.start(B, rollback=False)
+    logits = torch.cat(lm.forward(list(prompts), [1] * B))  # [B, V] the row after each prompt
+    active, gens = list(range(B)), list(generators)
     for step in range(max_new_tokens):
-        token = logits.argmax() if sampling.greedy else sample(shape_probs(logits, sampling), generator)
-        token_id = int(token)  # host sync: the stop check needs it
-        yield token_id
-        if token_id in eos_ids or step == max_new_tokens - 1:
+        tokens = logits.argmax(-1) if sampling.greedy else sample_rows(shape_probs(logits, sampling), gens)  # [B']
+        token_ids = tokens.tolist()  # host read: the stop check needs them
+        yield list(zip(active, token_ids))
+        going = [i for i, t in enumerate(token_ids) if t not in eos_ids and step < max_new_tokens - 1]
+        if not going:
             return
-        logits = target.forward(token[None], num_logits=1)[0]  # [V]
+        if len(going) < len(active):
+            lm.keep(going)
+            active, gens = [active[i] for i in going], [gens[i] for i in going]
+        logits = torch.cat(lm.forward([tokens[i : i + 1] for i in going], [1] * len(going)))  # [B', V]
 
 
-def commit(draft_tokens: torch.Tensor, verdict: Verdict, eos_ids: set[int], budget: int) -> tuple[Cycle, torch.Tensor, bool]:
-    """A verdict on drafts [k'] as a Cycle, the committed tokens [<= n + 1] to append (the accepted drafts
-    and the recovered or bonus token, cut at the first EOS or the token budget), and whether decoding stops."""
-    n, k = verdict.num_accepted, draft_tokens.shape[0]
-    committed = torch.cat([draft_tokens[:n], verdict.next_token[None]])  # [n + 1]
-    kept, stop = apply_stops(committed.tolist(), eos_ids, budget)
-    # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
-    accepted, tested = (n, min(n + 1, k)) if len(kept) > n else (len(kept), len(kept))
-    cycle = Cycle(kept, k, accepted, verdict.expected_acceptance[:tested], k - accepted if len(kept) <= n else 0)
-    return cycle, committed[: len(kept)], stop
+def speculative_decode(
+    target,
+    drafter,
+    prompt_ids: torch.Tensor,
+    k: int,
+    sampling: Sampling,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    generator,
+    rule=verify_rows,
+) -> Iterator[Cycle]:
+    """One sequence (prompt_ids [T]): speculative_decode_rows with one row, its Cycles."""
+    for cycles in speculative_decode_rows(target, drafter, [prompt_ids], k, sampling, max_new_tokens, eos_ids, [generator], rule):
+        yield cycles[0][1]
+
+
+def autoregressive_decode(
+    target, prompt_ids: torch.Tensor, sampling: Sampling, max_new_tokens: int, eos_ids: set[int], generator
+) -> Iterator[int]:
+    """One sequence (prompt_ids [T]): autoregressive_decode_rows with one row, its tokens."""
+    for step in autoregressive_decode_rows(target, [prompt_ids], sampling, max_new_tokens, eos_ids, [generator]):
+        yield step[0][1]
 
 
 def apply_stops(tokens: list[int], eos_ids: set[int], budget: int) -> tuple[list[int], bool]:

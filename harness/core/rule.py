@@ -24,13 +24,79 @@ from typing import NamedTuple
 
 import torch
 
-from harness.core.sampling import sample
+from harness.core.host_syncs import from_host
+from harness.core.sampling import sample_rows
 
 
 class Verdict(NamedTuple):
+    """One row's verdict (`verify`, `verify_greedy`: a sequence alone)."""
+
     num_accepted: int  # leading drafted tokens kept, 0..k
     next_token: torch.Tensor  # [] the recovered or bonus token
     expected_acceptance: torch.Tensor  # [k] beta_i = sum_v min(p_i, q_i)
+
+
+class Verdicts(NamedTuple):
+    """The verdicts of a batch's rows, on the device: nothing here has been read by the host."""
+
+    accepted: torch.Tensor  # [B] leading drafted tokens kept, 0..counts[i]
+    next_token: torch.Tensor  # [B] the recovered or bonus token
+    expected_acceptance: torch.Tensor  # [B, K] beta at each drafted position (0 past a row's count)
+
+
+def verify_rows(
+    draft_tokens: torch.Tensor,  # [B, K] drafted tokens, row i's first counts[i] real
+    counts: list[int],  # [B] tokens row i drafted
+    draft_probs: torch.Tensor | None,  # [B, K, V] q, the laws row i's drafts were drawn from (None: nothing drafted)
+    target_probs: torch.Tensor,  # [B, K + 1, V] p; row i's position counts[i] is its bonus row
+    generators,  # [B] each row's own random stream
+) -> Verdicts:
+    """Speculative sampling on every row at once: accept a prefix, then recover or take the bonus.
+
+    Row i draws counts[i] float64 uniforms, then one for its next token, from its own generator,
+    in that order: the same draws as the row alone. No host read."""
+    B, K = draft_tokens.shape
+    device = target_probs.device
+    drafted = from_host(counts, device)  # [B]
+    valid = torch.arange(K, device=device) < drafted[:, None]  # [B, K]
+    if draft_probs is None:  # nothing drafted: every row's next token is its bonus row's (a plain target step)
+        assert not any(counts), "drafted tokens need the laws they were drawn from"
+        draft_probs = target_probs.new_zeros(B, K, target_probs.shape[-1])
+    p_x = target_probs[:, :K].gather(-1, draft_tokens[..., None])[..., 0]  # [B, K]
+    q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]  # [B, K]
+    # Accept x_i with probability min(1, p/q): u * q < p for u ~ U[0, 1). Strict '<' so that a
+    # token the target gives zero mass is never kept; float64 u, as a float32 u (multiples of
+    # 2^-24) would accept a p/q below 6e-8 at 6e-8. Past a row's drafts: never accepted.
+    u = torch.ones(B, K, dtype=torch.float64, device=device)
+    for i, (g, c) in enumerate(zip(generators, counts)):
+        if c:
+            u[i, :c] = torch.rand(c, generator=g, device=device, dtype=torch.float64)
+    accepted = (u * q_x < p_x) & valid  # [B, K]
+    num_accepted = accepted.long().cumprod(-1).sum(-1)  # [B]
+    rows = torch.arange(B, device=device)
+    p = target_probs[rows, num_accepted]  # [B, V] the first rejected position's row, or the bonus row
+    rejected = (num_accepted < drafted)[:, None]  # [B, 1]; at the bonus row q is 0
+    q = draft_probs[rows, num_accepted.clamp(max=max(K - 1, 0))] * rejected if K else torch.zeros_like(p)  # [B, V]
+    residual = (p - q).clamp_min(0)  # [B, V] unnormalised
+    # If rounding leaves no residual mass, p <= q everywhere means p == q up to rounding,
+    # where rejection has probability zero: fall back to p.
+    weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    expected = torch.minimum(target_probs[:, :K], draft_probs).sum(-1) * valid  # [B, K]
+    return Verdicts(num_accepted, sample_rows(weights, generators), expected)
+
+
+def greedy_rows(
+    draft_tokens: torch.Tensor,  # [B, K]
+    counts: list[int],  # [B]
+    target_argmax: torch.Tensor,  # [B, K + 1] the target's greedy token at each position
+) -> Verdicts:
+    """Temperature 0: keep drafted tokens while they equal the target's argmax; the next token is
+    the target's argmax at the first mismatch (or the bonus row). No host read."""
+    K, device = draft_tokens.shape[1], draft_tokens.device
+    valid = torch.arange(K, device=device) < from_host(counts, device)[:, None]  # [B, K]
+    matches = (draft_tokens == target_argmax[:, :K]) & valid  # [B, K]
+    num_accepted = matches.long().cumprod(-1).sum(-1)  # [B]
+    return Verdicts(num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0], matches.to(torch.float32))
 
 
 def verify(
@@ -39,36 +105,13 @@ def verify(
     target_probs: torch.Tensor,  # [k + 1, V] p_i; row k is the bonus row
     generator: torch.Generator,
 ) -> Verdict:
-    """Speculative sampling: accept a prefix, then recover or take the bonus."""
+    """`verify_rows` for one sequence alone (its accepted count read by the host)."""
     k = draft_tokens.shape[0]
-    positions = torch.arange(k, device=draft_tokens.device)
-    p_x = target_probs[positions, draft_tokens]  # [k]
-    q_x = draft_probs[positions, draft_tokens]  # [k]
-    # Accept x_i with probability min(1, p/q): u * q < p for u ~ U[0, 1).
-    # Strict '<' so that a token the target gives zero mass is never kept. u is
-    # float64: a float32 u (multiples of 2^-24) would accept a p/q below 6e-8 at 6e-8.
-    u = torch.rand(k, generator=generator, device=p_x.device, dtype=torch.float64)
-    accepted = u * q_x < p_x  # [k]
-    num_accepted = int(accepted.cumprod(0).sum())  # host sync: the one the rule needs
-    if num_accepted < k:
-        p, q = target_probs[num_accepted], draft_probs[num_accepted]
-        residual = (p - q).clamp_min(0)  # [V], unnormalised: sample() needs no norm
-        # If rounding leaves no residual mass, p <= q everywhere means p == q up
-        # to rounding, where rejection has probability zero: fall back to p.
-        weights = torch.where(residual.sum() > 0, residual, p)
-    else:
-        weights = target_probs[k]  # the bonus row
-    expected = torch.minimum(target_probs[:k], draft_probs).sum(-1)  # [k]
-    return Verdict(num_accepted, sample(weights, generator), expected)
+    v = verify_rows(draft_tokens[None], [k], draft_probs[None], target_probs[None], [generator])
+    return Verdict(int(v.accepted[0]), v.next_token[0], v.expected_acceptance[0])
 
 
-def verify_greedy(
-    draft_tokens: torch.Tensor,  # [k]
-    target_argmax: torch.Tensor,  # [k + 1] the target's greedy token at each row
-) -> Verdict:
-    """Temperature 0: keep drafted tokens while they equal the target's argmax;
-    the next token is the target's argmax at the first mismatch (or the bonus row)."""
-    k = draft_tokens.shape[0]
-    matches = draft_tokens == target_argmax[:k]  # [k]
-    num_accepted = int(matches.cumprod(0).sum())  # host sync
-    return Verdict(num_accepted, target_argmax[num_accepted], matches.to(torch.float32))
+def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> Verdict:
+    """`greedy_rows` for one sequence alone: drafts [k], the target's argmax [k + 1]."""
+    v = greedy_rows(draft_tokens[None], [draft_tokens.shape[0]], target_argmax[None])
+    return Verdict(int(v.accepted[0]), v.next_token[0], v.expected_acceptance[0])

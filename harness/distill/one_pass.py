@@ -43,8 +43,8 @@ def sample_batch(
     ids = torch.zeros(B, width, dtype=torch.long, device=device)
     for row, p in enumerate(prompts):
         ids[row, : len(p)] = torch.tensor(p)
-    last = torch.tensor([(row, t) for row, p in enumerate(prompts) for t in range(start, len(p))], device=device)
-    logits, feats = lean.batch(ids, torch.zeros(B, dtype=torch.long, device=device), last, layers)  # [N, V], [B, W, F]
+    lengths = [len(p) for p in prompts]
+    logits, feats = lean.forward(ids, [0] * B, [n - start for n in lengths], lengths, layers)  # [N, V], [B, W, F]
     out = [{"seq": list(p), "feats": [feats[row, : len(p)].half()], "probs": [], "ids": []} for row, p in enumerate(prompts)]
     per_row = [len(p) - start for p in prompts]
     rows_logits = list(logits.split(per_row))  # row r: [len - start, V], the last one predicts the first new token
@@ -69,13 +69,10 @@ def sample_batch(
         if not going:
             break
         if len(going) < len(active):
-            lean.keep_rows(torch.tensor(going, dtype=torch.long, device=device))
+            lean.keep_rows(going)
             active, drawn = [active[i] for i in going], drawn[going]
-        starts = torch.tensor([len(out[r]["seq"]) - 1 for r in active], dtype=torch.long, device=device)
-        last = torch.stack(
-            [torch.arange(len(active), device=device), torch.zeros(len(active), dtype=torch.long, device=device)], 1
-        )
-        logits, feats = lean.batch(drawn[:, None], starts, last, layers)  # [A, V], [A, 1, F]
+        starts = [len(out[r]["seq"]) - 1 for r in active]
+        logits, feats = lean.forward(drawn[:, None], starts, [1] * len(active), capture=layers)  # [A, V], [A, 1, F]
         top = logits.float().softmax(-1).topk(topk, dim=-1)
         values, indices, feats = top.values.half().cpu(), top.indices.int().cpu(), feats[:, 0].half()
         for i, r in enumerate(active):

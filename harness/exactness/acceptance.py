@@ -59,8 +59,9 @@ import torch
 
 from harness.bench.contenders import TIE_LOGIT_GAP
 from harness.core.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
-from harness.core.loop import Cycle
+from harness.core.loop import Cycle, Rows
 from harness.core.sampling import Sampling
+from harness.models.eagle import HeadRows
 from harness.models.shared_draft import SubsetHead
 
 GREEDY = Sampling(0.0)
@@ -140,11 +141,12 @@ def teacher_forced_agreement(
     `drafter` is the one the run used: only its kind, model and settings are read; a feature head
     also needs the run's `target` (CachedLM). `tie_gap`: draft logit gaps at or below it are ties
     (default: TIE_LOGIT_GAP for the draft's dtype)."""
-    if isinstance(drafter, ModelDrafter):
+    kind = getattr(drafter, "kind", None)
+    if kind == "model":
         return _model_check(drafter, prompt_ids, cycles, k, max_new_tokens, tie_gap)
-    if isinstance(drafter, NgramDrafter):
+    if kind == "prompt lookup":
         return _lookup_check(drafter, prompt_ids, cycles, k, max_new_tokens)
-    if isinstance(drafter, FeatureDrafter):
+    if kind == "feature head":
         if target is None:
             raise TypeError("a feature head's teacher-forced check needs the run's target")
         return _feature_check(drafter, target, prompt_ids, cycles, k, max_new_tokens, tie_gap)
@@ -231,25 +233,26 @@ def _feature_check(drafter: FeatureDrafter, target, prompt_ids, cycles, k, max_n
             agreement.drafted.append((i, c.num_drafted, expected))
         if c.num_drafted == 0 or expected == 0:
             continue
-        head = drafter.head.fresh()
-        logits, out = head.step(ids[1:L], features[: L - 1], from_target=True)  # pairs 0..L-2
-        rows = [logits]
+        head = HeadRows(drafter.head, 1)  # the head with an empty cache of its own
+        logits, out = head.step(ids[None, 1:L], features[None, : L - 1], [L - 1], from_target=True)  # pairs 0..L-2
+        rows = [logits[0]]
         for j in range(1, c.num_drafted):  # its own output and the committed token (= its draft where tested)
-            logits, out = head.step(ids[L + j - 1 : L + j], out[-1:], from_target=False)
-            rows.append(logits)
+            logits, out = head.step(ids[None, L + j - 1 : L + j], out[:, -1:], [1], from_target=False)
+            rows.append(logits[0])
         _compare(agreement, i, c, torch.stack(rows).float(), tolerance)
     return _totals(agreement, cycles)
 
 
 def _lookup_check(drafter: NgramDrafter, prompt_ids, cycles, k, max_new_tokens) -> Agreement:
-    fresh = NgramDrafter(drafter.vocab_size, drafter.max_ngram, drafter.min_ngram, drafter.length)
+    fresh = copy.copy(drafter)  # the same settings, a state of its own (start)
     fresh.verify_cost = None if drafter.verify_cost is None else list(drafter.verify_cost)
     agreement = Agreement(f"prompt lookup (length={drafter.length}): a fresh lookup replayed on each committed prefix")
-    fresh.start(prompt_ids)
+    fresh.start([prompt_ids])
     ids = prompt_ids  # [L] committed so far
     accepted = tested = 0
     for i, c, _, most in _cycle_spans(cycles, k, max_new_tokens):
-        proposal = fresh.propose(ids, most, GREEDY, torch.Generator())[0].tolist()  # [k'']
+        drafted = fresh.propose(Rows([ids], [None]), [most], GREEDY)
+        proposal = drafted.tokens[0, : drafted.counts[0]].tolist()  # [k'']
         if len(proposal) != c.num_drafted:
             agreement.drafted.append((i, c.num_drafted, len(proposal)))
         a, t = _agreeing_prefix(proposal, c.tokens)
@@ -258,7 +261,7 @@ def _lookup_check(drafter: NgramDrafter, prompt_ids, cycles, k, max_new_tokens) 
             fresh_token = proposal[j] if j < len(proposal) else None
             agrees = fresh_token == c.tokens[j]
             agreement.positions.append(Tested(i, j, c.tokens[j], j < c.num_accepted, agrees, proposal=fresh_token))
-        fresh.rollback(ids.shape[0] + a)  # cost_aware learns the teacher-forced outcome, never the loop's
+        fresh.rollback([ids.shape[0] + a])  # cost_aware learns the teacher-forced outcome, never the loop's
         ids = torch.cat([ids, ids.new_tensor(c.tokens)])
     agreement.reported = (sum(c.num_accepted for c in cycles), sum(len(c.expected_acceptance) for c in cycles))
     agreement.teacher_forced = (accepted, tested)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from harness.core.rule import verify
+from harness.core.rule import verify_rows
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError
 from harness.exactness.law import (
@@ -117,16 +117,16 @@ def check(
     seed: int = 0,
     alpha: float = 1e-3,
     max_cells: int = 200,
-    rule=verify,
+    rule=verify_rows,
     law_target=None,
     progress: bool = False,
-    batch: tuple | None = None,
+    batch: int | None = None,
 ) -> dict:
     """Run the exactness check over prompts [(name, ids [T])]; returns the report.
 
     `law_target` computes the exact law (default: `target`). Tests pass the
     honest model here while `target` is a deliberately broken wrapper of it.
-    `batch` = (batched target, batch drafter, batch_size): the draws come from the batched loop
+    `batch` = a batch size: the draws come from batches of that many rows of the loop
     (harness.exactness.law.draw_batches), and each prompt adds the rows' independence test.
     """
     from tqdm import tqdm
@@ -138,10 +138,7 @@ def check(
     bar = tqdm(total=samples * len(prompts), desc="speculative samples", unit="sample", file=sys.stderr, disable=not progress)
     per_prompt = {}
     if batch is not None:
-        batch_target, batch_drafter, batch_size = batch
-        batched = draw_batches(
-            batch_target, batch_drafter, prompts, batch_size, k, sampling, length, eos_ids, samples, seed, rule, bar
-        )
+        batched = draw_batches(target, drafter, prompts, batch, k, sampling, length, eos_ids, samples, seed, rule, bar)
     for index, (name, ids) in enumerate(prompts):
         law = TargetLaw(law_target if law_target is not None else target, ids, sampling, eos_ids, length)
         if batch is None:

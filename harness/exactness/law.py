@@ -16,9 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from harness.core.batch import speculative_decode_batch
-from harness.core.loop import speculative_decode
-from harness.core.rule import verify
+from harness.core.loop import speculative_decode, speculative_decode_rows
+from harness.core.rule import verify_rows
 from harness.core.sampling import Sampling, shape_probs
 from harness.models.cached import CachedLM
 
@@ -54,7 +53,7 @@ class PromptKept:
     def __getattr__(self, name):
         return getattr(self.lm, name)
 
-    def reset(self) -> None:
+    def reset(self, rollback: bool = True) -> None:
         if self.warm and self.lm.can_roll_back(self.keep):  # sliding-window layers: only while within the window
             self.lm.rollback(self.keep)
         else:
@@ -104,7 +103,7 @@ def draw_continuations(
     eos_ids: set[int],
     samples: int,
     seed: int | Sequence[int],
-    rule=verify,
+    rule=verify_rows,
     progress=None,
 ) -> list[Draw]:
     """`samples` independent runs of the real loop, each with its own seeded generator.
@@ -138,11 +137,10 @@ def draw_batches(
     eos_ids: set[int],
     samples: int,
     seed: int,
-    rule=verify,
+    rule=verify_rows,
     progress=None,
 ) -> dict[str, tuple[list[Draw], list[tuple[int, int]]]]:
-    """`samples` continuations of every prompt from the batched loop (harness.core.batch) on a batched
-    target and drafter: batches of `batch_size` rows, row j running prompt j mod P (P prompts), each row
+    """`samples` continuations of every prompt from the loop (harness.core.loop) over batches of rows: batches of `batch_size` rows, row j running prompt j mod P (P prompts), each row
     with its own generator (seeds as draw_continuations draws them, per prompt). Per prompt: its draws,
     and the pairs (i, j) of its draws that ran as two rows of one batch (for the rows' independence test)."""
     names = [name for name, _ in prompts]
@@ -157,7 +155,7 @@ def draw_batches(
     for _ in range(runs):
         generators = [torch.Generator(target.device).manual_seed(int(next(seeds[j % len(prompts)]))) for j in range(batch_size)]
         cycles: list[list] = [[] for _ in range(batch_size)]
-        for step in speculative_decode_batch(target, drafter, row_prompts, k, sampling, length, eos_ids, generators, rule=rule):
+        for step in speculative_decode_rows(target, drafter, row_prompts, k, sampling, length, eos_ids, generators, rule=rule):
             for row, c in step:
                 cycles[row].append(c)
         for i, name in enumerate(names):

@@ -359,7 +359,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
         alpha=e.alpha,
         max_cells=e.max_cells,
         progress=not quiet,
-        batch=(*pair.batched(), cfg.batch_size) if cfg.get("batch_size", 1) > 1 else None,
+        batch=cfg.get("batch_size", 1) if cfg.get("batch_size", 1) > 1 else None,
     )
     if cfg.get("batch_size", 1) > 1:
         report["batch_size"] = cfg.batch_size

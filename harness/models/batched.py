@@ -1,6 +1,6 @@
 """A batch of sequences of one model, each row with a length of its own (batch_size > 1).
 
-`BatchedLM` is what the batched loop (harness.core.batch) drives: a forward where every row feeds
+`BatchedLM` is what the loop (harness.core.loop) drives: a forward where every row feeds
 its own tokens (a ragged step: rows feed different counts, padded to the longest), a rollback
 to per-row lengths, and `keep` to drop finished rows. Two layouts:
 
@@ -39,8 +39,8 @@ class BatchedLM:
         self.lm, self.device, self.vocab_size = lm, lm.device, lm.vocab_size
         self.lengths: list[int] = []
 
-    def start(self, rows: int) -> None:
-        """Empty caches for `rows` new sequences."""
+    def start(self, rows: int, rollback: bool = True) -> None:
+        """Empty caches for `rows` new sequences (rollback=False: they will never be rolled back)."""
         raise NotImplementedError
 
     def reserve(self, max_len: int) -> None:
@@ -94,7 +94,7 @@ class LeanBatch(BatchedLM):
         self.lean = LeanLlama(lm.model, rows=1)
         self.max_len = 0
 
-    def start(self, rows: int) -> None:
+    def start(self, rows: int, rollback: bool = True) -> None:
         if rows != self.lean.rows:
             self.lean = LeanLlama(self.lm.model, rows=rows)
         self.lean.reserve(self.max_len or 1)
@@ -112,8 +112,8 @@ class LeanBatch(BatchedLM):
 
     def _step(self, feeds, num_logits, layers):
         ids, _ = self._padded(feeds)
-        starts = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
-        out = self.lean.batch(ids, starts, self._last(feeds, num_logits), layers)  # [N, V'] (, [B, T, F])
+        counts = [f.shape[0] for f in feeds]
+        out = self.lean.forward(ids, self.lengths, num_logits, counts, layers)  # [N, V'] (, [B, T, F])
         self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
         if not layers:
             return self._split(out, num_logits)
@@ -124,8 +124,7 @@ class LeanBatch(BatchedLM):
         self.lengths = [min(a, b) for a, b in zip(self.lengths, lengths)]
 
     def keep(self, rows):
-        if rows != list(range(len(rows))):
-            self.lean.keep_rows(torch.tensor(rows, dtype=torch.long, device=self.device))
+        self.lean.keep_rows(list(rows))
         self.lengths = [self.lengths[i] for i in rows]
 
 
@@ -146,7 +145,7 @@ class HFBatch(BatchedLM):
         self.cache: DynamicCache | None = None
         self.held = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
 
-    def start(self, rows: int) -> None:
+    def start(self, rows: int, rollback: bool = True) -> None:
         self.cache = DynamicCache(config=self.lm.model.config)
         self.held = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
         self.lengths = [0] * rows
@@ -200,6 +199,45 @@ class HFBatch(BatchedLM):
         self.lengths = [self.lengths[i] for i in rows]
 
 
+class OneRow(BatchedLM):
+    """One sequence: the CachedLM's own forward (any backend: HF's dynamic or static cache, compiled
+    steps, the lean forward) behind the rows interface, so that a sequence alone is a batch of one."""
+
+    layout = "one row"
+
+    def __init__(self, lm):
+        self.lm, self.device, self.vocab_size = lm, lm.device, lm.vocab_size
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.lm.length]
+
+    def start(self, rows: int, rollback: bool = True) -> None:
+        assert rows == 1, "OneRow holds one sequence"
+        if rollback:
+            self.lm.reset()
+        else:
+            self.lm.reset(rollback=False)
+
+    def forward(self, feeds, num_logits):
+        (feed,), (n,) = feeds, num_logits
+        if n == 0:  # cached, nothing scored (a draft's prompt)
+            self.lm.prefill(feed)
+            return [torch.empty(0, self.vocab_size, device=self.device)]
+        return [self.lm.forward(feed, num_logits=n)]
+
+    def forward_features(self, feeds, num_logits, layers):
+        (feed,), (n,) = feeds, num_logits
+        logits, features = self.lm.forward_features(feed, max(n, 1), layers)
+        return [logits[logits.shape[0] - n :]], [features]
+
+    def rollback(self, lengths) -> None:
+        self.lm.rollback(lengths[0])
+
+    def keep(self, rows) -> None:
+        assert list(rows) in ([], [0]), rows
+
+
 def batched(lm: CachedLM) -> BatchedLM:
     """The batched form of a CachedLM: the lean layout where it runs the lean forward, HF's otherwise."""
     if lm.lean is not None:
@@ -207,3 +245,15 @@ def batched(lm: CachedLM) -> BatchedLM:
     if lm.compiled is not None or lm.backend.cache is not None and not isinstance(lm.backend.cache, DynamicCache):
         raise HarnessError(BATCH_ONE_ONLY)
     return HFBatch(lm)
+
+
+def rows_of(lm, rows: int) -> BatchedLM:
+    """The model `lm` (a CachedLM, or a wrapper of one) as `rows` sequences: itself behind OneRow for
+    one, else its batched form, made once per CachedLM (its storage kept from batch to batch)."""
+    if isinstance(lm, BatchedLM):
+        return lm
+    if rows == 1:
+        return OneRow(lm)
+    if lm.__dict__.get("batch_form") is None:
+        lm.__dict__["batch_form"] = batched(lm)
+    return lm.__dict__["batch_form"]

@@ -18,12 +18,11 @@ reads its own output in place of the target's feature. Two layouts:
 
 Weights come from `model.safetensors` or `pytorch_model.bin` with a `config.json` (Llama fields;
 EAGLE-3 adds `draft_vocab_size`, optionally `target_hidden_size`), from an HF id or a folder.
-The head keeps a KV storage of its own, like harness.models.lean's, and is rolled back by length.
+Over a batch's rows it keeps a KV storage of its own (HeadRows), rolled back by length.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -33,8 +32,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from harness.core.host_syncs import from_host
 from harness.errors import HarnessError
-from harness.models.lean import ROOM, rotate
+from harness.models.kv_store import KVStore
+from harness.models.lean import rotate
 
 LAYOUTS = ("eagle", "eagle3")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -97,7 +98,7 @@ class FeatureHead(nn.Module):
     """A feature head in one of LAYOUTS, with the target's embedding (and, for eagle, LM head) beside it.
 
     `reads` are the target layers it reads (harness.models.cached.CachedLM.forward_features: index L
-    is the final normed state). `step` runs pairs of positions start.. over its KV storage.
+    is the final normed state). HeadRows runs its pairs over a KV storage of its own.
     """
 
     def __init__(self, layout: str, config: LlamaConfig, target: nn.Module, target_hidden: int, fc_bias: bool = False):
@@ -122,8 +123,6 @@ class FeatureHead(nn.Module):
         self.shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
         self.target_vocab = self.shared["embed"].weight.shape[0]
         self.to_target: torch.Tensor | None = None  # eagle3: draft token j -> target token j + d2t[j]
-        self.length, self.capacity = 0, 0
-        self.keys = self.values = None  # [kv_heads, capacity, head_dim] each
 
     @property
     def layer(self) -> Layer:
@@ -176,82 +175,28 @@ class FeatureHead(nn.Module):
             self.to_target = torch.arange(self.draft_vocab, device=self.d2t.device) + self.d2t
         return self.to_target
 
-    def fresh(self) -> FeatureHead:
-        """The same head (weights shared) with an empty KV storage of its own."""
-        other = copy.copy(self)  # nn.Module's __dict__, parameter dicts included, shared
-        other.keys = other.values = None
-        other.length = other.capacity = 0
-        return other
-
-    def reserve(self, length: int) -> None:
-        if length <= self.capacity:
-            return
-        capacity = -(-length // ROOM) * ROOM
-        attn = self.layer.self_attn
-        weight = attn.o_proj.weight
-        keys = weight.new_zeros(attn.kv_heads, capacity, attn.head_dim)
-        values = weight.new_zeros(attn.kv_heads, capacity, attn.head_dim)
-        if self.keys is not None:
-            keys[:, : self.capacity], values[:, : self.capacity] = self.keys, self.values
-        self.keys, self.values, self.capacity = keys, values, capacity
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pairs at positions length..: tokens [T] after features hidden [T, F] (the target's when
-        from_target, else the head's own outputs [T, H]). (logits [target vocab] of the last pair, outputs [T, H])."""
-        if from_target and self.layout == "eagle3":
-            hidden = self.fuse(hidden)
-        start, T = self.length, tokens.shape[0]
-        end = start + T
-        if end > self.capacity:
-            self.reserve(max(end, 2 * self.capacity))
-        h, residual = self.attention_input(tokens, hidden)
-        positions = torch.arange(start, end, device=tokens.device)  # [T]
-        q, k, v = self.qkv(h, positions)
-        self.keys[:, start:end], self.values[:, start:end] = k, v
-        mask = None if T == 1 else torch.arange(end, device=tokens.device) <= positions[:, None]  # [T, end]
-        attended = F.scaled_dot_product_attention(
-            q[None], self.keys[None, :, :end], self.values[None, :, :end], attn_mask=mask, enable_gqa=True
-        )[0]  # [heads, T, D]
-        out = self.finish(residual, attended)
-        self.length = end
-        return self.logits(out[-1:])[0], out
-
 
 class HeadRows:
-    """A feature head over a batch's rows (batch_size > 1): KV storage [rows, kv_heads, capacity, D] of its
-    own, each row at its own length (`lengths`), written at that row's positions as the lean forward's
-    batch does (harness.models.lean.LeanLlama.batch). The head's weights are shared."""
+    """A feature head over a batch's rows: KV storage of its own (harness.models.kv_store.KVStore), each
+    row at its own length (`lengths`, host ints: a rollback only moves them). The head's weights are shared."""
 
     def __init__(self, head: FeatureHead, rows: int, capacity: int = 0):
         self.head, self.rows = head, rows
         self.lengths = [0] * rows
-        self.capacity = 0
-        self.keys = self.values = None  # [rows, kv_heads, capacity, D]
-        self.reserve(max(capacity, 1))
+        attn = head.layer.self_attn
+        self.store = KVStore(1, rows, attn.kv_heads, attn.head_dim, attn.o_proj.weight)
+        self.store.reserve(max(capacity, 1))
+
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity
 
     def reserve(self, length: int) -> None:
-        if length <= self.capacity:
-            return
-        capacity = -(-length // ROOM) * ROOM
-        attn = self.head.layer.self_attn
-        weight = attn.o_proj.weight
-        keys = weight.new_zeros(self.rows, attn.kv_heads, capacity, attn.head_dim)
-        values = torch.zeros_like(keys)
-        if self.keys is not None:
-            keys[:, :, : self.capacity], values[:, :, : self.capacity] = self.keys, self.values
-        self.keys, self.values, self.capacity = keys, values, capacity
+        self.store.reserve(length)
 
     def keep_rows(self, kept: list[int]) -> None:
         """Only the rows `kept` (in order) go on: their storage moves up."""
-        index = torch.tensor(kept, dtype=torch.long, device=self.keys.device)
-        self.keys[: len(kept)], self.values[: len(kept)] = self.keys[index], self.values[index]
+        self.store.keep_rows(list(kept))
         self.lengths = [self.lengths[i] for i in kept]
 
     @torch.inference_mode()
@@ -263,25 +208,17 @@ class HeadRows:
         head, (B, T) = self.head, tokens.shape
         if from_target and head.layout == "eagle3":
             hidden = head.fuse(hidden)
-        device = tokens.device
-        starts = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        end = max(self.lengths) + T
-        if end > self.capacity:
-            self.reserve(max(end, 2 * self.capacity))
+        step = self.store.step(self.lengths, T)
         h, residual = head.attention_input(tokens, hidden)
-        positions = starts[:, None] + torch.arange(T, device=device)  # [B, T]
-        q, k, v = head.qkv(h, positions)  # [B, heads, T, D], [B, kv_heads, T, D] x 2
-        rows = torch.arange(B, device=device)[:, None, None]
-        kv = torch.arange(k.shape[1], device=device)[None, :, None]
-        self.keys[rows, kv, positions[:, None, :]], self.values[rows, kv, positions[:, None, :]] = k, v
-        mask = (torch.arange(end, device=device) <= positions[..., None])[:, None]  # [B, 1, T, end]
-        attended = F.scaled_dot_product_attention(
-            q, self.keys[:B, :, :end], self.values[:B, :, :end], attn_mask=mask, enable_gqa=True
-        )  # [B, heads, T, D]
+        q, k, v = head.qkv(h, step.positions)  # [B, heads, T, D], [B, kv_heads, T, D] x 2
+        keys, values = self.store.write(0, k, v, step)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=True)  # [B, heads, T, D]
         out = head.finish(residual, attended)  # [B, T, H]
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        last = torch.tensor([max(c, 1) - 1 for c in counts], device=device)
-        return head.logits(out[torch.arange(B, device=device), last]), out
+        if B == 1:
+            return head.logits(out[:, max(counts[0], 1) - 1]), out
+        last = from_host([max(c, 1) - 1 for c in counts], tokens.device)
+        return head.logits(out[torch.arange(B, device=tokens.device), last]), out
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:

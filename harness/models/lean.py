@@ -32,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.core.host_syncs import from_host
 from harness.errors import HarnessError
 from harness.models import cpu_linear
 from harness.models.backend import Backend
+from harness.models.kv_store import KVStore, Step
 
-ROOM = 256  # the KV storage grows in multiples of this many positions
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 # bfloat16 / float16: on the CPU the lean forward gave HF's bits in both (SmolLM2, 5 prompts); HF's own
@@ -122,109 +123,83 @@ class LeanLlama:
             ]
             model._harness_lean_fused = fused
         self.fused = fused
-        self.rows, self.capacity = rows, 0
-        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
-        self.values: list[torch.Tensor] = []
+        self.rows = rows
+        self.store = KVStore(len(self.layers), rows, self.kv_heads, self.head_dim, self.layers[0].self_attn.o_proj.weight)
+
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity
 
     def reserve(self, length: int) -> None:
         """Room for `length` positions per row, rounded up to ROOM; what is stored is kept."""
-        if length <= self.capacity:
-            return
-        capacity = -(-length // ROOM) * ROOM
-        weight = self.layers[0].self_attn.o_proj.weight
-        shape = (self.rows, self.kv_heads, capacity, self.head_dim)
-        keys = [weight.new_zeros(shape) for _ in self.layers]
-        values = [weight.new_zeros(shape) for _ in self.layers]
-        for old, new in zip(self.keys + self.values, keys + values):
-            new[:, :, : self.capacity] = old
-        self.keys, self.values, self.capacity = keys, values, capacity
+        self.store.reserve(length)
 
-    def keep_rows(self, kept: torch.Tensor) -> None:
-        """Move the stored rows `kept` [R'] (indices, in order) to the first R' rows: a batch drops the others."""
-        for stored in self.keys + self.values:
-            stored[: kept.shape[0]] = stored[kept]
+    def keep_rows(self, kept: list[int]) -> None:
+        """Only the rows `kept` (indices, in order) go on: a batch drops the others."""
+        self.store.keep_rows(kept)
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, start: int, num_logits: int, capture: tuple[int, ...] = ()):
-        """Positions start.. of input_ids [T] after `start` stored ones (row 0); logits [num_logits, V] of the last ones.
-        capture (layer indices, L for the final normed state): also the hidden states [T, len(capture) * hidden]."""
-        T, end = input_ids.shape[0], start + input_ids.shape[0]
-        self._count_pass()
-        if end > self.capacity:
-            self.reserve(max(end, 2 * self.capacity))
-        positions = torch.arange(start, end, device=input_ids.device)  # [T]
-        # A step of several tokens sees what came before it and itself up to its own position.
-        mask = None if T == 1 else torch.arange(end, device=input_ids.device) <= positions[:, None]  # [T, end]
-
-        def store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-            keys[0, :, start:end], values[0, :, start:end] = k[0], v[0]
-            return keys[:1, :, :end], values[:1, :, :end]
-
-        x, taken = self._layers(input_ids[None], positions[None], mask, store, capture)  # [1, T, hidden]
-        x = x[0]
-        if not capture:
-            return self.model.lm_head(_rms_norm(x[-num_logits:], self.inner.norm))  # [num_logits, V]
-        last = len(self.layers)
-        if last in capture:  # the final normed state at every position: the logits' rows are its last ones
-            taken[last] = _rms_norm(x, self.inner.norm)[None]
-            h = taken[last][0, -num_logits:]
-        else:
-            h = _rms_norm(x[-num_logits:], self.inner.norm)
-        return self.model.lm_head(h), torch.cat([taken[i][0] for i in capture], dim=-1)  # [num_logits, V], [T, F]
-
-    @torch.inference_mode()
-    def batch(self, input_ids: torch.Tensor, starts: torch.Tensor, last: torch.Tensor, capture: tuple[int, ...] = ()):
-        """A ragged step of B rows: row b feeds input_ids[b] [T] at positions starts[b].. of stored row b
-        (its tokens past its own count are padding, written beyond its length and never read);
-        logits [N, V] of the positions `last` [N, 2] (row, index into its T). capture: as __call__,
-        the hidden states [B, T, len(capture) * hidden] too."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        starts: list[int],
+        num_logits: list[int],
+        counts: list[int] | None = None,
+        capture: tuple[int, ...] = (),
+    ):
+        """Row b feeds input_ids[b] [T] at positions starts[b].. of its stored row (host ints), the first
+        counts[b] of them real (default: all; the rest is padding, written past the row's length and never
+        read); logits [N, V] of each row's last num_logits[b] real positions, row by row. capture (layer
+        indices, L for the final normed state): also the hidden states [B, T, len(capture) * hidden]."""
         B, T = input_ids.shape
-        end = int(starts.max()) + T  # host read: the span attention reads
         self._count_pass()
-        if end > self.capacity:
-            self.reserve(max(end, 2 * self.capacity))
-        positions = starts[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
-        mask = (torch.arange(end, device=input_ids.device) <= positions[..., None])[:, None]  # [B, 1, T, end]
-        rows = torch.arange(B, device=input_ids.device)[:, None, None]  # [B, 1, 1]
-        heads = torch.arange(self.kv_heads, device=input_ids.device)[None, :, None]  # [1, kv_heads, 1]
-        slots = positions[:, None, :]  # [B, 1, T]
+        step = self.store.step(starts, T)
+        x, taken = self._layers(input_ids, step, capture)  # [B, T, hidden]
+        counts = counts or [T] * B
+        if B == 1:  # one row: its last positions are a slice
 
-        def store(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-            keys[rows, heads, slots], values[rows, heads, slots] = k, v  # [B, kv_heads, T, D] each
-            return keys[:B, :, :end], values[:B, :, :end]
+            def chosen(h: torch.Tensor) -> torch.Tensor:
+                return h[0, counts[0] - num_logits[0] : counts[0]]  # [n, hidden]
 
-        x, taken = self._layers(input_ids, positions, mask, store, capture)  # [B, T, hidden]
-        if len(self.layers) in capture:
-            taken[len(self.layers)] = _rms_norm(x, self.inner.norm)
-        logits = self.model.lm_head(_rms_norm(x[last[:, 0], last[:, 1]], self.inner.norm))  # [N, V]
+        else:
+            pairs = [v for row, (c, n) in enumerate(zip(counts, num_logits)) for t in range(c - n, c) for v in (row, t)]
+            index = from_host(pairs, input_ids.device).view(-1, 2)  # [N, 2] (row, position in its feed)
+
+            def chosen(h: torch.Tensor) -> torch.Tensor:
+                return h[index[:, 0], index[:, 1]]  # [N, hidden]
+
+        last = len(self.layers)
+        if last in capture:  # the final normed state at every position: the logits' rows are some of them
+            taken[last] = _rms_norm(x, self.inner.norm)
+            h = chosen(taken[last])
+        else:
+            h = _rms_norm(chosen(x), self.inner.norm)
+        logits = self.model.lm_head(h)  # [N, V]
         return (logits, torch.cat([taken[i] for i in capture], dim=-1)) if capture else logits
 
     def _count_pass(self) -> None:
         for key, hook in self.model._forward_pre_hooks.items():  # a pass of the model to whoever counts them (the bench)
             hook(self.model, (), {}) if key in self.model._forward_pre_hooks_with_kwargs else hook(self.model, ())
 
-    def _layers(self, input_ids, positions, mask, store, capture) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The decoder layers over input_ids [B, T] at positions [B, T]; `store(keys, values, k, v)` writes a
-        layer's new keys and values [B, kv_heads, T, D] and gives the ones attention reads. Hidden states
-        [B, T, hidden] after the last layer, and the inputs of the layers in `capture`."""
+    def _layers(self, input_ids, step: Step, capture) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers over input_ids [B, T] at the step's positions, each layer's new keys and values
+        written to the store. Hidden states [B, T, hidden] after the last layer, and the inputs of the layers in `capture`."""
         B, T = input_ids.shape
         x = self.inner.embed_tokens(input_ids)  # [B, T, hidden]
-        cos, sin = self.inner.rotary_emb(x, positions)  # [B, T, D] each
+        cos, sin = self.inner.rotary_emb(x, step.positions)  # [B, T, D] each
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         split = (self.heads, self.kv_heads, self.kv_heads)
         taken: dict[int, torch.Tensor] = {}  # layer index -> its input [B, T, hidden]
-        for index, (layer, ((qkv_w, qkv_b), (gu_w, gu_b)), keys, values) in enumerate(
-            zip(self.layers, self.fused, self.keys, self.values)
-        ):
+        for index, (layer, ((qkv_w, qkv_b), (gu_w, gu_b))) in enumerate(zip(self.layers, self.fused)):
             if index in capture:
                 taken[index] = x
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
             qkv = _linear(h, qkv_w, qkv_b, attn.q_proj)  # [B, T, (heads + 2 kv_heads) D]
             q, k, v = qkv.view(B, T, -1, self.head_dim).transpose(1, 2).split(split, dim=1)  # [B, heads|kv_heads, T, D]
-            read_keys, read_values = store(keys, values, rotate(k, cos, sin), v)
+            read_keys, read_values = self.store.write(index, rotate(k, cos, sin), v, step)
             out = F.scaled_dot_product_attention(
-                rotate(q, cos, sin), read_keys, read_values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+                rotate(q, cos, sin), read_keys, read_values, attn_mask=step.mask, scale=self.scaling, enable_gqa=True
             )  # [B, heads, T, D]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             h = _rms_norm(x, layer.post_attention_layernorm)
@@ -249,7 +224,7 @@ def check(lean: LeanLlama, cache_kwarg: str) -> None:
         model(input_ids=ids[None, :24], **{cache_kwarg: cache}, use_cache=True).logits[0],
         model(input_ids=ids[None, 24:], **{cache_kwarg: cache}, use_cache=True).logits[0],
     ]
-    ours = [lean(ids[:24], 0, 24), lean(ids[24:], 24, 3)]
+    ours = [lean.forward(ids[None, :24], [0], [24]), lean.forward(ids[None, 24:], [24], [3])]
     scale = max(t[t.isfinite()].abs().max().item() for t in theirs)
     worst = max(((a - b).nan_to_num(0.0, 0.0, 0.0).abs().max().item() for a, b in zip(theirs, ours)), default=0.0)
     same_infinite = all(torch.equal(a.isfinite(), b.isfinite()) for a, b in zip(theirs, ours))
@@ -277,14 +252,14 @@ class LeanBackend(Backend):
         return cls(lean, capacity)
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        logits = self.lean(input_ids, self.length, num_logits)  # [num_logits, V]
+        logits = self.lean.forward(input_ids[None], [self.length], [num_logits])  # [num_logits, V]
         self.length += input_ids.shape[0]
         return logits
 
     def forward_features(self, input_ids, num_logits, layers):
-        logits, features = self.lean(input_ids, self.length, num_logits, layers)  # [num_logits, V], [T, F]
+        logits, features = self.lean.forward(input_ids[None], [self.length], [num_logits], capture=layers)  # [n, V], [1, T, F]
         self.length += input_ids.shape[0]
-        return logits, features
+        return logits, features[0]
 
     def reset(self, rollback: bool = True) -> None:
         self.length = 0  # the storage is simply overwritten from position 0 on

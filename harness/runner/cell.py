@@ -30,16 +30,14 @@ import harness.tracking.tracker as tracking
 from harness.config.checks import validate, with_default_pair
 from harness.config.settings import PROMPT_SEED_STRIDE
 from harness.core import metrics
-from harness.core.batch import autoregressive_decode_batch, speculative_decode_batch
-from harness.core.batch_drafters import BatchModelDrafter
-from harness.core.drafters import FeatureDrafter, ModelDrafter
-from harness.core.loop import autoregressive_decode, speculative_decode
+from harness.core.loop import autoregressive_decode, autoregressive_decode_rows, speculative_decode, speculative_decode_rows
 from harness.core.sampling import Sampling
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, encode_within, select
 from harness.errors import HarnessError
+from harness.models.batched import rows_of
 from harness.models.loading import resolve_device
-from harness.runner.costs import Clock, measure_costs, measure_costs_batch, timed
+from harness.runner.costs import Clock, measure_costs, timed
 from harness.runner.pair import Pair, draft_size, load_pair
 from harness.runner.provenance import (
     conditions,
@@ -134,19 +132,17 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             path.unlink(missing_ok=True)
     records = read_records(lines_path, trim=True)
     pair.follow_linear(records)
-    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k)
+    B = cfg.get("batch_size", 1)
+    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k, B)
     pair.warm_up(cfg.k)
 
     # Warm-up (excluded): allocator, kernels and caches see both paths once.
     warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
-    B = cfg.get("batch_size", 1)
     if B == 1:
         run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, warm_cfg, sampling)
-        costs = measure_costs(pair, encoded[0][1], cfg.k, sampling)
     else:
-        pair.reserve_batch(max(ids.shape[0] for _, ids in encoded) + max(cfg.max_new_tokens - 1, cfg.k))
         run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
-        costs = measure_costs_batch(pair, [ids for _, ids in encoded[:B]], cfg.k, sampling)
+    costs = measure_costs(pair, [ids for _, ids in encoded[:B]], cfg.k, sampling)
     pair.use_costs(costs)
 
     resumed = len(records)  # records[resumed:] are run by this process
@@ -299,7 +295,7 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
             "time_s": spec_stamps[-1],
             "ttft_s": spec_stamps[0],
             "first_tokens": len(cycles[0].tokens),
-            "draft_passes": counts["drafted"] if isinstance(pair.drafter, (ModelDrafter, FeatureDrafter)) else 0,
+            "draft_passes": counts["drafted"] if pair.drafter.forwards else 0,
             "tokens": spec_tokens,
             "clock": clocks["spec"],
         },
@@ -322,7 +318,7 @@ def run_batch(
     one record per prompt. Each row has the seed it has alone (seed x stride + its index), so its
     tokens are those it would get at batch_size=1 up to the rounding of other product shapes.
     A row's time_s is when it finished within its batch; `batch` holds the batch's own figures."""
-    target, drafter = pair.batched()
+    target, drafter = rows_of(pair.target, len(rows)), pair.drafter
     prompts = [ids for _, ids, _ in rows]
     seeds = [cfg.seed * PROMPT_SEED_STRIDE + index for _, _, index in rows]
 
@@ -333,10 +329,10 @@ def run_batch(
         pair.device,
         target,
         drafter,
-        lambda: speculative_decode_batch(
+        lambda: speculative_decode_rows(
             target, drafter, prompts, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, generators()
         ),
-        lambda: autoregressive_decode_batch(target, prompts, sampling, cfg.max_new_tokens, pair.eos_ids, generators()),
+        lambda: autoregressive_decode_rows(target, prompts, sampling, cfg.max_new_tokens, pair.eos_ids, generators()),
         base_first=batch % 2 == 0,
     )
     (spec_cycles, spec_stamps), (base_steps, base_stamps) = spec_out, base_out
@@ -349,7 +345,7 @@ def run_batch(
         for row, token in step:
             base_tokens[row].append(token)
             base_done[row] = stamp
-    drafting = isinstance(drafter, BatchModelDrafter) or bool(getattr(drafter, "reads_target", ()))  # forwards per draft
+    drafting = drafter.forwards  # a forward pass per drafted token
     draft_steps = [max((c.num_drafted for _, c in cycle), default=0) for cycle in spec_cycles]  # a batched draft's passes
     spec_total, base_total = sum(len(c.tokens) for cycle in spec_cycles for _, c in cycle), sum(map(len, base_tokens))
     unit = {

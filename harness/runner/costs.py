@@ -17,6 +17,7 @@ import torch
 
 from harness.core.metrics import median_ci
 from harness.core.sampling import Sampling
+from harness.models.batched import rows_of
 
 if TYPE_CHECKING:
     from harness.runner.pair import Pair
@@ -107,67 +108,37 @@ class Clock:
         return out
 
 
-def measure_costs(pair: Pair, ids: torch.Tensor, k: int, sampling: Sampling, rounds: int = 9) -> dict:
-    """Target step time, verify cost v(n) = T(n positions) / T(1), draft cost ratio c.
+def measure_costs(pair: Pair, prompts: torch.Tensor | list[torch.Tensor], k: int, sampling: Sampling, rounds: int = 9) -> dict:
+    """Target step time, verify cost v(n) = T(n positions) / T(1), draft cost ratio c, of passes over
+    B = len(prompts) rows (one prompt [T]: B = 1), each row at its own prompt's context (a ragged step,
+    as the loop runs it), in units of the B-row step: the figures a cell's prediction prices its cycles with.
 
-    A feature head's verify passes capture the features it reads, and its k drafts start with one
+    A feature head's verify passes return the features it reads, and its k drafts start with one
     pair read from the target's features, as in a cycle after a rejection at the first draft.
-    Measured at the context length of a real prompt, in interleaved rounds: each
-    round times a target pass over 1..k+1 positions and then a k-token draft, and
-    each figure is the median over rounds (v and c of the ratios within a round).
-    Timed in separate blocks instead, a drift in the machine's speed between blocks
-    lands in the ratios: one compiled run put v(3) 4% under what the loop then paid.
+    Measured at the context length of real prompts, in interleaved rounds: each round times a
+    target pass over 1..k+1 positions and then a k-token draft, and each figure is the median over
+    rounds (v and c of the ratios within a round). Timed in separate blocks instead, a drift in the
+    machine's speed between blocks lands in the ratios: one compiled run put v(3) 4% under what the
+    loop then paid.
     """
-    target, device = pair.target, pair.device
-    ids = ids[-max(pair.context - k, 1) :]  # room for the k + 1 positions scored after it (k may exceed max_new_tokens)
-    reads = getattr(pair.drafter, "reads_target", ())  # a feature head: the verify captures its features, as in the loop
-    target.reset()
-    if reads:
-        _, prompt_features = target.forward_features(ids[:-1], 1, reads)  # [len - 1, F]
-    else:
-        target.prefill(ids[:-1])
-    extra = ids[-1:].repeat(k + 1)  # positions to score; their values do not matter for timing
-    generator = torch.Generator(device).manual_seed(0)
+    from harness.core.loop import Rows
 
-    def score(n: int) -> float:
-        """Seconds of a target pass over n positions; the rollback after it is not timed (a step has none)."""
-        if reads:
-            spent = seconds(device, lambda: target.forward_features(extra[:n], n, reads))
-        else:
-            spent = seconds(device, lambda: target.forward(extra[:n], num_logits=n))
-        target.rollback(ids.shape[0] - 1)
-        return spent
-
-    def draft() -> float:
-        pair.drafter.start(ids)
-        if reads:  # the head holds the prompt's pairs but the last, as after a cycle that rejected its first draft
-            pair.drafter.observe(prompt_features, 0)
-            pair.drafter.propose(ids[:-1], 1, sampling, generator)
-            pair.drafter.rollback(ids.shape[0] - 1)
-        score(k + 1)  # as in the loop, the draft runs right after a target pass (see `cost_rounds`)
-        return seconds(device, lambda: pair.drafter.propose(ids, k, sampling, generator)) / k
-
-    return cost_rounds(score, draft, k, rounds)
-
-
-def measure_costs_batch(pair: Pair, prompts: list[torch.Tensor], k: int, sampling: Sampling, rounds: int = 9) -> dict:
-    """measure_costs at batch size B = len(prompts): the target step, v(n) and c of a pass over B rows,
-    each row at its own prompt's context (a ragged step, as the batched loop runs it), in units of the
-    B-row step. The figures the batched cell's prediction prices its cycles with."""
-    target, drafter = pair.batched()
-    device, B = pair.device, len(prompts)
-    reads = getattr(drafter, "reads_target", ())
-    prompts = [ids[-max(pair.context - k, 1) :] for ids in prompts]
+    prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
+    device, B, drafter = pair.device, len(prompts), pair.drafter
+    target = rows_of(pair.target, B)
+    reads = drafter.reads_target  # a feature head: the verify returns its features, as in the loop
+    prompts = [ids[-max(pair.context - k, 1) :] for ids in prompts]  # room for the k + 1 positions scored after each
     lengths = [ids.shape[0] - 1 for ids in prompts]
     target.start(B)
     if reads:
         _, prompt_features = target.forward_features([ids[:-1] for ids in prompts], [0] * B, reads)
     else:
         target.forward([ids[:-1] for ids in prompts], [0] * B)
-    extra = [ids[-1:].repeat(k + 1) for ids in prompts]
+    extra = [ids[-1:].repeat(k + 1) for ids in prompts]  # positions to score; their values do not matter for timing
     generators = [torch.Generator(device).manual_seed(row) for row in range(B)]
 
     def score(n: int) -> float:
+        """Seconds of a target pass over n positions per row; the rollback after it is not timed (a step has none)."""
         feeds = [e[:n] for e in extra]
         if reads:
             spent = seconds(device, lambda: target.forward_features(feeds, [n] * B, reads))
@@ -178,14 +149,16 @@ def measure_costs_batch(pair: Pair, prompts: list[torch.Tensor], k: int, samplin
 
     def draft() -> float:
         drafter.start(prompts)
-        if reads:  # each row's head holds its prompt's pairs but the last, as in measure_costs
+        if reads:  # each row's head holds its prompt's pairs but the last, as after a cycle that rejected its first draft
             drafter.observe([(features, 0) for features in prompt_features])
-            drafter.propose([ids[:-1] for ids in prompts], [1] * B, sampling, generators)
+            drafter.propose(Rows([ids[:-1] for ids in prompts], generators), [1] * B, sampling)
             drafter.rollback(lengths)
-        score(k + 1)
-        return seconds(device, lambda: drafter.propose(prompts, [k] * B, sampling, generators)) / k
+        score(k + 1)  # as in the loop, the draft runs right after a target pass (see `cost_rounds`)
+        rows = Rows(prompts, generators)
+        return seconds(device, lambda: drafter.propose(rows, [k] * B, sampling)) / k
 
-    return {**cost_rounds(score, draft, k, rounds), "batch_size": B}
+    costs = cost_rounds(score, draft, k, rounds)
+    return {**costs, "batch_size": B} if B > 1 else costs
 
 
 def seconds(device: torch.device, fn) -> float:

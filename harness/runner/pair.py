@@ -15,12 +15,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config.settings import DRAFT_KINDS, FEATURES_EAGER_ONLY
-from harness.core.batch_drafters import BatchFeatureDrafter, BatchModelDrafter, RowDrafters
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.data.prompts import set_pair_template
 from harness.errors import HarnessError
 from harness.models import cpu_linear
-from harness.models.batched import BatchedLM, batched
+from harness.models.batched import rows_of
 from harness.models.cached import CachedLM
 from harness.models.eagle import LAYOUTS, load_head
 from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_dtype
@@ -37,14 +36,11 @@ class Pair:
     device: torch.device
     linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the product the linear layers use, and why
     linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
-    batch: tuple | None = field(default=None, repr=False)  # (BatchedLM target, batch drafter), made by `batched`
 
     @property
     def context(self) -> int:
         """The longest sequence both models take: the target's context, or a draft model's if shorter."""
-        if isinstance(self.drafter, ModelDrafter):
-            return min(self.target.context, self.drafter.lm.context)
-        return self.target.context
+        return min(self.target.context, self.drafter.context or self.target.context)
 
     def prompt_budget(self, new_tokens: int) -> int:
         """The longest prompt that leaves room in the pair's context for new_tokens, the same at
@@ -53,50 +49,25 @@ class Pair:
         tokens it can still keep (harness.core.loop)."""
         return self.context - new_tokens + 1
 
-    def reserve(self, longest_prompt: int, new_tokens: int, k: int) -> None:
-        """Size both KV caches (static: their slots; dynamic: the in-place storage allocated ahead) for that
-        prompt and new_tokens (prompt + new_tokens - 1 positions),
-        or for measure_costs' verify of k + 1 positions after it, whichever is longer."""
+    def reserve(self, longest_prompt: int, new_tokens: int, k: int, rows: int = 1) -> None:
+        """Size both models' KV storage (static caches: their slots; dynamic ones and the lean forward's:
+        allocated ahead) for that prompt and new_tokens (prompt + new_tokens - 1 positions), or for
+        measure_costs' verify of k + 1 positions after it, whichever is longer, for batches of `rows`."""
         positions = longest_prompt + max(new_tokens - 1, k)
         self.target.reserve(positions)
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.lm.reserve(positions)
-        elif isinstance(self.drafter, FeatureDrafter):
-            self.drafter.head.reserve(positions)
+        if rows > 1:
+            rows_of(self.target, rows).reserve(positions)
+        self.drafter.reserve(positions, rows)
 
     def warm_up(self, k: int) -> None:
         """With compile=true, compile every step shape of a k-draft run before anything is
-        timed: verifies of 1..k+1 tokens (k' < k near the token budget) and the draft's
-        one-token steps and two-token catch-up (last draft + bonus)."""
+        timed: verifies of 1..k+1 tokens (k' < k near the token budget), and the draft's steps."""
         self.target.warm_up([(n, n) for n in range(1, k + 2)])
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.lm.warm_up([(1, 1), (2, 1)])
-
-    def batched(self) -> tuple[BatchedLM, BatchModelDrafter | BatchFeatureDrafter | RowDrafters]:
-        """The target and drafter for batch_size > 1 (harness.core.batch), made once per pair: the same
-        models, caches of their own for B rows."""
-        if self.batch is None:
-            if isinstance(self.drafter, ModelDrafter):
-                drafter = BatchModelDrafter(batched(self.drafter.lm))
-            elif isinstance(self.drafter, FeatureDrafter):
-                drafter = BatchFeatureDrafter(self.drafter.head)
-            else:
-                drafter = RowDrafters(self.drafter)
-            self.batch = (batched(self.target), drafter)
-        return self.batch
-
-    def reserve_batch(self, positions: int) -> None:
-        """Room for batch rows of up to `positions` positions (the lean layout's storage allocated ahead)."""
-        target, drafter = self.batched()
-        target.reserve(positions)
-        if isinstance(drafter, BatchModelDrafter):
-            drafter.lm.reserve(positions)
-        elif isinstance(drafter, BatchFeatureDrafter):
-            drafter.reserve(positions)
+        self.drafter.warm_up(k)
 
     def models(self) -> list:
         """The pair's models: the target, and the draft when it is a model."""
-        return [self.target.model] + ([self.drafter.lm.model] if isinstance(self.drafter, ModelDrafter) else [])
+        return [self.target.model, *self.drafter.models()]
 
     def follow_linear(self, records: list[dict]) -> None:
         """Set the CPU linear products for a cell whose earlier prompts are `records`: the plan they
@@ -123,10 +94,9 @@ class Pair:
         self.linear = linear
 
     def use_costs(self, costs: dict) -> None:
-        """Hand measure_costs' v(n) to a drafter that weighs its proposals by it
-        (prompt lookup with length=cost_aware proposes whole matches until then)."""
-        if isinstance(self.drafter, NgramDrafter):
-            self.drafter.verify_cost = costs["verify_cost"]
+        """Hand measure_costs' figures to the drafter (prompt lookup with length=cost_aware weighs its
+        proposals by v(n), and proposes whole matches until then)."""
+        self.drafter.use_costs(costs)
 
 
 loaded_pairs: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun
@@ -223,12 +193,4 @@ def load_pair(
 
 def draft_size(pair: Pair) -> dict:
     """Parameters and bytes of the draft's own weights (prompt lookup: 0; weights shared with the target excluded)."""
-    if isinstance(pair.drafter, FeatureDrafter):  # its own weights: the target's embedding (and LM head) are not registered
-        own = list(pair.drafter.head.parameters()) + list(pair.drafter.head.buffers())
-        params = sum(p.numel() for p in pair.drafter.head.parameters())
-        return {"draft_params": params, "draft_bytes": sum(p.numel() * p.element_size() for p in own)}
-    if not isinstance(pair.drafter, ModelDrafter):
-        return {"draft_params": 0, "draft_bytes": 0}
-    shared = {id(p) for p in pair.target.model.parameters()}
-    own = [p for p in pair.drafter.lm.model.parameters() if id(p) not in shared]
-    return {"draft_params": sum(p.numel() for p in own), "draft_bytes": sum(p.numel() * p.element_size() for p in own)}
+    return pair.drafter.size(pair.target.model)

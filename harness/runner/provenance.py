@@ -150,8 +150,10 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
 
 
 def batch_conditions(cfg: DictConfig, pair: Pair) -> dict:
-    """How a batch_size > 1 cell batches its prompts (harness.core.batch, harness.models.batched)."""
-    target, drafter = pair.batched()
+    """How a batch_size > 1 cell batches its prompts (harness.core.loop, harness.models.batched)."""
+    from harness.models.batched import rows_of
+
+    target, drafter = rows_of(pair.target, cfg.batch_size), pair.drafter
     return {
         "size": cfg.batch_size,
         "rows": "consecutive prompts of the selection, the last batch possibly smaller",

@@ -1,0 +1,86 @@
+"""KV storage written in place, for a batch's rows: the one cache of the lean forward and the feature heads.
+
+Per attention layer, keys and values [rows, kv_heads, capacity, head_dim] allocated ahead in
+multiples of ROOM positions. Each row holds its own length (kept by the caller: a rollback only
+moves it); a step writes each row's new keys and values at that row's positions and attention reads
+the first `end` positions of every row, where `end` is the longest row's, a causal mask hiding what
+lies past each row's own positions (padding a shorter row fed, or what a rollback dropped: it is
+overwritten by the row's next step). One row alone writes a slice and needs no mask for one position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.core.host_syncs import from_host
+
+ROOM = 256  # the storage grows in multiples of this many positions
+
+
+@dataclass
+class Step:
+    """Where a step of T positions per row lands: positions [B, T], the mask attention takes
+    (None, [T, end] or [B, 1, T, end]), the positions read (`end`), and the write index."""
+
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    end: int
+    index: slice | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class KVStore:
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, like: torch.Tensor):
+        self.layers, self.rows, self.kv_heads, self.head_dim = layers, rows, kv_heads, head_dim
+        self.like = like  # a tensor of the dtype and device to store in
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions per row, rounded up to ROOM; what is stored is kept."""
+        if length <= self.capacity:
+            return
+        capacity = -(-length // ROOM) * ROOM
+        shape = (self.rows, self.kv_heads, capacity, self.head_dim)
+        keys = [self.like.new_zeros(shape) for _ in range(self.layers)]
+        values = [self.like.new_zeros(shape) for _ in range(self.layers)]
+        for old, new in zip(self.keys + self.values, keys + values):
+            new[:, :, : self.capacity] = old
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    def keep_rows(self, kept: list[int]) -> None:
+        """Move the stored rows `kept` (indices, in order) to the first len(kept) rows: a batch drops the others."""
+        if kept == list(range(len(kept))):
+            return
+        index = from_host(kept, self.like.device)
+        for stored in self.keys + self.values:
+            stored[: len(kept)] = stored[index]
+
+    def step(self, starts: list[int], width: int) -> Step:
+        """A step of `width` positions per row after starts[i] stored ones (host ints: no device read)."""
+        device, B = self.like.device, len(starts)
+        end = max(starts) + width
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        if B == 1:
+            positions = torch.arange(starts[0], end, device=device)[None]  # [1, T]
+            mask = None if width == 1 else torch.arange(end, device=device) <= positions[0, :, None]  # [T, end]
+            return Step(positions, mask, end, slice(starts[0], end))
+        positions = from_host(starts, device)[:, None] + torch.arange(width, device=device)  # [B, T]
+        mask = (torch.arange(end, device=device) <= positions[..., None])[:, None]  # [B, 1, T, end]
+        rows = torch.arange(B, device=device)[:, None, None]  # [B, 1, 1]
+        heads = torch.arange(self.kv_heads, device=device)[None, :, None]  # [1, kv_heads, 1]
+        return Step(positions, mask, end, (rows, heads, positions[:, None, :]))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a layer's new keys and values [B, kv_heads, T, D] where `step` says; the keys and values
+        attention reads, [B, kv_heads, end, D] each."""
+        keys, values = self.keys[layer], self.values[layer]
+        B = k.shape[0]
+        if isinstance(step.index, slice):
+            keys[:1, :, step.index], values[:1, :, step.index] = k, v
+        else:
+            keys[step.index], values[step.index] = k, v
+        return keys[:B, :, : step.end], values[:B, :, : step.end]
