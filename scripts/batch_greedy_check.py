@@ -6,7 +6,7 @@ one-sequence loop (harness.core.loop.speculative_decode) likewise.
         --ks 2 --max-new-tokens 32 --out results/batch_greedy.json
 
 The reference is the target alone at batch size 1 (harness.core.loop.autoregressive_decode). A row
-that parts from it is explained only by a numerical tie (harness.bench.contenders.same_greedy_output:
+that parts from it is explained only by a numerical tie (harness.core.ties.same_greedy_output:
 the target's two best logits within the dtype's tie gap at the first difference, and every later token
 the target's greedy choice on the row's own context); anything else stops the check with exit code 1.
 Prints one line per pair and batch size, writes the counts (and every tie) as JSON.
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from hydra import compose
 
-from harness.bench.contenders import same_greedy_output
 from harness.config.checks import hydra_on_conf, validate, with_default_pair
 from harness.core.loop import autoregressive_decode, autoregressive_decode_rows, speculative_decode, speculative_decode_rows
 from harness.core.sampling import Sampling
+from harness.core.ties import same_greedy_output
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, select
 from harness.errors import HarnessError

@@ -21,6 +21,7 @@ import harness.bench.contenders as contenders
 import harness.bench.goals as bench_goals
 import harness.bench.main as bench
 import harness.bench.parts as parts
+import harness.core.ties as ties
 import harness.runner.costs as runner_costs
 import harness.runner.provenance as provenance
 from harness.config.checks import CONF_DIR, check_command_line, validate, with_default_pair
@@ -426,7 +427,7 @@ def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     target = CachedLM(load_model(ModelSpec(str(tiny_pair["target"])), torch.device("cpu")), 98)
     ids = torch.tensor([5, 17, 42, 8, 3])
     reference = list(autoregressive_decode(target, ids, Sampling(0.0), 12, set(), None))
-    assert contenders.same_greedy_output(target, ids, reference, list(reference), "same", 0) is None
+    assert ties.same_greedy_output(target, ids, reference, list(reference), "same", 0) is None
     target.reset()
     logits = target.prefill(torch.cat([ids, torch.tensor(reference[:6])]))
     runner_up = int(logits.topk(2).indices[1])
@@ -434,12 +435,12 @@ def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     gap = float(logits[reference[6]] - logits[runner_up])
     assert gap > 1e-3  # a real preference in float32: not a tie, an error
     with pytest.raises(HarnessError, match="at token 6: the target prefers"):
-        contenders.same_greedy_output(target, ids, reference, parted, "parted", 0)
+        ties.same_greedy_output(target, ids, reference, parted, "parted", 0)
     with pytest.raises(HarnessError, match="stopped after 8 tokens"):
-        contenders.same_greedy_output(target, ids, reference, reference[:8], "short", 0)
-    monkeypatch.setitem(contenders.TIE_LOGIT_GAP, torch.float32, gap * 1.01)  # the same gap, now within the tie gap
+        ties.same_greedy_output(target, ids, reference, reference[:8], "short", 0)
+    monkeypatch.setitem(ties.TIE_LOGIT_GAP, torch.float32, gap * 1.01)  # the same gap, now within the tie gap
     with pytest.raises(HarnessError, match="at token 7: the target prefers"):  # a tie at 6, but token 7 on is the old context's
-        contenders.same_greedy_output(target, ids, reference, parted, "parted", 0)
+        ties.same_greedy_output(target, ids, reference, parted, "parted", 0)
     continued = (
         reference[:6]
         + [runner_up]
@@ -449,14 +450,14 @@ def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
             )
         )
     )
-    tie = contenders.same_greedy_output(target, ids, reference, continued, "parted", 3)
+    tie = ties.same_greedy_output(target, ids, reference, continued, "parted", 3)
     assert tie == {"contender": "parted", "prompt": 3, "position": 6, "logit_gap": pytest.approx(gap, rel=1e-4), "later_ties": 0}
     # After the tie, a later token that is not the target's greedy choice on its own context is no tie.
     target.reset()
     later = target.prefill(torch.cat([ids, torch.tensor(continued[:9])]))
     wrong = continued[:9] + [int(later.topk(2).indices[1])] + continued[10:]
     with pytest.raises(HarnessError, match="at token 9: the target prefers"):
-        contenders.same_greedy_output(target, ids, reference, wrong, "parted", 3)
+        ties.same_greedy_output(target, ids, reference, wrong, "parted", 3)
 
 
 class DriftingClock:

@@ -140,7 +140,7 @@ def test_cell_key_hashes_the_cpu_model_and_threads(monkeypatch):
     measured on one CPU or thread count is not taken as done on another."""
     import torch
 
-    import harness.runner.provenance as run
+    import harness.base.device as run
 
     cfg, cpu = with_default_pair(composed(["device=cpu"])), torch.device("cpu")
     monkeypatch.setattr(run, "device_name", lambda device: "Intel(R) Xeon(R) Processor")

@@ -404,10 +404,10 @@ def test_unreachable_hub_without_offline_variables_fails_fast(offline_cache, tmp
 
 def online_hub_raising(monkeypatch, err: Exception) -> None:
     """The hub reachable (no offline flag, the connection check passing) and load_dataset raising `err`."""
-    import harness.models.loading
+    import harness.base.hub
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(harness.models.loading, "hub_reachable", lambda: True)
+    monkeypatch.setattr(harness.base.hub, "hub_reachable", lambda: True)
 
     def fail(*args, **kwargs):
         raise err

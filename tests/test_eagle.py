@@ -548,8 +548,8 @@ def test_one_host_read_per_cycle_for_every_drafter_at_any_batch_size(heads, tiny
     """Every drafter kind, one row or eight: the host reads one tensor per cycle for the whole batch
     (the accepted counts and committed tokens); prompt lookup, which searches the committed tokens on
     the host, also reads the prompts once, all rows in one transfer."""
+    from harness.base.host_reads import HostReads
     from harness.core.drafters import ModelDrafter, NgramDrafter
-    from harness.core.host_syncs import HostReads
     from harness.core.loop import speculative_decode_rows
 
     if kind == "model":

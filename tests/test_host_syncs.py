@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.base.host_reads import HostReads
 from harness.core.drafters import ModelDrafter
-from harness.core.host_syncs import HostReads
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
 from harness.models.cached import CachedLM
@@ -208,7 +208,7 @@ def test_unwatched_sets_aside_only_host_reads():
     restored after, also when the step raises."""
     from torch.overrides import _get_current_function_mode_stack
 
-    from harness.core.host_syncs import unwatched
+    from harness.base.host_reads import unwatched
 
     def step():
         return [type(mode).__name__ for mode in _get_current_function_mode_stack()]

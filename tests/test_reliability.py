@@ -181,7 +181,7 @@ def test_records_cut_by_a_kill_are_trimmed_before_a_resumed_run_appends(tmp_path
 
 
 def test_atomic_writes_replace_the_file_whole_and_leave_no_temporary(tmp_path):
-    from harness.runner.store import write_json_atomic, write_text_atomic
+    from harness.base.files import write_json_atomic, write_text_atomic
 
     path = tmp_path / "status.json"
     write_json_atomic(path, {"status": "running"})
@@ -230,7 +230,9 @@ def test_the_machine_description_counts_cores_apart_from_threads(tmp_path, monke
             for n, core in ((0, 0), (1, 0), (2, 1))
         )
     )
-    monkeypatch.setattr(provenance, "CPUINFO", cpuinfo)
+    import harness.base.device
+
+    monkeypatch.setattr(harness.base.device, "CPUINFO", cpuinfo)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     described = provenance.machine()
     assert (described["cpu"], described["cores"], described["threads"]) == ("Test CPU 9000", 1, 2)

@@ -22,7 +22,7 @@ Greedy decoding on one pair (default: the embedded default pair). Five parts (ru
      path (static cache, compile_config) so that both sides are compiled.
      Compared outputs must be token-identical, or the benchmark stops; the one
      exception is a numerical tie (outputs part where the target's two best logits
-     are within its dtype's rounding, TIE_LOGIT_GAP, and every later token is still the
+     are within its dtype's rounding (harness.core.ties.TIE_LOGIT_GAP), and every later token is still the
      target's greedy choice on the contender's own output, up to such a tie), recorded in
      greedy_ties. The target's
      forward passes per contender are counted: equal counts show that HF verified
@@ -68,6 +68,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers.utils import logging as hf_logging
 
+from harness.base.files import write_json_atomic
 from harness.bench.contenders import lookup_room
 from harness.bench.goals import goals
 from harness.bench.parts import SPREAD_NOTE, batched_baselines, limit, memory, sync_audit, throughput
@@ -80,7 +81,7 @@ from harness.models.cached import CachedLM
 from harness.models.loading import resolve_device
 from harness.runner.pair import load_pair
 from harness.runner.provenance import conditions, machine, process_peak_rss_mb, utc_now
-from harness.runner.store import stamped, write_json_atomic
+from harness.runner.store import stamped
 
 
 def setup(cfg, args, argv, prompts, encoded) -> dict:

@@ -16,15 +16,16 @@ import torch
 from omegaconf import OmegaConf
 from scipy import stats
 
-from harness.bench.contenders import GREEDY, ForwardCounter, fewest_lookup_passes, same_greedy_output
+from harness.base.host_reads import HostReads
+from harness.bench.contenders import GREEDY, ForwardCounter, fewest_lookup_passes
 from harness.bench.contenders import contenders as build_contenders
 from harness.bench.timing import Stopwatch, TimedHead, TimedLM, timed_call
 from harness.core import loop, metrics
 from harness.core.drafters import FeatureDrafter, ModelDrafter
-from harness.core.host_syncs import HostReads
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.metrics import ratio
 from harness.core.sampling import Sampling
+from harness.core.ties import same_greedy_output
 from harness.runner.cell import run_prompt
 from harness.runner.costs import measure_costs, sync
 from harness.runner.provenance import current_rss_mb, peak_rss_mb, reset_peak_rss

@@ -30,8 +30,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from harness.base.files import write_text_atomic
 from harness.cli.summary import fmt
-from harness.runner.store import write_text_atomic
 
 POINTER = "cell.json"
 

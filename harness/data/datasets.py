@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import itertools
 import re
 import sys
@@ -29,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.base.files import file_sha256
 from harness.data.prompts import BUILTIN_PROMPTS
 from harness.data.rows import field_candidates, to_prompts
 from harness.errors import HarnessError, one_line
@@ -211,15 +211,6 @@ def _local_error(shown: str, fmt: str, err: Exception) -> str:
     return f"{shown} cannot be read as {fmt}: {one_line(cause)}"
 
 
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a prompt file: its cell key's part (harness.runner.store.dataset_sha256) and its cache's name."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _content_cache(path: Path) -> str:
     """A datasets cache folder for this file's content, so an edit is never read from an old copy."""
     from datasets import config
@@ -345,7 +336,7 @@ def _offline_reason() -> str | None:
     """
     import datasets as hf_datasets
 
-    from harness.models.loading import hub_reachable
+    from harness.base.hub import hub_reachable
 
     if hf_datasets.config.HF_HUB_OFFLINE:
         return "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"

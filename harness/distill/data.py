@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from harness.base.files import cache_root, json_digest, save_atomically
 from harness.data.prompts import load_builtin
-from harness.models.embedded import cache_root
 
 PROMPT_LISTS = Path(__file__).with_name("prompts.json")
 DATA_FORMAT = 1  # bump when the cached data layout or its generation changes
@@ -266,7 +266,7 @@ def position_weights(prompt_len: int, start: int, seq_len: int, prompt_weight: f
 
 
 def data_key(payload: dict) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return json_digest(payload, 16)
 
 
 def job_payload(args, prompts: list[tuple[str, str]], temperature: float, seed: int, model_dir: Path) -> dict:
@@ -285,13 +285,6 @@ def job_payload(args, prompts: list[tuple[str, str]], temperature: float, seed: 
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
     }
-
-
-def save_atomically(obj, path: Path) -> None:
-    """torch.save to a temporary name, then rename: an interrupted save is never loaded as the data."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(obj, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
 
 
 def training_job(

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
+from harness.base.files import cache_root
 from harness.models.eagle import FeatureHead, eagle3_layers
-from harness.models.embedded import cache_root
 from harness.models.hf_backends import captured
 
 

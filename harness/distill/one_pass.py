@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from harness.distill.data import data_key, job_payload, merge_jobs, position_weights, save_atomically, training_prompt_ids
-from harness.models.embedded import cache_root
+from harness.base.files import cache_root, save_atomically
+from harness.distill.data import data_key, job_payload, merge_jobs, position_weights, training_prompt_ids
 from harness.models.lean import LeanLlama
 
 

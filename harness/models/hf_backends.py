@@ -22,8 +22,8 @@ import inspect
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from harness.base.host_reads import unwatched
 from harness.config.settings import COMPILED_MAX_TOKENS, FEATURES_EAGER_ONLY
-from harness.core.host_syncs import unwatched
 from harness.errors import HarnessError
 from harness.models.backend import Backend
 from harness.models.kv_cache import GrowingLayer, in_place
@@ -39,7 +39,7 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 def compile_steps(model: PreTrainedModel, mode: str | None):
     """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
     Hooks registered on the model still run. Calls run `unwatched`: a host-read count
-    (harness.core.host_syncs) active around them would make dynamo compile them anew."""
+    (harness.base.host_reads) active around them would make dynamo compile them anew."""
     # Input lengths 1..k+1 each compile once, for target and draft alike (one code object: transformers'
     # forward wrapper), and again for each cache capacity a process reserves (a multirun's cells): allow far
     # more than dynamo's default of 8, and make running out an error, not an unannounced fall back to eager.

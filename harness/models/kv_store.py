@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.core.host_syncs import from_host
+from harness.base.host_reads import from_host
 
 ROOM = 256  # the storage grows in multiples of this many positions
 

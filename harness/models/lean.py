@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.core.host_syncs import from_host
+from harness.base.host_reads import from_host
 from harness.errors import HarnessError
 from harness.models import cpu_linear
 from harness.models.backend import Backend

@@ -1,6 +1,6 @@
 """What a cell's figures depend on beyond its config, and where they were measured.
 
-The device (`device_name`, `device_identity`: part of the cell key), the machine
+The device (harness.base.device: part of the cell key), the machine
 (`machine`), the libraries and the harness's own commit, the run's conditions as
 summary.json records them, and the process's memory (peak and growth per prompt).
 """
@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig
 
+from harness.base.device import cpu_name, cpuinfo, device_name
+
 if TYPE_CHECKING:
     from harness.runner.pair import Pair
 
-CPUINFO = Path("/proc/cpuinfo")
 ROOT = Path(__file__).resolve().parents[2]  # the harness's checkout
 
 
@@ -33,50 +34,13 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _cpuinfo() -> list[dict[str, str]]:
-    """/proc/cpuinfo as one dict per logical CPU (empty where there is no such file)."""
-    try:
-        text = CPUINFO.read_text()
-    except OSError:
-        return []
-    blocks = []
-    for block in text.split("\n\n"):
-        fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip())
-        if fields:
-            blocks.append(fields)
-    return blocks
-
-
-def cpu_name() -> str:
-    """The CPU's model (e.g. "AMD EPYC 7763 64-Core Processor"), as /proc/cpuinfo or the platform names it
-    (part of a CPU cell's key: `device_identity`)."""
-    names = (cpu.get("model name") for cpu in _cpuinfo())
-    return next((name for name in names if name), None) or platform.processor() or "cpu"
-
-
-def device_name(device: torch.device) -> str:
-    """The model of a GPU (e.g. "NVIDIA H200") or of the CPU (e.g. "AMD EPYC")."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
-
-
-def device_identity(device: torch.device) -> dict:
-    """What of a device a cell's results depend on: its type and model (`device_name`), not its
-    index; on a CPU also the torch threads, which its timings depend on as much."""
-    identity = {"type": device.type, "name": device_name(device)}
-    if device.type == "cpu":
-        identity["threads"] = torch.get_num_threads()
-    return identity
-
-
 def machine() -> dict:
     """The machine a process runs on: the CPU's model, the physical cores and hardware threads this
     process may use, the GPUs it sees (model, or models joined by ", ", and count; None and 0
     without CUDA) and the total memory in GB, e.g. {"cpu": "AMD EPYC", "cores": 2, "threads": 2,
     "gpu": None, "gpus": 0, "memory_gb": 23.5}."""
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    cpus = {cpu.get("processor"): cpu for cpu in _cpuinfo()}
+    cpus = {cpu.get("processor"): cpu for cpu in cpuinfo()}
     placed = [cpus.get(str(n), {}) for n in usable]
     if placed and all("core id" in cpu for cpu in placed):  # hyperthreads share a (package, core)
         cores = len({(cpu.get("physical id"), cpu["core id"]) for cpu in placed})

@@ -1,4 +1,4 @@
-"""A cell's results on disk: its key and folder, its prompt records, and atomic writes.
+"""A cell's results on disk: its key and folder, and its prompt records.
 
 Results live in `<out_dir>/<cell key>/`: config.yaml, prompts.jsonl (one record per
 prompt, appended as each finishes), status.json (running | finished | interrupted |
@@ -12,15 +12,13 @@ device when it is called.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.data.datasets import file_sha256
+from harness.base.files import file_sha256, json_digest
 
 if TYPE_CHECKING:
     import torch
@@ -29,20 +27,6 @@ SCHEMA_VERSION = 1  # the layout of summary.json, status.json and the prompts.js
 
 # Keys that do not change a cell's results: they stay out of its key.
 NOT_IN_KEY = ("out_dir", "force", "wandb", "default_pair")
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file beside it and a rename: a reader (or a
-    run killed mid-write) sees the old file or the new one, never a torn one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one a process: parallel jobs may write one file at once
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """`obj` as indented JSON, written atomically (`write_text_atomic`)."""
-    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def stamped(result: dict, started_utc: str) -> dict:
@@ -55,8 +39,8 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     `device` and every dtype as they resolve on this machine (`device_identity`; auto: bfloat16
     on CUDA, float32 on CPU) rather than as written, so that a CPU and a GPU process sharing
     out_dir never share a cell. `device`: the resolved device (default: cfg.device resolved here)."""
+    from harness.base.device import device_identity
     from harness.models.loading import resolve_device, resolve_dtype
-    from harness.runner.provenance import device_identity
 
     device = device if device is not None else resolve_device(cfg.device)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -81,7 +65,7 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
         del keyed["dataset"]["revision"]
     if (sha256 := dataset_sha256(cfg)) is not None:  # an edited file is another prompt set
         keyed["dataset"]["file_sha256"] = sha256
-    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
+    digest = json_digest(keyed, 10)
     batch = f"-b{cfg.batch_size}" if cfg.get("batch_size", 1) > 1 else ""
     return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}{batch}-{digest}"
 

@@ -1,0 +1,47 @@
+"""What a device is: the model of its CPU or GPU, and what of it a cell's results depend on."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpuinfo() -> list[dict[str, str]]:
+    """/proc/cpuinfo as one dict per logical CPU (empty where there is no such file)."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return []
+    blocks = []
+    for block in text.split("\n\n"):
+        fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip())
+        if fields:
+            blocks.append(fields)
+    return blocks
+
+
+def cpu_name() -> str:
+    """The CPU's model (e.g. "AMD EPYC 7763 64-Core Processor"), as /proc/cpuinfo or the platform names it
+    (part of a CPU cell's key: `device_identity`)."""
+    names = (cpu.get("model name") for cpu in cpuinfo())
+    return next((name for name in names if name), None) or platform.processor() or "cpu"
+
+
+def device_name(device: torch.device) -> str:
+    """The model of a GPU (e.g. "NVIDIA H200") or of the CPU (e.g. "AMD EPYC")."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def device_identity(device: torch.device) -> dict:
+    """What of a device a cell's results depend on: its type and model (`device_name`), not its
+    index; on a CPU also the torch threads, which its timings depend on as much."""
+    identity = {"type": device.type, "name": device_name(device)}
+    if device.type == "cpu":
+        identity["threads"] = torch.get_num_threads()
+    return identity
