@@ -199,15 +199,7 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "base_ttft_s": float(np.median([r["base"]["ttft_s"] for r in records])) if records else float("nan"),
         "spec_tpot_s": _tpot(units, "spec"),
         "base_tpot_s": _tpot(units, "base"),
-        "cost_ratio": c,
-        "cost_ratio_ci": costs.get("cost_ratio_ci"),
-        "verify_cost": v,
-        "verify_cost_ci": (costs.get("verify_cost_ci") or [None] * (k + 1))[k],
-        "verify_cost_dips": costs.get("verify_cost_dips", []),  # n where v(n) is clearly below an earlier v: see the table
-        "target_step_s": costs.get("target_step_s"),
-        "target_step_s_ci": costs.get("target_step_s_ci"),
-        "draft_step_s": costs.get("draft_step_s"),
-        "draft_step_s_ci": costs.get("draft_step_s_ci"),
+        **cost_figures(costs, k),
         "predicted_speedup": predicted,
         "predicted_speedup_formula": by_formula,
     }
@@ -237,6 +229,21 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         efficiency_in_run=ratio(summary["decode_speedup"], in_run_predicted),
     )
     return summary
+
+
+def cost_figures(costs: dict, k: int) -> dict:
+    """The measured costs a summary quotes: c, v(k + 1), the target's and the draft's step, with intervals."""
+    return {
+        "cost_ratio": costs["cost_ratio"],
+        "cost_ratio_ci": costs.get("cost_ratio_ci"),
+        "verify_cost": costs["verify_cost"][k],
+        "verify_cost_ci": (costs.get("verify_cost_ci") or [None] * (k + 1))[k],
+        "verify_cost_dips": costs.get("verify_cost_dips", []),  # n where v(n) is clearly below an earlier v: see the table
+        "target_step_s": costs.get("target_step_s"),
+        "target_step_s_ci": costs.get("target_step_s_ci"),
+        "draft_step_s": costs.get("draft_step_s"),
+        "draft_step_s_ci": costs.get("draft_step_s_ci"),
+    }
 
 
 def in_run_costs(records: Sequence[dict], k: int) -> dict:

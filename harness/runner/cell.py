@@ -27,10 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import harness.tracking.tracker as tracking
+from harness.base.files import write_json_atomic
 from harness.config.checks import validate, with_default_pair
 from harness.config.settings import PROMPT_SEED_STRIDE
 from harness.core import metrics
-from harness.core.loop import autoregressive_decode, autoregressive_decode_rows, speculative_decode, speculative_decode_rows
+from harness.core.loop import autoregressive_decode_rows, speculative_decode_rows
 from harness.core.sampling import Sampling
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, encode_within, select
@@ -51,7 +52,7 @@ from harness.runner.provenance import (
     utc_now,
 )
 from harness.runner.signals import sigterm_as_interrupt
-from harness.runner.store import cell_path, dataset_sha256, read_records, stamped, write_json_atomic
+from harness.runner.store import cell_path, dataset_sha256, read_records, stamped
 from harness.tracking.claims import claim
 
 
@@ -83,21 +84,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     """The body of run_cell, run while this process holds the cell's claim."""
     summary_path, status_path, lines_path = cell_dir / "summary.json", cell_dir / "status.json", cell_dir / "prompts.jsonl"
     if summary_path.exists() and not cfg.force:
-        summary = json.loads(summary_path.read_text())
-        if not quiet:
-            print(f"[harness] cell already complete, not re-run (force=true to redo): {cell_dir}", file=sys.stderr)
-        then, now = (summary.get("conditions") or {}).get("harness_commit"), harness_commit()
-        if then and now and then != now:  # the cell key holds the settings, not the code that measured them
-            print(
-                f"warning: {cell_dir.name} was measured by harness commit {then}, and this is {now}: its numbers are "
-                f"kept as they are; force=true remeasures it with this code",
-                file=sys.stderr,
-            )
-        summary = {**summary, "cell": cell_dir.name, "cell_dir": str(cell_dir)}  # where it is now (the store may have moved)
-        if os.environ.get("WANDB_SWEEP_ID"):  # the sweep's run gets the stored numbers: its metric, its report's cell
-            with tracking.start(cfg, cell_dir) as tracker:
-                tracker.finish({**summary, "reused": True}, read_records(lines_path))
-        return summary
+        return _reused(cfg, cell_dir, quiet)
     started, here = utc_now(), machine()  # stamped on every result this run writes
     peak_since_reset = reset_peak_rss()
 
@@ -107,43 +94,14 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
-    budget = pair.prompt_budget(cfg.max_new_tokens)
-    if budget < 1:
-        raise HarnessError(
-            f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the pair's {pair.context}-token context: lower max_new_tokens"
-        )
-    encoded, skipped, truncated = [], 0, 0
-    for p in prompts:
-        full = encode(pair.tokenizer, p["prompt"], cfg.prompts.template)
-        fits = len(full) <= budget
-        ids = full if fits else encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong)
-        if ids is None:
-            skipped += 1
-        else:
-            truncated += not fits
-            encoded.append((p, as_tensor(ids, device)))
-    if not encoded:
-        raise HarnessError(
-            f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate"
-        )
+    encoded, skipped, truncated = _encoded(cfg, pair, prompts, device)
     (cell_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # once the cell can start
     if cfg.force:  # once prompts and pair have loaded (a redo that cannot start keeps the finished cell), before
         for path in (summary_path, status_path, lines_path):  # any new result: a stopped redo must not look complete
             path.unlink(missing_ok=True)
     records = read_records(lines_path, trim=True)
     pair.follow_linear(records)
-    B = cfg.get("batch_size", 1)
-    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k, B)
-    pair.warm_up(cfg.k)
-
-    # Warm-up (excluded): allocator, kernels and caches see both paths once.
-    warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
-    if B == 1:
-        run_prompt(pair, encoded[0][0], encoded[0][1][-32:], 0, warm_cfg, sampling)
-    else:
-        run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
-    costs = measure_costs(pair, [ids for _, ids in encoded[:B]], cfg.k, sampling)
-    pair.use_costs(costs)
+    costs = _warmed_up(pair, encoded, cfg, sampling)
 
     resumed = len(records)  # records[resumed:] are run by this process
     done = {r["id"] for r in records}
@@ -160,17 +118,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     try:
         with lines_path.open("a") as out:
             for result in results(pair, encoded, done, cfg, sampling, quiet):
-                record = stamped(result, started)
-                record["machine"] = here
-                record["rss_mb"] = current_rss_mb()
-                record["host"] = platform.node()  # a resumed cell may have run part of its prompts elsewhere
-                record["harness_commit"] = harness_commit()  # ... or with other code
-                record["libraries"] = versions_now  # ... or other torch and transformers
-                record["linear"] = pair.linear.get("product")
-                if pair.linear.get("rows_to"):
-                    record["linear_rows_to"] = pair.linear["rows_to"]
-                if device.type == "cuda":
-                    record["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
+                record = _record(result, started, here, versions_now, pair)
                 out.write(json.dumps(record) + "\n")
                 out.flush()  # append-only and flushed per prompt: an interruption loses at most the prompt in flight
                 records.append(record)
@@ -178,50 +126,9 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         summary = metrics.summarize(records, cfg.k, costs, cfg.seed)
         peak_mb, peak_over = peak_rss_mb(peak_since_reset)
         run_conditions = conditions(cfg, pair)
-        hosts = sorted({r["host"] for r in records if r.get("host")} | {run_conditions["hostname"]})
-        if len(hosts) > 1:  # a resumed cell: timings (and costs, measured by this process) from several machines
-            run_conditions["hostnames"] = hosts
-            print(
-                f"warning: the prompts of {cell_dir.name} ran under several host names ({', '.join(hosts)}): if these are "
-                f"different machines its timings mix them; force=true reruns it in one go",
-                file=sys.stderr,
-            )
-        commits = sorted(
-            {r.get("harness_commit") or "unknown" for r in records} | {run_conditions["harness_commit"] or "unknown"}
-        )
-        if len(commits) > 1:  # a resumed cell whose earlier prompts ran with other code (or code before commits were kept)
-            run_conditions["harness_commits"] = commits
-            print(
-                f"warning: the prompts of {cell_dir.name} were measured by several harness versions ({', '.join(commits)}): "
-                f"force=true reruns it with one",
-                file=sys.stderr,
-            )
-        versions = sorted({r["libraries"] for r in records if r.get("libraries")} | {versions_now})  # records before: unknown
-        if len(versions) > 1:  # a resumed cell whose earlier prompts ran with another torch or transformers
-            run_conditions["libraries_mixed"] = versions
-            print(
-                f"warning: the prompts of {cell_dir.name} were measured with several library versions ({'; '.join(versions)}): "
-                f"their timings may not compare; force=true reruns it with one",
-                file=sys.stderr,
-            )
+        _note_mixed(run_conditions, records, versions_now, cell_dir.name)
         summary.update(
-            pair=cfg.pair.name,
-            target=cfg.pair.target.id,
-            draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
-            k=cfg.k,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            dataset=cfg.dataset.name,
-            prompts_skipped=skipped,
-            prompts_truncated=truncated,
-            prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
-            dataset_sha256=dataset_sha256(cfg),  # the analysis pairs prompts of one file only
-            prompt_ids=[p["id"] for p, _ in encoded],
-            categories=metrics.by_category(records, cfg.k, costs, cfg.seed),
-            costs=costs,
-            **draft_size(pair),
+            _cell_figures(cfg, pair, encoded, records, costs, skipped, truncated),
             conditions=run_conditions,
             peak_rss_mb=peak_mb,
             peak_rss_over=peak_over,  # "cell": since this cell started; "process": since the process did
@@ -248,6 +155,125 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     return summary
 
 
+def _warmed_up(pair: Pair, encoded: list, cfg: DictConfig, sampling: Sampling) -> dict:
+    """Size and warm the pair for the cell (allocator, kernels and caches see both paths once, compiled
+    steps compile; nothing timed), then measure its costs at the cell's batch size."""
+    B = cfg.get("batch_size", 1)
+    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k, B)
+    pair.warm_up(cfg.k)
+    warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
+    run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
+    costs = measure_costs(pair, [ids for _, ids in encoded[:B]], cfg.k, sampling)
+    pair.use_costs(costs)
+    return costs
+
+
+def _record(result: dict, started: str, here: dict, versions: str, pair: Pair) -> dict:
+    """A prompt's record as written: stamped, with where, with what code and how it ran."""
+    record = stamped(result, started)
+    record["machine"] = here
+    record["rss_mb"] = current_rss_mb()
+    record["host"] = platform.node()  # a resumed cell may have run part of its prompts elsewhere
+    record["harness_commit"] = harness_commit()  # ... or with other code
+    record["libraries"] = versions  # ... or other torch and transformers
+    record["linear"] = pair.linear.get("product")
+    if pair.linear.get("rows_to"):
+        record["linear_rows_to"] = pair.linear["rows_to"]
+    if pair.device.type == "cuda":
+        record["cuda_allocated_mb"] = torch.cuda.memory_allocated(pair.device) / 2**20
+    return record
+
+
+def _cell_figures(cfg: DictConfig, pair: Pair, encoded: list, records: list, costs: dict, skipped: int, truncated: int) -> dict:
+    """What a cell's summary says of its settings, prompts, categories, costs and draft."""
+    return dict(
+        pair=cfg.pair.name,
+        target=cfg.pair.target.id,
+        draft=cfg.pair.draft.get("id", cfg.pair.draft.kind),
+        k=cfg.k,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        dataset=cfg.dataset.name,
+        prompts_skipped=skipped,
+        prompts_truncated=truncated,
+        prompt_selection={"seed": cfg.seed, "shuffle": cfg.prompts.shuffle, "num_prompts": cfg.dataset.num_prompts},
+        dataset_sha256=dataset_sha256(cfg),  # the analysis pairs prompts of one file only
+        prompt_ids=[p["id"] for p, _ in encoded],
+        categories=metrics.by_category(records, cfg.k, costs, cfg.seed),
+        costs=costs,
+        **draft_size(pair),
+    )
+
+
+def _reused(cfg: DictConfig, cell_dir: Path, quiet: bool) -> dict:
+    """A finished cell's stored summary, not run again (a W&B sweep's run still gets its numbers)."""
+    summary = json.loads((cell_dir / "summary.json").read_text())
+    if not quiet:
+        print(f"[harness] cell already complete, not re-run (force=true to redo): {cell_dir}", file=sys.stderr)
+    then, now = (summary.get("conditions") or {}).get("harness_commit"), harness_commit()
+    if then and now and then != now:  # the cell key holds the settings, not the code that measured them
+        print(
+            f"warning: {cell_dir.name} was measured by harness commit {then}, and this is {now}: its numbers are "
+            f"kept as they are; force=true remeasures it with this code",
+            file=sys.stderr,
+        )
+    summary = {**summary, "cell": cell_dir.name, "cell_dir": str(cell_dir)}  # where it is now (the store may have moved)
+    if os.environ.get("WANDB_SWEEP_ID"):  # the sweep's run gets the stored numbers: its metric, its report's cell
+        with tracking.start(cfg, cell_dir) as tracker:
+            tracker.finish({**summary, "reused": True}, read_records(cell_dir / "prompts.jsonl"))
+    return summary
+
+
+def _encoded(cfg: DictConfig, pair: Pair, prompts: list[dict], device: torch.device) -> tuple[list, int, int]:
+    """The prompts that fit the pair's context with max_new_tokens as (prompt, ids), and how many were
+    skipped and truncated (prompts.overlong)."""
+    budget = pair.prompt_budget(cfg.max_new_tokens)
+    if budget < 1:
+        raise HarnessError(
+            f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the pair's {pair.context}-token context: lower max_new_tokens"
+        )
+    encoded, skipped, truncated = [], 0, 0
+    for p in prompts:
+        full = encode(pair.tokenizer, p["prompt"], cfg.prompts.template)
+        fits = len(full) <= budget
+        ids = full if fits else encode_within(pair.tokenizer, p["prompt"], cfg.prompts.template, budget, cfg.prompts.overlong)
+        if ids is None:
+            skipped += 1
+        else:
+            truncated += not fits
+            encoded.append((p, as_tensor(ids, device)))
+    if not encoded:
+        raise HarnessError(
+            f"every prompt is longer than the context budget ({budget} tokens): lower max_new_tokens or use prompts.overlong=truncate"
+        )
+    return encoded, skipped, truncated
+
+
+# What a resumed cell's prompts may have run under apart: (the conditions' key for all of them, what mixing means).
+MIXED = {
+    "hostnames": "ran under several host names ({}): if these are different machines its timings mix them; force=true reruns it in one go",
+    "harness_commits": "were measured by several harness versions ({}): force=true reruns it with one",
+    "libraries_mixed": "were measured with several library versions ({}): their timings may not compare; force=true reruns it with one",
+}
+
+
+def _note_mixed(run_conditions: dict, records: list[dict], versions_now: str, cell: str) -> None:
+    """A resumed cell whose prompts ran on several machines, harness commits or library versions: each
+    list goes in the conditions, with a warning (records from before a field was kept count as unknown)."""
+    seen = {
+        "hostnames": {r["host"] for r in records if r.get("host")} | {run_conditions["hostname"]},
+        "harness_commits": {r.get("harness_commit") or "unknown" for r in records}
+        | {run_conditions["harness_commit"] or "unknown"},
+        "libraries_mixed": {r["libraries"] for r in records if r.get("libraries")} | {versions_now},
+    }
+    for key, values in seen.items():
+        if len(values) > 1:
+            run_conditions[key] = sorted(values)
+            print(f"warning: the prompts of {cell} {MIXED[key].format('; '.join(sorted(values)))}", file=sys.stderr)
+
+
 def results(pair: Pair, encoded: list, done: set, cfg: DictConfig, sampling: Sampling, quiet: bool):
     """The records of the prompts not `done`, as they are measured: one prompt at a time, or at
     batch_size > 1 in batches of consecutive prompts (a batch runs whole when any of its prompts is to do)."""
@@ -265,59 +291,18 @@ def results(pair: Pair, encoded: list, done: set, cfg: DictConfig, sampling: Sam
 
 
 def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: DictConfig, sampling: Sampling) -> dict:
-    """Baseline and speculative decoding of one prompt, back to back."""
-    seed = cfg.seed * PROMPT_SEED_STRIDE + index
-
-    def generator():
-        return torch.Generator(pair.device).manual_seed(seed)
-
-    spec_out, base_out, clocks = back_to_back(
-        pair.device,
-        pair.target,
-        pair.drafter,
-        lambda: speculative_decode(
-            pair.target, pair.drafter, ids, cfg.k, sampling, cfg.max_new_tokens, pair.eos_ids, generator()
-        ),
-        lambda: autoregressive_decode(pair.target, ids, sampling, cfg.max_new_tokens, pair.eos_ids, generator()),
-        base_first=index % 2 == 0,
-    )
-    (cycles, spec_stamps), (base_tokens, base_stamps) = spec_out, base_out
-    counts = metrics.cycle_counts(cycles, cfg.k)
-    spec_tokens = [t for c in cycles for t in c.tokens]
-    return {
-        "index": index,
-        "id": prompt["id"],
-        "category": prompt["category"],
-        "prompt_tokens": int(ids.shape[0]),
-        "spec": {
-            **counts,
-            "new_tokens": len(spec_tokens),
-            "time_s": spec_stamps[-1],
-            "ttft_s": spec_stamps[0],
-            "first_tokens": len(cycles[0].tokens),
-            "draft_passes": counts["drafted"] if pair.drafter.forwards else 0,
-            "tokens": spec_tokens,
-            "clock": clocks["spec"],
-        },
-        "base": {
-            "new_tokens": len(base_tokens),
-            "time_s": base_stamps[-1],
-            "ttft_s": base_stamps[0],
-            "first_tokens": 1,
-            "tokens": base_tokens,
-            "clock": clocks["base"],
-        },
-        "speedup": (len(spec_tokens) / spec_stamps[-1]) / (len(base_tokens) / base_stamps[-1]),
-    }
+    """Baseline and speculative decoding of one prompt, back to back: a batch of one."""
+    return run_batch(pair, [(prompt, ids, index)], index, cfg, sampling)[0]
 
 
 def run_batch(
     pair: Pair, rows: list[tuple[dict, torch.Tensor, int]], batch: int, cfg: DictConfig, sampling: Sampling
 ) -> list[dict]:
-    """Baseline and speculative decoding of a batch of prompts (prompt, ids, index), back to back;
-    one record per prompt. Each row has the seed it has alone (seed x stride + its index), so its
-    tokens are those it would get at batch_size=1 up to the rounding of other product shapes.
-    A row's time_s is when it finished within its batch; `batch` holds the batch's own figures."""
+    """Baseline and speculative decoding of a batch of prompts (prompt, ids, index), back to back
+    (which goes first alternates with `batch`); one record per prompt. Each row has the seed it has
+    alone (seed x stride + its index), so its tokens are those it would get at batch_size=1 up to the
+    rounding of other product shapes. A row's time_s is when it finished within its batch; in a cell of
+    batch_size > 1 `batch` holds the batch's own figures, at batch_size=1 the record holds its clocks itself."""
     target, drafter = rows_of(pair.target, len(rows)), pair.drafter
     prompts = [ids for _, ids, _ in rows]
     seeds = [cfg.seed * PROMPT_SEED_STRIDE + index for _, _, index in rows]
@@ -345,22 +330,50 @@ def run_batch(
         for row, token in step:
             base_tokens[row].append(token)
             base_done[row] = stamp
-    drafting = drafter.forwards  # a forward pass per drafted token
-    draft_steps = [max((c.num_drafted for _, c in cycle), default=0) for cycle in spec_cycles]  # a batched draft's passes
     spec_total, base_total = sum(len(c.tokens) for cycle in spec_cycles for _, c in cycle), sum(map(len, base_tokens))
-    unit = {
+    speedup = (spec_total / spec_stamps[-1]) / (base_total / base_stamps[-1])
+    records = []
+    for (prompt, ids, index), cycles, tokens, done in zip(rows, per_row, base_tokens, base_done):
+        counts = metrics.cycle_counts([c for c, _ in cycles], cfg.k)
+        spec_tokens = [t for c, _ in cycles for t in c.tokens]
+        spec = {
+            **counts,
+            "new_tokens": len(spec_tokens),
+            "time_s": cycles[-1][1],
+            "ttft_s": spec_stamps[0],
+            "first_tokens": len(cycles[0][0].tokens),
+            "draft_passes": counts["drafted"] if drafter.forwards else 0,
+            "tokens": spec_tokens,
+        }
+        base = {"new_tokens": len(tokens), "time_s": done, "ttft_s": base_stamps[0], "first_tokens": 1, "tokens": tokens}
+        record = {"index": index, "id": prompt["id"], "category": prompt["category"], "prompt_tokens": int(ids.shape[0])}
+        records.append({**record, "spec": spec, "base": base, "speedup": speedup})
+    if cfg.get("batch_size", 1) == 1:
+        records[0]["spec"]["clock"], records[0]["base"]["clock"] = clocks["spec"], clocks["base"]
+    else:
+        unit = batch_unit(rows, batch, cfg.k, spec_out, base_out, clocks, base_total)
+        for record in records:
+            record["batch"] = unit
+    return records
+
+
+def batch_unit(rows, batch: int, k: int, spec_out, base_out, clocks, base_total: int) -> dict:
+    """A batch's own figures, which its rows' records share: its passes and clocks, the baseline's steps."""
+    (spec_cycles, spec_stamps), (base_steps, base_stamps) = spec_out, base_out
+    draft_steps = [max((c.num_drafted for _, c in cycle), default=0) for cycle in spec_cycles]  # a batched draft's passes
+    return {
         "index": batch,
         "size": len(rows),
         "ids": [p["id"] for p, _, _ in rows],
         "spec": {
-            "new_tokens": spec_total,
+            "new_tokens": sum(len(c.tokens) for cycle in spec_cycles for _, c in cycle),
             "time_s": spec_stamps[-1],
             "ttft_s": spec_stamps[0],
             "first_tokens": sum(len(c.tokens) for _, c in spec_cycles[0]),
             "drafted": sum(draft_steps),
             "first_drafted": draft_steps[0],
             # [k + 1] the batch's passes by the most any row drafted (the pass is that wide: k' + 1 positions)
-            "drafted_hist": [draft_steps.count(j) for j in range(cfg.k + 1)],
+            "drafted_hist": [draft_steps.count(j) for j in range(k + 1)],
             "clock": clocks["spec"],
         },
         "base": {
@@ -372,38 +385,6 @@ def run_batch(
             "clock": clocks["base"],
         },
     }
-    speedup = (spec_total / spec_stamps[-1]) / (base_total / base_stamps[-1])
-    records = []
-    for (prompt, ids, index), cycles, tokens, done in zip(rows, per_row, base_tokens, base_done):
-        counts = metrics.cycle_counts([c for c, _ in cycles], cfg.k)
-        spec_tokens = [t for c, _ in cycles for t in c.tokens]
-        records.append(
-            {
-                "index": index,
-                "id": prompt["id"],
-                "category": prompt["category"],
-                "prompt_tokens": int(ids.shape[0]),
-                "spec": {
-                    **counts,
-                    "new_tokens": len(spec_tokens),
-                    "time_s": cycles[-1][1],
-                    "ttft_s": spec_stamps[0],
-                    "first_tokens": len(cycles[0][0].tokens),
-                    "draft_passes": counts["drafted"] if drafting else 0,
-                    "tokens": spec_tokens,
-                },
-                "base": {
-                    "new_tokens": len(tokens),
-                    "time_s": done,
-                    "ttft_s": base_stamps[0],
-                    "first_tokens": 1,
-                    "tokens": tokens,
-                },
-                "speedup": speedup,
-                "batch": unit,
-            }
-        )
-    return records
 
 
 def back_to_back(device, target, drafter, spec_decode, base_decode, base_first: bool):

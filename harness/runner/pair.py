@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.base.device import device_identity
 from harness.config.settings import DRAFT_KINDS, FEATURES_EAGER_ONLY
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.data.prompts import set_pair_template
@@ -23,7 +24,6 @@ from harness.models.batched import rows_of
 from harness.models.cached import CachedLM
 from harness.models.eagle import LAYOUTS, load_head
 from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_dtype
-from harness.runner.provenance import device_identity
 
 
 @dataclass
@@ -135,29 +135,7 @@ def load_pair(
     # The rule compares token ids over the range the tokenizer can produce and
     # both models score (padded embedding rows beyond it are dropped).
     vocab_size = min(len(tokenizer), target_model.get_output_embeddings().weight.shape[0])
-    drafter: Drafter
-    if pair_cfg.draft.kind == "ngram":
-        drafter = NgramDrafter(
-            vocab_size,
-            pair_cfg.draft.get("max_ngram", 3),
-            pair_cfg.draft.get("min_ngram", 1),
-            pair_cfg.draft.get("length", "match"),
-        )
-    elif pair_cfg.draft.kind == "model":
-        draft_spec = ModelSpec.from_config(pair_cfg.draft)
-        draft_model = load_model(draft_spec, device, "draft", target=target_model)
-        if not getattr(draft_model, "shares_target_weights", False):
-            shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
-            vocab_size = min(vocab_size, shared)  # a draft scoring fewer is padded (CachedLM): the target keeps its range
-        drafter = ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile, forward=forward))
-    elif pair_cfg.draft.kind in LAYOUTS:
-        if compile:
-            raise HarnessError(FEATURES_EAGER_ONLY)
-        draft_dtype = resolve_dtype(pair_cfg.draft.get("dtype") or "auto", device)
-        head = load_head(pair_cfg.draft.id, pair_cfg.draft.kind, target_model, draft_dtype, pair_cfg.draft.get("revision"))
-        drafter = FeatureDrafter(head)
-    else:
-        raise HarnessError(f"pair.draft.kind={pair_cfg.draft.kind} is not a drafter: use {', '.join(DRAFT_KINDS)}")
+    drafter, vocab_size = make_drafter(pair_cfg.draft, target_model, tokenizer, vocab_size, device, cache, compile, forward)
     eos = target_model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
@@ -174,21 +152,51 @@ def load_pair(
         linear, pair.models(), device, device_identity(device)
     )  # before the first forward compiles
     if "plan" in pair.linear:
-        source = pair.linear["plan"]["source"]
-        timed = f"timed at 1 to {cpu_linear.FEW_ROWS} rows in {pair.linear['probe']['seconds']:.1f} s"
-        how = {
-            "stored": "the plan stored for this machine; cpu_linear=probe times it anew",
-            "probed": f"{timed}, stored for later runs",
-        }.get(source, f"{timed}, not stored: the next run probes again")
-        print(
-            f"[harness] cpu_linear={linear}: {cpu_linear.describe(pair.linear.get('rows_to'))} ({how}: "
-            f"{pair.linear['plan']['file']})",
-            file=sys.stderr,
-        )
-        if source != "stored" and (warning := cpu_linear.noisy(pair.linear["probe"])):
-            print(f"warning: {warning}", file=sys.stderr)
+        _say_linear_plan(pair.linear, linear)
     loaded_pairs[key] = pair
     return pair
+
+
+def make_drafter(
+    draft_cfg: DictConfig, target_model, tokenizer, vocab_size: int, device: torch.device, cache: str, compile: bool, forward: str
+) -> tuple[Drafter, int]:
+    """The one factory of drafters: the drafter `draft_cfg` names for this target, and the vocabulary
+    the rule compares (a draft model with a smaller one narrows it)."""
+    if draft_cfg.kind == "ngram":
+        lookup = NgramDrafter(
+            vocab_size, draft_cfg.get("max_ngram", 3), draft_cfg.get("min_ngram", 1), draft_cfg.get("length", "match")
+        )
+        return lookup, vocab_size
+    if draft_cfg.kind == "model":
+        draft_spec = ModelSpec.from_config(draft_cfg)
+        draft_model = load_model(draft_spec, device, "draft", target=target_model)
+        if not getattr(draft_model, "shares_target_weights", False):
+            shared = check_same_vocabulary(tokenizer, load_tokenizer(draft_spec, "draft"))
+            vocab_size = min(vocab_size, shared)  # a draft scoring fewer is padded (CachedLM): the target keeps its range
+        return ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile, forward=forward)), vocab_size
+    if draft_cfg.kind in LAYOUTS:
+        if compile:
+            raise HarnessError(FEATURES_EAGER_ONLY)
+        draft_dtype = resolve_dtype(draft_cfg.get("dtype") or "auto", device)
+        head = load_head(draft_cfg.id, draft_cfg.kind, target_model, draft_dtype, draft_cfg.get("revision"))
+        return FeatureDrafter(head), vocab_size
+    raise HarnessError(f"pair.draft.kind={draft_cfg.kind} is not a drafter: use {', '.join(DRAFT_KINDS)}")
+
+
+def _say_linear_plan(plan: dict, mode: str) -> None:
+    """One line on the CPU linear products chosen and where their plan came from (and a warning if its probe was noisy)."""
+    source = plan["plan"]["source"]
+    timed = f"timed at 1 to {cpu_linear.FEW_ROWS} rows in {plan['probe']['seconds']:.1f} s"
+    how = {
+        "stored": "the plan stored for this machine; cpu_linear=probe times it anew",
+        "probed": f"{timed}, stored for later runs",
+    }.get(source, f"{timed}, not stored: the next run probes again")
+    print(
+        f"[harness] cpu_linear={mode}: {cpu_linear.describe(plan.get('rows_to'))} ({how}: {plan['plan']['file']})",
+        file=sys.stderr,
+    )
+    if source != "stored" and (warning := cpu_linear.noisy(plan["probe"])):
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def draft_size(pair: Pair) -> dict:
