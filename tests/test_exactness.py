@@ -850,7 +850,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_pair, tmp_path):
     out = exactness_cli(*exactness_args(tiny_pair, tmp_path, "exactness.num_promts=1"))  # a typo in the check's own section
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: unknown setting 'exactness.num_promts': did you mean exactness.num_prompts? "
-        "exactness has alpha, detect_tv, length, max_cells, num_prompts, samples"
+        "exactness has alpha, detect_tv, length, max_cells, num_prompts, rows, samples"
     ]
 
 

@@ -704,7 +704,7 @@ def test_exactness_check_is_logged_as_its_own_run(tiny_pair, tmp_path, offline):
     for key in ("passed", "family_p", "detectable_tv", "samples", "k", "temperature", "length"):
         assert plain(run["summary"][key]) == plain(on_disk[key]), key
     assert run["summary"]["exactness/passed"] == int(on_disk["passed"]) and run["exit_code"] == 0
-    assert run["summary"]["tables/exactness"]["nrows"] == 3  # one prompt x (joint, first, bonus)
+    assert run["summary"]["tables/exactness"]["nrows"] == 4  # one prompt x (joint, first, bonus, rows: drawn 8 rows at a time)
     (results,) = [a for a in run["artifacts"] if a[1] == "cell-results"]
     assert set(results[2]) == {"exactness.json", "config.yaml"}
 

@@ -93,6 +93,7 @@ class Exactness:  # the `exactness` section of harness.exactness (its DEFAULTS)
     num_prompts: int = MISSING
     alpha: float = MISSING
     max_cells: int = MISSING
+    rows: int = MISSING
 
 
 @dataclass

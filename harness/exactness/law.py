@@ -136,7 +136,7 @@ def draw_batches(
     length: int,
     eos_ids: set[int],
     samples: int,
-    seed: int,
+    seed: int | tuple[int, ...],
     rule=verify_rows,
     progress=None,
 ) -> dict[str, tuple[list[Draw], list[tuple[int, int]]]]:
@@ -147,7 +147,11 @@ def draw_batches(
     rows_of = [[j for j in range(batch_size) if j % len(prompts) == i] for i in range(len(prompts))]
     runs = -(-samples // min(len(r) for r in rows_of))
     seeds = [
-        iter(np.random.default_rng(np.random.SeedSequence((seed, i))).choice(2**32, size=runs * len(r), replace=False))
+        iter(
+            np.random.default_rng(np.random.SeedSequence((*np.atleast_1d(seed).tolist(), i))).choice(
+                2**32, size=runs * len(r), replace=False
+            )
+        )
         for i, r in enumerate(rows_of)
     ]
     out: dict[str, tuple[list[Draw], list[tuple[int, int]]]] = {name: ([], []) for name in names}

@@ -104,6 +104,7 @@ DEFAULTS = {
     "num_prompts": 3,  # the first prompts of the configured dataset (chosen as `python -m harness` chooses them)
     "alpha": 0.001,  # family-wise level, Holm over prompts x tests
     "max_cells": 200,  # bound on cells per test (see the module docstring)
+    "rows": 8,  # at batch_size=1, each prompt's continuations drawn this many at a time, as rows of one batch (1: one by one)
 }
 
 # The primary config is conf/config.yaml plus this node, so every run option
@@ -142,6 +143,10 @@ def validate_exactness(cfg: DictConfig) -> None:
         (
             isinstance(e.detect_tv, (int, float)) and 0 < e.detect_tv < 1,
             f"exactness.detect_tv={e.detect_tv} must be in (0, 1), e.g. 0.05",
+        ),
+        (
+            is_int(e.rows) and e.rows >= 1,
+            f"exactness.rows={e.rows} must be an integer >= 1 (1: draw continuations one at a time)",
         ),
         (
             e.length is None or (is_int(e.length) and e.length >= 2),
@@ -257,12 +262,13 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     exactness.json into the run directory and return the report. A run
     directory that already holds a report is not redone unless force=true.
     With acceptance=true: the teacher-forced acceptance check, into acceptance.json."""
+    from harness.base.files import write_json_atomic
     from harness.config.checks import validate, with_default_pair
     from harness.models.loading import resolve_device
     from harness.runner.costs import measure_costs
     from harness.runner.pair import load_pair
     from harness.runner.provenance import conditions
-    from harness.runner.store import cell_key, write_json_atomic
+    from harness.runner.store import cell_key
 
     cfg = with_default_pair(cfg)
     OmegaConf.set_struct(cfg, False)
@@ -314,6 +320,12 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # once the check can start
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k)
+    rows = e.rows if cfg.get("batch_size", 1) == 1 and not acceptance else 1
+    if rows > 1:
+        try:
+            pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k, rows)
+        except HarnessError:  # a pair that decodes one sequence at a time (static cache, compiled steps, sliding windows)
+            rows = 1
     pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))  # as run_cell does: the proposals a run makes
 
     started = time.perf_counter()
@@ -360,9 +372,11 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
         max_cells=e.max_cells,
         progress=not quiet,
         batch=cfg.get("batch_size", 1) if cfg.get("batch_size", 1) > 1 else None,
+        rows=rows,
     )
     if cfg.get("batch_size", 1) > 1:
         report["batch_size"] = cfg.batch_size
+    report["rows"] = rows  # continuations drawn as rows of one batch (1: one at a time)
     report.update(
         pair=cfg.pair.name,
         target=cfg.pair.target.id,
