@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from harness.base.host_reads import from_host
 from harness.config.settings import LOOKUP_LENGTHS
-from harness.core.host_syncs import from_host
 from harness.core.sampling import Sampling, sample_rows, shape_probs
 from harness.models.batched import rows_of
 
@@ -54,6 +54,11 @@ def draw_rows(logits: torch.Tensor, sampling: Sampling, generators) -> tuple[tor
         return logits.argmax(-1), None
     q = shape_probs(logits, sampling)  # [B, V]
     return sample_rows(q, generators), q
+
+
+def every_row(rows: list[int], batch: int) -> slice | list[int]:
+    """An index of the rows `rows` of a batch of `batch`: a slice when they are all of them (no index tensor made)."""
+    return slice(None) if len(rows) == batch else rows
 
 
 class Drafter(Protocol):
@@ -130,12 +135,14 @@ class ModelDrafter(DrafterBase):
         feeds = [ids[n:] if b else ids[:0] for ids, n, b in zip(rows.ids, self.rows.lengths, budgets)]
         for step in range(K):
             drafting = [i for i, b in enumerate(budgets) if b > step]
+            at = every_row(drafting, B)
             logits = self.rows.forward(feeds, [int(b > step) for b in budgets])  # per row [1 or 0, V]
-            drawn, probs = draw_rows(torch.cat([logits[i] for i in drafting]), sampling, [rows.generators[i] for i in drafting])
-            tokens[drafting, step] = drawn
+            scored = logits[0] if B == 1 else torch.cat([logits[i] for i in drafting])  # [B', V]
+            drawn, probs = draw_rows(scored, sampling, [rows.generators[i] for i in drafting])
+            tokens[at, step] = drawn
             if probs is not None:
                 q = probs.new_zeros(B, K, probs.shape[-1]) if q is None else q
-                q[drafting, step] = probs
+                q[at, step] = probs
             feeds = [tokens[i, step : step + 1] if b > step + 1 else rows.ids[i][:0] for i, b in enumerate(budgets)]
         return Proposal(tokens, list(budgets), q)
 
@@ -220,11 +227,12 @@ class FeatureDrafter(DrafterBase):
         self.pairs = [n - 1 if d else p for n, d, p in zip(lengths, drafting, self.pairs)]
         for j in range(K):
             live = [i for i, c in enumerate(counts) if c > j]
-            drawn, probs = draw_rows(logits[live], sampling, [rows.generators[i] for i in live])
-            tokens[live, j] = drawn
+            at = every_row(live, B)
+            drawn, probs = draw_rows(logits[at], sampling, [rows.generators[i] for i in live])
+            tokens[at, j] = drawn
             if probs is not None:
                 q = probs.new_zeros(B, K, probs.shape[-1]) if q is None else q
-                q[live, j] = probs
+                q[at, j] = probs
             going = [int(c > j + 1) for c in counts]
             if any(going):
                 logits, out = self.store.step(tokens[:, j : j + 1], last[:, None], going, from_target=False)
@@ -236,6 +244,12 @@ class FeatureDrafter(DrafterBase):
         [B, V] of each row's last pair and its output [B, H] (rows not drafting: garbage)."""
         starts = self.store.lengths
         counts = [n - 1 - s if d else 0 for n, s, d in zip(lengths, starts, drafting)]
+        if len(ids) == 1:  # one row: views of its ids and features
+            (s,), (c,) = starts, counts
+            logits, out = self.store.step(
+                ids[0][None, s + 1 : s + 1 + c], self.features[0][None, s : s + c], counts, from_target=True
+            )
+            return logits, out[:, c - 1]
         width, some = max(counts), self.features[drafting.index(True)]
         feed = ids[0].new_zeros(len(ids), width)  # [B, T]
         hidden = some.new_zeros(len(ids), width, some.shape[1])  # [B, T, F]

@@ -31,7 +31,7 @@ Host reads (what a CUDA device waits for): drafting, shaping, sampling and the r
 for every row at once, so the draft's forwards are queued without waiting. Per cycle the host
 reads ONE tensor for the whole batch: each row's accepted count and committed tokens (the rollback
 lengths, EOS and the token budget need them). The baseline reads each step's tokens once.
-tests/test_host_syncs.py holds the loop to this on any device (harness.core.host_syncs.HostReads).
+tests/test_host_syncs.py holds the loop to this on any device (harness.base.host_reads.HostReads).
 """
 
 from __future__ import annotations
@@ -126,11 +126,11 @@ def speculative_decode_rows(
             verdicts: Verdicts = greedy_rows(proposal.tokens, counts, scored.argmax(-1))
         else:
             verdicts = rule(proposal.tokens, counts, proposal.q, shape_probs(scored, sampling), rows.generators)
-        accepted, committed, tokens = read_verdicts(proposal.tokens, verdicts)  # the cycle's one host read
+        accepted, committed = read_verdicts(proposal.tokens, verdicts)  # the cycle's one host read
         cycles, lengths, seen, finished = [], [], [], []
         for i, (n, c) in enumerate(zip(accepted, counts)):
             length = rows.ids[i].shape[0]
-            kept, stop = apply_stops(committed[i][: n + 1], eos_ids, max_new_tokens - rows.generated[i])
+            kept, stop = apply_stops(committed[i], eos_ids, max_new_tokens - rows.generated[i])
             # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
             took, tested = (n, min(n + 1, c)) if len(kept) > n else (len(kept), len(kept))
             expected = verdicts.expected_acceptance[i, :tested]
@@ -138,7 +138,10 @@ def speculative_decode_rows(
             lengths.append(length + n)  # the committed ids and the n accepted drafts; the next token is fed next cycle
             if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
                 seen.append((features[i][: unseen[i].shape[0] + n], length - unseen[i].shape[0]))
-            rows.commit(i, tokens[i, : len(kept)], kept)
+            tokens = (
+                proposal.tokens[i, :n] if len(kept) <= n else torch.cat([proposal.tokens[i, :n], verdicts.next_token[i : i + 1]])
+            )
+            rows.commit(i, tokens[: len(kept)], kept)
             if stop:
                 finished.append(i)
         lm.rollback(lengths)
@@ -153,14 +156,11 @@ def speculative_decode_rows(
             rows.keep(going)
 
 
-def read_verdicts(drafts: torch.Tensor, verdicts: Verdicts) -> tuple[list[int], list[list[int]], torch.Tensor]:
+def read_verdicts(drafts: torch.Tensor, verdicts: Verdicts) -> tuple[list[int], list[list[int]]]:
     """The host's one read of a cycle: per row its accepted count, and its accepted drafts followed by
-    the next token (what follows them in the list is not committed); and those tokens [B, K + 1] on the device."""
-    B, K = drafts.shape
-    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1)  # [B, K + 1]
-    tokens.scatter_(1, verdicts.accepted[:, None], verdicts.next_token[:, None])
-    packed = torch.cat([verdicts.accepted[:, None], tokens], dim=1).tolist()  # host read: [B, 1 + K + 1]
-    return [row[0] for row in packed], [row[1:] for row in packed], tokens
+    the next token (of which the stops keep a prefix)."""
+    packed = torch.cat([verdicts.accepted[:, None], verdicts.next_token[:, None], drafts], dim=1).tolist()  # host read
+    return [row[0] for row in packed], [row[2 : 2 + row[0]] + row[1:2] for row in packed]
 
 
 def autoregressive_decode_rows(

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from harness.core.host_syncs import from_host
+from harness.base.host_reads import from_host
 from harness.core.sampling import sample_rows
 
 
@@ -93,8 +93,9 @@ def greedy_rows(
     """Temperature 0: keep drafted tokens while they equal the target's argmax; the next token is
     the target's argmax at the first mismatch (or the bonus row). No host read."""
     K, device = draft_tokens.shape[1], draft_tokens.device
-    valid = torch.arange(K, device=device) < from_host(counts, device)[:, None]  # [B, K]
-    matches = (draft_tokens == target_argmax[:, :K]) & valid  # [B, K]
+    matches = draft_tokens == target_argmax[:, :K]  # [B, K]
+    if min(counts, default=K) < K:  # a row drafted fewer: its positions past them are never accepted
+        matches &= torch.arange(K, device=device) < from_host(counts, device)[:, None]
     num_accepted = matches.long().cumprod(-1).sum(-1)  # [B]
     return Verdicts(num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0], matches.to(torch.float32))
 
