@@ -510,27 +510,11 @@ def test_a_damaged_head_in_the_hf_cache_says_to_download_it_again(heads, tmp_pat
 
 @pytest.mark.cli
 def test_the_cli_says_which_file_of_the_head_cannot_be_read(heads, tmp_path):
-    import os
-    import subprocess
-    import sys
+    from test_cli import harness
 
     folder, _ = _damaged_head(heads, tmp_path / "head", "model.safetensors")
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "+pair=smollm2_eagle",
-            f"pair.target.id={heads['target']}",
-            f"pair.draft.id={folder}",
-            f"out_dir={tmp_path / 'out'}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-        env=env,
-        timeout=300,
+    out = harness(
+        "+pair=smollm2_eagle", f"pair.target.id={heads['target']}", f"pair.draft.id={folder}", f"out_dir={tmp_path / 'out'}"
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     said = [line for line in out.stderr.splitlines() if not line.startswith("[harness] ")]  # less the progress lines

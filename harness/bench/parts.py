@@ -19,9 +19,8 @@ from scipy import stats
 from harness.base.host_reads import HostReads
 from harness.bench.contenders import GREEDY, ForwardCounter, fewest_lookup_passes
 from harness.bench.contenders import contenders as build_contenders
-from harness.bench.timing import Stopwatch, TimedHead, TimedLM, timed_call
+from harness.bench.timing import Stopwatch, TimedLM, timed_call, timed_drafter
 from harness.core import loop, metrics
-from harness.core.drafters import FeatureDrafter, ModelDrafter
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.metrics import ratio
 from harness.core.sampling import Sampling
@@ -204,13 +203,7 @@ def limit(pair, encoded, k: int, n: int, device, reps: int = 1) -> dict:
     costs = measure_costs(pair, encoded[0], k, GREEDY)
     c, v = costs["cost_ratio"], costs["verify_cost"]  # v[j] = v(j + 1)
     spec_target, base_target = TimedLM(pair.target), TimedLM(pair.target)
-    draft: TimedHead | TimedLM  # a draft forward is a head's step or a draft model's pass
-    if pair.drafter.reads_target:
-        draft = TimedHead(pair.drafter.head)
-        drafter: FeatureDrafter | ModelDrafter = FeatureDrafter(pair.drafter.head, draft.store)
-    else:
-        draft = TimedLM(pair.drafter.lm)
-        drafter = ModelDrafter(draft)
+    draft, drafter = timed_drafter(pair.drafter)  # a draft forward is a head's step or a draft model's pass
     watch = Stopwatch(device)
     saved = loop.greedy_rows, loop.apply_stops
     loop.greedy_rows, loop.apply_stops = watch.wrap("rule", loop.greedy_rows), watch.wrap("stops", loop.apply_stops)
@@ -464,7 +457,6 @@ def batched_baselines(pair, encoded, args, device) -> dict:
     on the same left-padded batch of the first B prompts (repeated when fewer), interleaved (order
     alternating) over args.reps; tokens/s medians, the median of the per-rep ratios, and the share of
     rows whose greedy output is HF's (left padding and other product shapes may part them at a tie)."""
-    from harness.core.loop import autoregressive_decode_rows
     from harness.models.batched import rows_of
 
     eos = sorted(pair.eos_ids)
@@ -477,7 +469,7 @@ def batched_baselines(pair, encoded, args, device) -> dict:
         def ours(rows=rows, target=target):
             tokens = [[] for _ in rows]
             gens = [torch.Generator(device) for _ in rows]
-            for step in autoregressive_decode_rows(target, rows, GREEDY, args.max_new_tokens, pair.eos_ids, gens):
+            for step in loop.autoregressive_decode_rows(target, rows, GREEDY, args.max_new_tokens, pair.eos_ids, gens):
                 for row, token in step:
                     tokens[row].append(token)
             return tokens

@@ -105,3 +105,14 @@ def timed_call(fn, device) -> tuple[list[int], float]:
     tokens = fn()
     _sync(device)
     return tokens, time.perf_counter() - start
+
+
+def timed_drafter(drafter):
+    """(its timed draft: TimedHead or TimedLM, a drafter of the same kind drafting through it) for a head or a model draft."""
+    from harness.core.drafters import FeatureDrafter, ModelDrafter
+
+    if drafter.reads_target:
+        draft = TimedHead(drafter.head)
+        return draft, FeatureDrafter(drafter.head, draft.store)
+    draft = TimedLM(drafter.lm)
+    return draft, ModelDrafter(draft)
