@@ -55,7 +55,7 @@ SUMMARY_SCALARS = (
     "decode_speedup",
     "predicted_speedup",
     "efficiency",
-    "efficiency_in_run",
+    "efficiency_isolated",
     "cost_ratio",
     "verify_cost",
     "cycles",
@@ -139,6 +139,8 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
 def cell_row(raw: RawCell) -> dict:
     """One row of the cells frame: what the summary and the config say of one cell."""
     s, cfg = raw.summary, raw.config
+    if "efficiency_in_run" in s:  # written before the in-run efficiency became the headline `efficiency`
+        s = {**s, "efficiency": s["efficiency_in_run"], "efficiency_isolated": s["efficiency"]}
     pair, costs, conditions, dataset = cfg["pair"], s["costs"], s["conditions"], cfg["dataset"]
     draft = pair["draft"]
     kind = draft["kind"]

@@ -372,8 +372,8 @@ def test_the_whatif_predicts_where_speculation_stops_paying():
     "overrides, says",
     [
         (["batch_size=0"], "batch_size=0 must be a positive integer"),
-        (["batch_size=4", "cache=static"], "batch_size > 1 runs with cache=dynamic and compile=false"),
-        (["batch_size=4", "cache=static", "compile=true"], "batch_size > 1 runs with cache=dynamic and compile=false"),
+        (["batch_size=4", "cache=static"], "batch_size > 1 runs with cache=dynamic, and on HF's forward with compile=false"),
+        (["batch_size=4", "cache=static", "compile=true", "forward=hf"], "batch_size > 1 runs with cache=dynamic"),
         (["batch_size=two"], "batch_size"),
     ],
 )

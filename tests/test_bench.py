@@ -203,7 +203,7 @@ def test_hf_prompt_lookup_has_room_in_the_static_cache_it_is_given(tiny_pair, k)
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["compile=true"], "compile=true needs fixed shapes: add cache=static"),
+        (["compile=true", "forward=hf"], "compile=true on HF's forward needs fixed shapes: add cache=static"),
         (["cache=statik"], "cache=statik must be dynamic or static"),
         (["prompts.template=chatml"], "prompts.template=chatml must be auto, chat or raw"),
     ],

@@ -250,15 +250,6 @@ def test_a_head_that_does_not_fit_is_one_line(heads, tmp_path, kind, edit, says)
     assert "\n" not in str(err.value)
 
 
-def test_compile_is_refused_with_a_head(heads):
-    loaded_pairs.clear()
-    cfg = OmegaConf.create(
-        {"name": "t", "target": {"id": str(heads["target"])}, "draft": {"kind": "eagle", "id": str(heads["eagle"])}}
-    )
-    with pytest.raises(HarnessError, match="compile=false"):
-        load_pair(cfg, torch.device("cpu"), cache="static", compile=True, linear="torch")
-
-
 @pytest.fixture(scope="module")
 def trained(heads):
     """An EAGLE-3 head trained on the tiny target's own text by harness.distill.head (a few seconds)."""

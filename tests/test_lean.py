@@ -213,8 +213,9 @@ def composed(*overrides: str):
     "overrides, message",
     [
         (["forward=fast"], "forward=fast must be auto, hf or lean"),
-        (["forward=lean", "cache=static"], "forward=lean keeps KV storage of its own and runs eagerly"),
-        (["forward=lean", "cache=static", "compile=true"], "forward=lean keeps KV storage of its own and runs eagerly"),
+        (["forward=lean", "cache=static"], "forward=lean keeps KV storage of its own: use cache=dynamic"),
+        (["forward=lean", "cache=static", "compile=true"], "forward=lean keeps KV storage of its own: use cache=dynamic"),
+        (["forward=hf", "compile=true"], "compile=true on HF's forward needs fixed shapes: add cache=static"),
     ],
 )
 def test_bad_forward_settings_are_one_line(overrides, message):

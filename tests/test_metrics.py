@@ -58,6 +58,9 @@ def test_summary_from_counts():
     counts = cycle_counts(CYCLES, k=4)
     costs = {"cost_ratio": 0.1, "verify_cost": [1.0, 1.05, 1.1, 1.15, 1.2]}  # v(1)..v(k+1)
     records = [record(counts, 12, 1.0, 12, 2.0), record(counts, 12, 1.0, 12, 4.0)]
+    for r in records:  # timed in the run: the same step and v(n), drafts twice as dear (c = 0.2) as timed apart
+        r["spec"]["clock"] = {"draft": [0.2, 3], "verify@5": [0.24, 2], "verify@3": [0.11, 1]}
+        r["base"]["clock"] = {"verify@1": [1.0, 10]}
     s = summarize(records, 4, costs)
     assert s["acceptance_rate"] == pytest.approx(8 / 14)
     assert s["alpha"] == pytest.approx(8 / 10)
@@ -77,7 +80,9 @@ def test_summary_from_counts():
     # The prediction prices the cycles run after the first (the prompt's pass, 4 drafts, 5 tokens): 2 cycles
     # of 4 drafts + v(5), one of 2 drafts + v(3), for 7 tokens, per record
     assert s["predicted_speedup"] == pytest.approx(7 / (2 * (4 * 0.1 + 1.2) + (2 * 0.1 + 1.1)))
-    assert s["efficiency"] == pytest.approx(decode / s["predicted_speedup"])
+    assert s["efficiency_isolated"] == pytest.approx(decode / s["predicted_speedup"])
+    assert s["predicted_speedup_in_run"] == pytest.approx(7 / (2 * (4 * 0.2 + 1.2) + (2 * 0.2 + 1.1)))
+    assert s["efficiency"] == pytest.approx(decode / s["predicted_speedup_in_run"])  # the headline: costs timed in the run
     assert s["efficiency_formula"] == pytest.approx(decode / s["predicted_speedup_formula"])
     assert s["spec_tpot_s"] == pytest.approx((2 * 0.9) / (2 * 10))
     assert s["base_tpot_s"] == pytest.approx((1.95 + 3.95) / (2 * 11))

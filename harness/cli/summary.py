@@ -51,10 +51,10 @@ def format_summary(s: dict) -> str:
         f"{'speedup (geomean of ' + ('batches)' if c.get('batch') else 'prompts)'):<34}{fmt(s['speedup_geomean']):>12}  [{fmt(glo)}, {fmt(ghi)}] 95% CI",
         f"{'speedup after the first token':<34}{fmt(s.get('decode_speedup')):>12}  (TPOT ratio)",
         f"{'predicted speedup (cycles run)':<34}{fmt(s['predicted_speedup']):>12}  (formula {fmt(s.get('predicted_speedup_formula'))})",
-        f"{'efficiency (decode/predicted)':<34}{fmt(s['efficiency']):>12}",
-        f"{'  with costs timed in the run':<34}{fmt(s.get('efficiency_in_run')):>12}  (predicted "
-        f"{fmt(s.get('predicted_speedup_in_run'))}: c {fmt(s.get('in_run', {}).get('cost_ratio'))}, v(k+1) "
+        f"{'efficiency (decode/predicted)':<34}{fmt(s['efficiency']):>12}  (costs timed in the run: predicted "
+        f"{fmt(s.get('predicted_speedup_in_run'))}, c {fmt(s.get('in_run', {}).get('cost_ratio'))}, v(k+1) "
         f"{fmt((s.get('in_run', {}).get('verify_cost') or [float('nan')])[-1])})",
+        f"{'  with costs timed apart':<34}{fmt(s.get('efficiency_isolated')):>12}  (predicted {fmt(s['predicted_speedup'])})",
         f"{'cost ratio c (draft/target step)':<34}{fmt(s['cost_ratio']):>12}{_interval(s.get('cost_ratio_ci'))}",
         f"{'verify cost v(k+1) (target steps)':<34}{fmt(s['verify_cost']):>12}{_interval(s.get('verify_cost_ci'))}"
         + (
@@ -76,6 +76,8 @@ def format_summary(s: dict) -> str:
     if "peak_rss_mb" in s:
         growth = f"  (growth {fmt(s['rss_growth_mb_per_prompt'], '+.2f')} MB/prompt)" if "rss_growth_mb_per_prompt" in s else ""
         lines.append(f"{'peak RSS MB':<34}{fmt(s['peak_rss_mb'], '.0f'):>12}{growth}")
+    if s.get("recompiles_after_warm_up") is not None:  # compile=true
+        lines.append(f"{'recompiles after warm-up':<34}{s['recompiles_after_warm_up']:>12}")
     cats = s.get("categories") or {}
     if cats:
         lines += ["", f"{'category':<16}{'prompts':>8}{'accept':>9}{'tok/cycle':>11}{'speedup':>9}"]

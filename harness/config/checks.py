@@ -381,11 +381,14 @@ def validate(cfg: DictConfig) -> None:
             k <= new,
             f"k={k} is more than max_new_tokens={new}, and a cycle drafts at most {new - 1}: lower k or raise max_new_tokens",
         ),
-        (not cfg.compile or cfg.cache == "static", "compile=true needs fixed shapes: add cache=static"),
+        (not cfg.compile or cfg.cache == "static" or forward != "hf", settings.HF_COMPILE_STATIC),
         # Longer steps run eagerly (CachedLM.forward): a run labelled compiled would time its full verifies eager.
         (not cfg.compile or k + 1 <= settings.COMPILED_MAX_TOKENS, compiled_k_message(k)),
-        (forward != "lean" or (cfg.cache == "dynamic" and not cfg.compile), settings.LEAN_EAGER_ONLY),
-        (cfg.get("batch_size", 1) == 1 or (cfg.cache == "dynamic" and not cfg.compile), settings.BATCH_ONE_ONLY),
+        (forward != "lean" or cfg.cache == "dynamic", settings.LEAN_OWN_STORAGE),
+        (
+            cfg.get("batch_size", 1) == 1 or (cfg.cache == "dynamic" and not (cfg.compile and forward == "hf")),
+            settings.BATCH_ONE_ONLY,
+        ),
     ]
     for ok, message in checks:
         if not ok:

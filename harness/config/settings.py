@@ -21,14 +21,13 @@ from omegaconf import MISSING
 
 CPU_LINEAR_MODES = ("auto", "probe", "transposed", "torch")  # harness.models.cpu_linear (probe: time the plan anew)
 FORWARDS = ("auto", "hf", "lean")  # harness.models.lean: the models' own modules, or ours; auto: ours where it runs (CachedLM)
-LEAN_EAGER_ONLY = (
-    "forward=lean keeps KV storage of its own and runs eagerly: use cache=dynamic compile=false with it, or forward=hf"
-)
-FEATURES_EAGER_ONLY = (
-    "a feature head reads the target's hidden states from an eager forward: use compile=false with draft kinds eagle and eagle3"
-)
+LEAN_OWN_STORAGE = "forward=lean keeps KV storage of its own: use cache=dynamic with it (compile=true needs no static cache there), or forward=hf"
+HF_COMPILE_STATIC = "compile=true on HF's forward needs fixed shapes: add cache=static, or run the lean forward (forward=auto or lean, Llama models)"
 DRAFT_KINDS = ("model", "ngram", "eagle", "eagle3")  # harness.runner.pair: a separate model, prompt lookup, feature heads
-BATCH_ONE_ONLY = "batch_size > 1 runs with cache=dynamic and compile=false: use those, or batch_size=1"
+BATCH_ONE_ONLY = (
+    "batch_size > 1 runs with cache=dynamic, and on HF's forward with compile=false: use those, forward=auto or lean "
+    "(Llama models), or batch_size=1"
+)
 WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
 LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.core.drafters.NgramDrafter)
 COMPILED_MAX_TOKENS = (

@@ -91,7 +91,7 @@ class DrafterBase:
     def reserve(self, positions: int, rows: int = 1) -> None:
         pass
 
-    def warm_up(self, k: int) -> None:
+    def warm_up(self, k: int, rows: int = 1) -> None:
         pass
 
     def use_costs(self, costs: dict) -> None:
@@ -155,11 +155,14 @@ class ModelDrafter(DrafterBase):
     def reserve(self, positions: int, rows: int = 1) -> None:
         self.lm.reserve(positions)
         if rows > 1:
-            rows_of(self.lm, rows).reserve(positions)
+            rows_of(self.lm, rows).reserve(positions, rows)
 
-    def warm_up(self, k: int) -> None:
+    def warm_up(self, k: int, rows: int = 1) -> None:
         """With compile=true: its one-token steps and two-token catch-up (last draft + bonus)."""
-        self.lm.warm_up([(1, 1), (2, 1)])
+        if rows == 1:
+            self.lm.warm_up([(1, 1), (2, 1)])
+        else:
+            rows_of(self.lm, rows).warm_up([1, 2])
 
     def models(self) -> list:
         return [self.lm.model]
@@ -186,23 +189,29 @@ class FeatureDrafter(DrafterBase):
 
     kind = "feature head"
 
-    def __init__(self, head: FeatureHead, store=None):
+    def __init__(self, head: FeatureHead, store=None, compile: bool = False):
         from harness.models.eagle import HeadRows
 
-        self.head = head
+        self.head, self.compile = head, compile
         self.reads_target = tuple(head.reads)  # the target layers whose features it reads
         self.capacity = 0
-        self.store = store if store is not None else HeadRows(head, 1)  # its KV storage, for as many rows as a batch has
+        self.store = store if store is not None else HeadRows(head, 1, compile=compile)  # its KV storage, for a batch's rows
 
     def reserve(self, positions: int, rows: int = 1) -> None:
-        self.capacity = max(self.capacity, positions)
-
-    def start(self, prompts) -> None:
         from harness.models.eagle import HeadRows
 
-        if self.store.rows != len(prompts):
-            self.store = HeadRows(self.head, len(prompts), self.capacity)
+        self.capacity = max(self.capacity, positions)
+        if rows > self.store.rows or rows < self.store.rows and not self.compile:  # compiled: fewer rows run padded
+            self.store = HeadRows(self.head, rows, self.capacity, self.compile)
         self.store.reserve(self.capacity)
+
+    def warm_up(self, k: int, rows: int = 1) -> None:
+        """With compile=true: its steps over 1..k+1 pairs read from the target, and its one-pair drafting steps."""
+        self.reserve(self.capacity, rows)
+        self.store.warm_up(list(range(1, k + 2)))
+
+    def start(self, prompts) -> None:
+        self.reserve(self.capacity, len(prompts))
         self.store.lengths = [0] * len(prompts)
         self.features: list[torch.Tensor | None] = [None] * len(prompts)  # per row [capacity, F]
         self.known = [0] * len(prompts)  # per row: committed positions whose features it holds

@@ -29,7 +29,6 @@ from transformers import LlamaConfig
 
 from harness.base.files import cache_root
 from harness.models.eagle import FeatureHead, eagle3_layers
-from harness.models.hf_backends import captured
 
 
 def head_config(target, draft_vocab: int) -> LlamaConfig:
@@ -103,9 +102,8 @@ def features(target, seqs: list[list[int]], layers: tuple[int, ...], batch_size:
         ids = torch.zeros(len(idx), width, dtype=torch.long, device=device)
         for row, i in enumerate(idx):
             ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
-        with captured(target, layers) as taken:
-            target.model(input_ids=ids, use_cache=False)  # right padding: causal, no mask needed
-        both = torch.cat([taken[layer] for layer in layers], dim=-1)  # [B, width, F]
+        states = target.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states  # right padding: causal
+        both = torch.cat([states[layer] for layer in layers], dim=-1)  # [B, width, F]
         for row, i in enumerate(idx):
             out[i] = both[row, : len(seqs[i]) - 1].half()
     return out  # type: ignore[return-value]

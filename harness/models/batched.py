@@ -14,7 +14,8 @@ to per-row lengths, and `keep` to drop finished rows. Two layouts:
 Either way every row's logits are those of its own tokens alone (to rounding: the products run at
 other shapes). Finished rows leave the batch: their storage is dropped (lean: the kept rows are
 moved up; HF: DynamicCache.batch_select_indices), so later passes run the rows still decoding.
-A static cache, compiled steps and sliding-window models decode one sequence at a time.
+HF's static cache and compiled steps, and sliding-window models, decode one sequence at a time; the lean
+forward's compiled steps run every row of its storage, finished rows fed as padding (harness.models.captured).
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from harness.config.settings import BATCH_ONE_ONLY, FEATURES_EAGER_ONLY
+from harness.config.settings import BATCH_ONE_ONLY
 from harness.errors import HarnessError
 from harness.models.cached import CachedLM
-from harness.models.hf_backends import captured
-from harness.models.lean import LeanLlama
 
 
 class BatchedLM:
@@ -43,8 +42,12 @@ class BatchedLM:
         """Empty caches for `rows` new sequences (rollback=False: they will never be rolled back)."""
         raise NotImplementedError
 
-    def reserve(self, max_len: int) -> None:
-        """Room for sequences of up to max_len positions (where storage is allocated ahead)."""
+    def reserve(self, max_len: int, rows: int = 1) -> None:
+        """Room for `rows` sequences of up to max_len positions (where storage is allocated ahead)."""
+
+    def warm_up(self, widths: list[int], captures=((),)) -> None:
+        """With compile=true: compile the steps of these widths (positions per row) for the reserved rows, now,
+        returning each of `captures`' features (forward_features' layers)."""
 
     def forward(self, feeds: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
         """Append feeds[i] [T_i] (T_i may be 0) to active row i; per row the logits [num_logits[i], V]
@@ -91,18 +94,21 @@ class LeanBatch(BatchedLM):
 
     def __init__(self, lm: CachedLM):
         super().__init__(lm)
-        self.lean = LeanLlama(lm.model, rows=1)
+        self.lean = lm.lean.like(1)
         self.max_len = 0
 
     def start(self, rows: int, rollback: bool = True) -> None:
-        if rows != self.lean.rows:
-            self.lean = LeanLlama(self.lm.model, rows=rows)
-        self.lean.reserve(self.max_len or 1)
+        self.reserve(self.max_len or 1, rows)
         self.lengths = [0] * rows
 
-    def reserve(self, max_len: int) -> None:
+    def reserve(self, max_len: int, rows: int = 1) -> None:
+        if rows > self.lean.rows or rows < self.lean.rows and self.lean.captured is None:  # compiled: fewer rows run padded
+            self.lean = self.lm.lean.like(rows)  # compiled steps are compiled anew for its rows (warm_up)
         self.max_len = max(self.max_len, max_len)
         self.lean.reserve(self.max_len)
+
+    def warm_up(self, widths, captures=((),)):
+        self.lean.warm_up(widths, captures)
 
     def forward(self, feeds, num_logits):
         return self._step(feeds, num_logits, ())
@@ -151,14 +157,11 @@ class HFBatch(BatchedLM):
         self.lengths = [0] * rows
 
     def forward(self, feeds, num_logits):
-        return self._step(feeds, num_logits, ())
+        return self._step(feeds, num_logits, ())[0]
 
     def forward_features(self, feeds, num_logits, layers):
-        if self.lm.compiled is not None:
-            raise HarnessError(FEATURES_EAGER_ONLY)
-        with captured(self.lm.model, layers) as taken:
-            logits = self._step(feeds, num_logits, layers)
-        features = torch.cat([taken[i] for i in layers], dim=-1)  # [B, T, F]
+        logits, states = self._step(feeds, num_logits, layers)
+        features = torch.cat([states[i] for i in layers], dim=-1)  # [B, T, F]: from the forward (output_hidden_states)
         return logits, [row[: f.shape[0]] for row, f in zip(features, feeds)]
 
     def _step(self, feeds, num_logits, layers):
@@ -176,10 +179,11 @@ class HFBatch(BatchedLM):
             **{self.lm.cache_kwarg: self.cache},
             use_cache=True,
             logits_to_keep=kept if kept.numel() else 1,
+            output_hidden_states=bool(layers),
         )
         self.held = torch.cat([self.held, real], dim=1)
         self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
-        return self._split(out.logits[last[:, 0], where], num_logits)
+        return self._split(out.logits[last[:, 0], where], num_logits), out.hidden_states
 
     def rollback(self, lengths):
         counts = self.held.cumsum(1)  # [B, C] tokens of its row up to each slot
@@ -252,8 +256,9 @@ def rows_of(lm, rows: int) -> BatchedLM:
     one, else its batched form, made once per CachedLM (its storage kept from batch to batch)."""
     if isinstance(lm, BatchedLM):
         return lm
-    if rows == 1:
-        return OneRow(lm)
+    lean = getattr(lm, "lean", None)  # (a model of the tests' own kind may have none)
+    if rows == 1 and (lean is None or lean.captured is None or "batch_form" not in lm.__dict__):
+        return OneRow(lm)  # (a compiled batch form runs a last batch of one among its padded rows: no new shape)
     if lm.__dict__.get("batch_form") is None:
         lm.__dict__["batch_form"] = batched(lm)
     return lm.__dict__["batch_form"]

@@ -9,12 +9,13 @@ scores, and the width of the logits it returns.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
 from transformers import PreTrainedModel
 
-from harness.config.settings import COMPILED_MAX_TOKENS, LEAN_EAGER_ONLY
+from harness.config.settings import COMPILED_MAX_TOKENS, HF_COMPILE_STATIC, LEAN_OWN_STORAGE
 from harness.errors import HarnessError
 from harness.models.backend import Backend
 from harness.models.hf_backends import cache_kwarg, compile_steps, hf_backend
@@ -69,17 +70,19 @@ class CachedLM:
 
     def _backend(self, static: bool, capacity: int, max_len: int | None, compile: bool, forward: str) -> Backend:
         if forward == "lean":
-            if static or compile:
-                raise HarnessError(LEAN_EAGER_ONLY)
-            return LeanBackend.checked(self.model, self.cache_kwarg, max_len, capacity)
-        if forward == "auto" and self.device.type == "cpu" and not (static or compile or lean_unsupported(self.model)):
-            try:  # lean where it runs and was measured faster: a Llama model, eager, on the CPU; else HF's forward
-                return LeanBackend.checked(self.model, self.cache_kwarg, max_len, capacity)
+            if static:
+                raise HarnessError(LEAN_OWN_STORAGE)
+            return LeanBackend.checked(self.model, self.cache_kwarg, max_len, capacity, compile)
+        if forward == "auto" and (self.device.type == "cpu" or compile) and not (static or lean_unsupported(self.model)):
+            try:  # lean where it runs: a Llama model on the CPU (measured faster), or compiled anywhere; else HF's forward
+                return LeanBackend.checked(self.model, self.cache_kwarg, max_len, capacity, compile)
             except HarnessError as err:  # its logits check: HF's forward, said
                 print(
                     f"warning: forward=auto runs HF's forward for {type(self.model).__name__}: {str(err).split(': use')[0]}",
                     file=sys.stderr,
                 )
+        if compile and not static:
+            raise HarnessError(f"{type(self.model).__name__}: {HF_COMPILE_STATIC}")
         return hf_backend(self.model, self.cache_kwarg, static, capacity, self.context, compile)
 
     def copy(self, share_static_cache: bool = False) -> CachedLM:
@@ -123,20 +126,30 @@ class CachedLM:
         lean storage allocated ahead."""
         self.backend.reserve(max_len)
 
-    def warm_up(self, shapes: list[tuple[int, int]]) -> None:
+    def warm_up(self, shapes: list[tuple[int, int]], captures=((),)) -> None:
         """Compile the steps a run will take now, outside any timing: each
         (input tokens, logits kept) pair after a one-token prompt. No-op when
         not compiled. With CUDA graphs each step is called twice: torch's graph
         trees run a function's first call as a warm-up and record its graph at
         the second, which would otherwise happen inside the first timed prompt."""
+        if self.lean is not None:
+            self.lean.warm_up(sorted({tokens for tokens, _ in shapes}), captures)
+            return
         if self.compiled is None:
             return
         ids = torch.zeros(1 + max(t for t, _ in shapes), dtype=torch.long, device=self.device)
+        # HF's forward breaks its graph where it records hidden states: the frames resumed after a break compile on
+        # the path that reaches them, so each shape runs with and without features in both orders
+        orders = [list(captures), list(captures)[::-1]] if len(captures) > 1 else [list(captures)]
         for _ in range(2 if self.graphs else 1):
-            for tokens, num_logits in shapes:
-                self.reset()
-                self.forward(ids[:1])  # the prompt: eager, and it initialises the static cache
-                self.forward(ids[1 : 1 + tokens], num_logits=num_logits)
+            for (tokens, num_logits), order in itertools.product(shapes, orders):
+                for capture in order:
+                    self.reset()
+                    self.forward(ids[:1])  # the prompt: eager, and it initialises the static cache
+                    if capture:  # the verifies of a pair whose draft reads the target's hidden states
+                        self.forward_features(ids[1 : 1 + tokens], num_logits, tuple(capture))
+                    else:
+                        self.forward(ids[1 : 1 + tokens], num_logits=num_logits)
         self.reset()
 
     @torch.inference_mode()

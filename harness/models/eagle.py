@@ -33,8 +33,10 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from harness.base.host_reads import from_host
+from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
-from harness.models.kv_store import KVStore
+from harness.models.captured import Captured
+from harness.models.kv_store import KVStore, Step
 from harness.models.lean import rotate
 
 LAYOUTS = ("eagle", "eagle3")
@@ -180,12 +182,29 @@ class HeadRows:
     """A feature head over a batch's rows: KV storage of its own (harness.models.kv_store.KVStore), each
     row at its own length (`lengths`, host ints: a rollback only moves them). The head's weights are shared."""
 
-    def __init__(self, head: FeatureHead, rows: int, capacity: int = 0):
+    def __init__(self, head: FeatureHead, rows: int, capacity: int = 0, compile: bool = False):
         self.head, self.rows = head, rows
         self.lengths = [0] * rows
         attn = head.layer.self_attn
         self.store = KVStore(1, rows, attn.kv_heads, attn.head_dim, attn.o_proj.weight)
         self.store.reserve(max(capacity, 1))
+        if head.layout == "eagle3":
+            head.to_target_ids()  # made once, before any step is compiled
+        # compile=true: steps after the first (every row fed past position 0, at most COMPILED_MAX_TOKENS pairs) captured
+        self.captured = Captured(self._fixed, f"{head.layout} head", attn.o_proj.weight.device) if compile else None
+
+    @torch.inference_mode()
+    def warm_up(self, widths: list[int]) -> None:
+        """Compile the captured steps now: widths pairs read from the target, one pair of the head's own."""
+        if self.captured is None:
+            return
+        self.captured.unseal()
+        like, head = self.store.like, self.head
+        for T, from_target in [(T, True) for T in widths] + [(1, False)]:
+            width = head.fc.in_features if from_target and head.layout == "eagle3" else head.config.hidden_size  # F
+            tokens = torch.zeros(self.rows, T, dtype=torch.long, device=like.device)
+            self._captured(tokens, like.new_zeros(self.rows, T, width), [1] * self.rows, [T] * self.rows, from_target)
+        self.captured.seal()
 
     @property
     def capacity(self) -> int:
@@ -205,20 +224,47 @@ class HeadRows:
         when from_target, else the head's outputs [B, T, H]), the first counts[i] of them real (the rest
         padding, written past the row's length and never read). (logits [B, V] of each row's last real
         pair (rows with none: garbage), outputs [B, T, H])."""
-        head, (B, T) = self.head, tokens.shape
+        B, T = tokens.shape
+        starts, self.lengths = self.lengths, [n + c for n, c in zip(self.lengths, counts)]
+        if self.captured is not None and T <= COMPILED_MAX_TOKENS and all(s > 0 for s, c in zip(starts, counts) if c):
+            return self._captured(tokens, hidden, starts, counts, from_target)
+        step = self.store.step(starts, T)
+        if B == 1:
+            return self._pairs(tokens, hidden, step, slice(max(counts[0], 1) - 1, max(counts[0], 1)), from_target)
+        last = from_host([max(c, 1) - 1 for c in counts], tokens.device)  # [B]
+        return self._pairs(tokens, hidden, step, (torch.arange(B, device=tokens.device), last), from_target)
+
+    def _pairs(self, tokens, hidden, step: Step, last, from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's layer over pairs tokens [B, T] after hidden [B, T, F] at the step's positions; the logits
+        [B, V] at out[last] (an index of one position per row) and the outputs [B, T, H]."""
+        head = self.head
         if from_target and head.layout == "eagle3":
             hidden = head.fuse(hidden)
-        step = self.store.step(self.lengths, T)
         h, residual = head.attention_input(tokens, hidden)
         q, k, v = head.qkv(h, step.positions)  # [B, heads, T, D], [B, kv_heads, T, D] x 2
         keys, values = self.store.write(0, k, v, step)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=True)  # [B, heads, T, D]
         out = head.finish(residual, attended)  # [B, T, H]
-        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        if B == 1:
-            return head.logits(out[:, max(counts[0], 1) - 1]), out
-        last = from_host([max(c, 1) - 1 for c in counts], tokens.device)
-        return head.logits(out[torch.arange(B, device=tokens.device), last]), out
+        picked = out[:, last] if isinstance(last, slice) else out[last]
+        return head.logits(picked.reshape(-1, out.shape[-1])), out
+
+    def _captured(self, tokens, hidden, starts, counts, from_target):
+        """step() over every row of the storage at its whole capacity (finished rows: padding at position 0)."""
+        B, T = tokens.shape
+        if max(starts) + T > self.store.capacity:  # a new capacity: a new shape, refused once sealed
+            self.store.reserve(max(starts) + T)
+        pad, device = self.rows - B, tokens.device
+        if pad:
+            tokens, hidden = F.pad(tokens, (0, 0, 0, pad)), F.pad(hidden, (0, 0, 0, 0, 0, pad))
+        positions = from_host(list(starts) + [0] * pad, device)[:, None] + torch.arange(T, device=device)  # [rows, T]
+        last = from_host([max(c, 1) - 1 for c in counts] + [0] * pad, device)  # [rows]
+        key = (self.rows, T, self.store.capacity, from_target)
+        logits, out = self.captured(key, tokens, hidden, positions, last, from_target)
+        return (logits[:B], out[:B]) if pad else (logits, out)
+
+    def _fixed(self, tokens, hidden, positions, last, from_target):
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        return self._pairs(tokens, hidden, self.store.fixed_step(positions), (rows, last), from_target)
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -15,7 +15,6 @@ a recompilation.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
@@ -23,9 +22,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from harness.base.host_reads import unwatched
-from harness.config.settings import COMPILED_MAX_TOKENS, FEATURES_EAGER_ONLY
+from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
 from harness.models.backend import Backend
+from harness.models.captured import allow_recompiles
 from harness.models.kv_cache import GrowingLayer, in_place
 
 
@@ -40,16 +40,7 @@ def compile_steps(model: PreTrainedModel, mode: str | None):
     """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
     Hooks registered on the model still run. Calls run `unwatched`: a host-read count
     (harness.base.host_reads) active around them would make dynamo compile them anew."""
-    # Input lengths 1..k+1 each compile once, for target and draft alike (one code object: transformers'
-    # forward wrapper), and again for each cache capacity a process reserves (a multirun's cells): allow far
-    # more than dynamo's default of 8, and make running out an error, not an unannounced fall back to eager.
-    config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
-    setattr(config, limit, max(getattr(config, limit), 64 * COMPILED_MAX_TOKENS))
-    if hasattr(config, "accumulated_recompile_limit"):
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * getattr(config, limit))
-    if hasattr(config, "fail_on_recompile_limit_hit") and not config.suppress_errors:  # torch refuses both at once
-        config.fail_on_recompile_limit_hit = True
+    allow_recompiles()
     return functools.partial(unwatched, torch.compile(model, mode=mode, dynamic=False))
 
 
@@ -80,9 +71,24 @@ class HFBackend(Backend):
         self.length = 0
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        return self._step(input_ids, num_logits)[0]
+
+    def forward_features(self, input_ids, num_logits, layers):
+        """The hidden states come back from the forward itself (output_hidden_states: index i < L is the input
+        of layer i, L the final normed state), compiled or not."""
+        logits, states = self._step(input_ids, num_logits, hidden=True)
+        return logits, torch.cat([states[i][0] for i in layers], dim=-1)  # [T, len(layers) * hidden]
+
+    def _step(self, input_ids: torch.Tensor, num_logits: int, hidden: bool = False):
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
-        out = step(input_ids=input_ids.unsqueeze(0), **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=num_logits)
+        out = step(
+            input_ids=input_ids.unsqueeze(0),
+            **{self.cache_kwarg: self.cache},
+            use_cache=True,
+            logits_to_keep=num_logits,
+            output_hidden_states=hidden,
+        )
         if not self.cache_checked:  # once per model (until it passes): reading the cache's length is a host sync on CUDA
             if self.cache.get_seq_length() != input_ids.shape[0]:
                 raise HarnessError(
@@ -97,43 +103,7 @@ class HFBackend(Backend):
             self.cache_checked = True
         self.length += input_ids.shape[0]
         self.output_reused = step is self.compiled and self.device.type == "cuda"  # a CUDA graph's output buffer
-        return out.logits[0, -num_logits:]  # [num_logits, V]
-
-    def forward_features(self, input_ids, num_logits, layers):
-        """Features captured for this one forward (`captured`): a model nobody asks for them runs without hooks.
-        Eager only: hooks are outside a compiled graph."""
-        if self.compiled is not None:
-            raise HarnessError(FEATURES_EAGER_ONLY)
-        with captured(self.model, layers) as taken:
-            logits = self.forward(input_ids, num_logits)  # [num_logits, V]
-        return logits, torch.cat([taken[i][0] for i in layers], dim=-1)  # [T, len(layers) * hidden]
-
-
-@contextlib.contextmanager
-def captured(model: PreTrainedModel, layers: tuple[int, ...]):
-    """Within it, the model's forwards fill the dict it yields: layer index i -> the input [B, T, hidden] of
-    decoder layer i, and index L (the layer count) -> the final norm's output. Hooks on those modules only."""
-    decoder = model.get_decoder()
-    blocks = decoder.layers[: model.config.get_text_config(decoder=True).num_hidden_layers]
-    taken: dict[int, torch.Tensor] = {}
-
-    def keep(index):
-        def hook(module, args, kwargs, *output):
-            taken[index] = output[0] if output else args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    handles = [
-        blocks[i].register_forward_pre_hook(keep(i), with_kwargs=True)
-        if i < len(blocks)
-        else decoder.norm.register_forward_hook(keep(i), with_kwargs=True)
-        for i in layers
-    ]
-    try:
-        yield taken
-    finally:
-        for handle in handles:
-            handle.remove()
+        return out.logits[0, -num_logits:], out.hidden_states  # [num_logits, V], (L + 1) x [1, T, hidden] or None
 
 
 class DynamicBackend(HFBackend):

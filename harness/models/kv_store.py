@@ -6,6 +6,7 @@ moves it); a step writes each row's new keys and values at that row's positions 
 the first `end` positions of every row, where `end` is the longest row's, a causal mask hiding what
 lies past each row's own positions (padding a shorter row fed, or what a rollback dropped: it is
 overwritten by the row's next step). One row alone writes a slice and needs no mask for one position.
+A captured step (`fixed_step`) reads the whole capacity instead, so that its shapes stay fixed.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ class KVStore:
         rows = torch.arange(B, device=device)[:, None, None]  # [B, 1, 1]
         heads = torch.arange(self.kv_heads, device=device)[None, :, None]  # [1, kv_heads, 1]
         return Step(positions, mask, end, (rows, heads, positions[:, None, :]))
+
+    def fixed_step(self, positions: torch.Tensor) -> Step:
+        """A step at positions [rows, T] (a device tensor) over the whole capacity: its shapes depend on the
+        rows and T only (a captured step, harness.models.captured). Every row of the storage takes part."""
+        device, capacity = positions.device, self.capacity
+        mask = (torch.arange(capacity, device=device) <= positions[..., None])[:, None]  # [rows, 1, T, capacity]
+        rows = torch.arange(positions.shape[0], device=device)[:, None, None]  # [rows, 1, 1]
+        heads = torch.arange(self.kv_heads, device=device)[None, :, None]  # [1, kv_heads, 1]
+        return Step(positions, mask, capacity, (rows, heads, positions[:, None, :]))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's new keys and values [B, kv_heads, T, D] where `step` says; the keys and values

@@ -33,9 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.base.host_reads import from_host
+from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
 from harness.models import cpu_linear
 from harness.models.backend import Backend
+from harness.models.captured import Captured
 from harness.models.kv_store import KVStore, Step
 
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
@@ -124,7 +126,15 @@ class LeanLlama:
             model._harness_lean_fused = fused
         self.fused = fused
         self.rows = rows
+        self.captured: Captured | None = None  # compile=true: the steps after a prompt, compiled (`compile`)
         self.store = KVStore(len(self.layers), rows, self.kv_heads, self.head_dim, self.layers[0].self_attn.o_proj.weight)
+
+    def like(self, rows: int) -> LeanLlama:
+        """The same model's lean forward for `rows` rows, with storage of its own, compiled if this one is."""
+        other = LeanLlama(self.model, rows)
+        if self.captured is not None:
+            other.compile()
+        return other
 
     @property
     def capacity(self) -> int:
@@ -153,9 +163,11 @@ class LeanLlama:
         indices, L for the final normed state): also the hidden states [B, T, len(capture) * hidden]."""
         B, T = input_ids.shape
         self._count_pass()
-        step = self.store.step(starts, T)
-        x, taken = self._layers(input_ids, step, capture)  # [B, T, hidden]
         counts = counts or [T] * B
+        if self.captured is not None and T <= COMPILED_MAX_TOKENS and all(s > 0 for s, c in zip(starts, counts) if c):
+            x, taken = self._captured_step(input_ids, starts, capture)  # a step after the prompt: fixed shapes
+        else:
+            x, taken = self._layers(input_ids, self.store.step(starts, T), capture)  # [B, T, hidden]
         if B == 1:  # one row: its last positions are a slice
 
             def chosen(h: torch.Tensor) -> torch.Tensor:
@@ -176,6 +188,41 @@ class LeanLlama:
             h = _rms_norm(chosen(x), self.inner.norm)
         logits = self.model.lm_head(h)  # [N, V]
         return (logits, torch.cat([taken[i] for i in capture], dim=-1)) if capture else logits
+
+    def compile(self) -> None:
+        """compile=true: the steps after a prompt (every row fed past its position 0, at most
+        COMPILED_MAX_TOKENS positions) run captured (harness.models.captured): over the storage's whole
+        capacity and all its rows, one graph per (rows, positions, capacity)."""
+        self.captured = Captured(self._fixed_layers, f"lean forward of {type(self.model).__name__}", self.store.like.device)
+
+    @torch.inference_mode()
+    def warm_up(self, widths, captures=((),)) -> None:
+        """Compile the captured steps of these widths (returning each of `captures`' features) now,
+        outside any timing; then refuse new shapes."""
+        if self.captured is None:
+            return
+        self.captured.unseal()
+        ids = torch.zeros(self.rows, max(widths), dtype=torch.long, device=self.store.like.device)
+        for T in widths:
+            for capture in captures:
+                self._captured_step(ids[:, :T], [1] * self.rows, tuple(capture))
+        self.captured.seal()
+
+    def _captured_step(self, input_ids, starts: list[int], capture) -> tuple[torch.Tensor, dict]:
+        """_layers over every row of the storage at its whole capacity: rows past the batch's B (finished
+        ones) are fed padding at position 0, which nothing reads."""
+        B, T = input_ids.shape
+        if max(starts) + T > self.capacity:  # a new capacity: a new shape, refused once sealed
+            self.reserve(max(starts) + T)
+        pad = self.rows - B
+        device = input_ids.device
+        ids = F.pad(input_ids, (0, 0, 0, pad)) if pad else input_ids  # [rows, T]
+        positions = from_host(list(starts) + [0] * pad, device)[:, None] + torch.arange(T, device=device)  # [rows, T]
+        x, taken = self.captured((self.rows, T, self.capacity, capture), ids, positions, capture)
+        return (x[:B], {i: t[:B] for i, t in taken.items()}) if pad else (x, taken)
+
+    def _fixed_layers(self, input_ids, positions, capture):
+        return self._layers(input_ids, self.store.fixed_step(positions), capture)
 
     def _count_pass(self) -> None:
         for key, hook in self.model._forward_pre_hooks.items():  # a pass of the model to whoever counts them (the bench)
@@ -244,11 +291,15 @@ class LeanBackend(Backend):
         self.lean, self.capacity, self.length = lean, capacity, 0
 
     @classmethod
-    def checked(cls, model: nn.Module, cache_kwarg: str, max_len: int | None, capacity: int) -> LeanBackend:
-        """The lean forward of this model, refused (HarnessError) if its logits are not HF's."""
+    def checked(
+        cls, model: nn.Module, cache_kwarg: str, max_len: int | None, capacity: int, compile: bool = False
+    ) -> LeanBackend:
+        """The lean forward of this model (its steps compiled with compile=True), refused (HarnessError) if its logits are not HF's."""
         lean = LeanLlama(model)
         check(lean, cache_kwarg)
         lean.reserve(max_len or 1)
+        if compile:
+            lean.compile()
         return cls(lean, capacity)
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
@@ -271,6 +322,10 @@ class LeanBackend(Backend):
         self.length = min(self.length, length)
 
     def copy(self, share_static_cache: bool = False) -> LeanBackend:
-        lean = LeanLlama(self.lean.model)  # the model's fused weights, storage of its own
+        """share_static_cache=True (a copy used in turns with this one, never interleaved: the bench's timed
+        copies): the same storage and compiled steps; otherwise storage of its own."""
+        if share_static_cache:
+            return LeanBackend(self.lean, self.capacity)
+        lean = self.lean.like(1)  # the model's fused weights, storage of its own
         lean.reserve(self.lean.capacity)
         return LeanBackend(lean, self.capacity)

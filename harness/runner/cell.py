@@ -37,6 +37,7 @@ from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, encode_within, select
 from harness.errors import HarnessError
 from harness.models.batched import rows_of
+from harness.models.captured import compiles
 from harness.models.loading import resolve_device
 from harness.runner.costs import Clock, measure_costs, timed
 from harness.runner.pair import Pair, draft_size, load_pair
@@ -134,6 +135,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             peak_rss_over=peak_over,  # "cell": since this cell started; "process": since the process did
             max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
             **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
+            recompiles_after_warm_up=compiles() - pair.compiled_at_warm_up if cfg.compile else None,
             cell=cell_dir.name,
             cell_dir=str(cell_dir),
         )
@@ -160,7 +162,8 @@ def _warmed_up(pair: Pair, encoded: list, cfg: DictConfig, sampling: Sampling) -
     steps compile; nothing timed), then measure its costs at the cell's batch size."""
     B = cfg.get("batch_size", 1)
     pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k, B)
-    pair.warm_up(cfg.k)
+    pair.warm_up(cfg.k, B)
+    pair.compiled_at_warm_up = compiles()  # compile=true: any graph compiled from here on is a recompile, counted
     warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
     run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
     costs = measure_costs(pair, [ids for _, ids in encoded[:B]], cfg.k, sampling)

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.base.device import device_identity
-from harness.config.settings import DRAFT_KINDS, FEATURES_EAGER_ONLY
+from harness.config.settings import DRAFT_KINDS
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.data.prompts import set_pair_template
 from harness.errors import HarnessError
@@ -36,6 +36,7 @@ class Pair:
     device: torch.device
     linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the product the linear layers use, and why
     linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
+    compiled_at_warm_up: int = 0  # harness.models.captured.compiles() after the last warm_up: later ones are recompiles
 
     @property
     def context(self) -> int:
@@ -56,14 +57,18 @@ class Pair:
         positions = longest_prompt + max(new_tokens - 1, k)
         self.target.reserve(positions)
         if rows > 1:
-            rows_of(self.target, rows).reserve(positions)
+            rows_of(self.target, rows).reserve(positions, rows)
         self.drafter.reserve(positions, rows)
 
-    def warm_up(self, k: int) -> None:
-        """With compile=true, compile every step shape of a k-draft run before anything is
-        timed: verifies of 1..k+1 tokens (k' < k near the token budget), and the draft's steps."""
-        self.target.warm_up([(n, n) for n in range(1, k + 2)])
-        self.drafter.warm_up(k)
+    def warm_up(self, k: int, rows: int = 1) -> None:
+        """With compile=true, compile every step shape of a k-draft run of `rows` rows before anything
+        is timed: verifies of 1..k+1 tokens (k' < k near the token budget), and the draft's steps."""
+        captures = list(dict.fromkeys([(), self.drafter.reads_target]))  # the baseline's steps, the verifies' features
+        if rows == 1:
+            self.target.warm_up([(n, n) for n in range(1, k + 2)], captures)
+        else:
+            rows_of(self.target, rows).warm_up(list(range(1, k + 2)), captures)
+        self.drafter.warm_up(k, rows)
 
     def models(self) -> list:
         """The pair's models: the target, and the draft when it is a model."""
@@ -175,11 +180,9 @@ def make_drafter(
             vocab_size = min(vocab_size, shared)  # a draft scoring fewer is padded (CachedLM): the target keeps its range
         return ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile, forward=forward)), vocab_size
     if draft_cfg.kind in LAYOUTS:
-        if compile:
-            raise HarnessError(FEATURES_EAGER_ONLY)
         draft_dtype = resolve_dtype(draft_cfg.get("dtype") or "auto", device)
         head = load_head(draft_cfg.id, draft_cfg.kind, target_model, draft_dtype, draft_cfg.get("revision"))
-        return FeatureDrafter(head), vocab_size
+        return FeatureDrafter(head, compile=compile), vocab_size
     raise HarnessError(f"pair.draft.kind={draft_cfg.kind} is not a drafter: use {', '.join(DRAFT_KINDS)}")
 
 

@@ -54,7 +54,7 @@ METRICS = (
     "predicted_speedup_formula",
     "efficiency_formula",
     "predicted_speedup_in_run",
-    "efficiency_in_run",
+    "efficiency_isolated",
     "cost_ratio",
     "cost_ratio_ci_low",
     "cost_ratio_ci_high",

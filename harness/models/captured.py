@@ -1,0 +1,76 @@
+"""Steps compiled once per shape: compile=true on the lean forward and the feature heads.
+
+A captured step's shapes depend only on the rows it runs and the positions each row feeds: the KV
+storage's capacity is fixed once reserved (harness.models.kv_store.KVStore.fixed_step), each row's
+positions come in as a device tensor, and the mask hides what lies past them; a batch whose rows
+finished keeps its width, the finished rows fed as padding. `Captured` compiles such a step
+(`fullgraph=True`; CUDA graphs on a GPU) the first time it meets a shape, which the runner makes
+happen before anything is timed (warm-up); once sealed, a shape it has not met is an error that
+names it, never a recompilation inside a timed run. `compiles()` counts the graphs dynamo has
+compiled in this process, so that a run records its recompiles after warm-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.base.host_reads import unwatched
+from harness.config.settings import COMPILED_MAX_TOKENS
+from harness.errors import HarnessError
+
+
+def allow_recompiles() -> None:
+    """Room for every shape a sweep compiles, and running out an error rather than a silent fall back to eager.
+    Widths 1..k+1 compile once each per model, rows count and storage capacity, all on few code objects."""
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
+    setattr(config, limit, max(getattr(config, limit), 64 * COMPILED_MAX_TOKENS))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * getattr(config, limit))
+    if hasattr(config, "fail_on_recompile_limit_hit") and not config.suppress_errors:  # torch refuses both at once
+        config.fail_on_recompile_limit_hit = True
+
+
+def compiles() -> int:
+    """Graphs dynamo has compiled in this process so far (every compilation and recompilation)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class Captured:
+    """fn compiled for fixed shapes, called as captured(key, *args): `key` names the step's shape (rows,
+    positions fed, storage capacity, what it returns). `seal()` after warm-up: from then on a key not met
+    before raises."""
+
+    def __init__(self, fn, name: str, device: torch.device):
+        allow_recompiles()
+        self.graphs = device.type == "cuda"
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead" if self.graphs else None)
+        self.name, self.sealed = name, False
+        self.inputs: dict[tuple, list] = {}  # per shape key: the tensors the compiled step reads its inputs from
+
+    @torch.inference_mode()
+    def __call__(self, key: tuple, *args):
+        """fn(*args), its tensor arguments first copied into inputs of its own for this key (fixed
+        addresses, strides and kinds, as CUDA graphs need and dynamo's guards check)."""
+        if key not in self.inputs:
+            if self.sealed:
+                raise HarnessError(
+                    f"compile=true: the {self.name} met a step of shape {key} after warm-up, compiled only for "
+                    f"{sorted(map(str, self.inputs))}; it would recompile inside the timed run: report this with the "
+                    "command line, or run with compile=false"
+                )
+            self.inputs[key] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        inputs = self.inputs[key]
+        for mine, given in zip(inputs, args):
+            if isinstance(mine, torch.Tensor):
+                mine.copy_(given)
+        if self.graphs:  # a CUDA graph's outputs live in buffers its next replay overwrites
+            torch.compiler.cudagraph_mark_step_begin()
+            return torch.utils._pytree.tree_map(torch.clone, unwatched(self.fn, *inputs))
+        return unwatched(self.fn, *inputs)
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def unseal(self) -> None:
+        self.sealed = False
