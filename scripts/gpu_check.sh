@@ -2,9 +2,11 @@
 # The performance check on a machine with a GPU, in one command (under 10 minutes on one H200):
 #   bash scripts/gpu_check.sh            # writes results/bench/gpu_* ($OUT/ when set) and prints the figures
 # Runs on the embedded pairs (offline: no hub access needed), eager (HF's forward), dynamic cache unless said:
-#   1. harness.bench with the EAGLE-3 head (smollm2_eagle): our loop against the target alone
-#      (HF has no feature-head path), limit, efficiency, overhead, host syncs;
-#   2. python -m harness over batch_size 1 and 8 for the head, the 4-layer draft and prompt lookup
+#   1. harness.bench with the EAGLE-3 head (smollm2_eagle), compiled: our loop against the target alone
+#      (HF has no feature-head path), limit (the head's proposal cost in the loop against its cost
+#      timed apart, on one clock), efficiency, overhead, host syncs;
+#   2. python -m harness over batch_size 1 and 8 for the head, the 4-layer draft and prompt lookup, compiled
+#      (compile=true: the lean forward's and the head's steps captured, CUDA graphs; recompiles after warm-up counted)
 #      (16 builtin prompts x 32 tokens, k=2): speedup against batch size, packed as gpu_batch_sweep.tar.gz;
 #   3. harness.bench with the model draft (smollm2): ours vs HF generate / assisted / prompt lookup,
 #      efficiency, memory over 100 prompts, and our batched baseline against generate() on
@@ -139,7 +141,7 @@ sweep() {
     local cells=$dir/gpu_batch_sweep
     rm -rf "$cells"
     timeout "$seconds_left" $PY -m harness -m "$@" +pair=smollm2_eagle,smollm2,smollm2_ngram temperature=0 device=$device \
-        forward=hf wandb.mode=disabled out_dir="$cells" hydra.sweep.dir="$cells/multirun" 2>&1 | tee -a "$log" || status=1
+        compile=true wandb.mode=disabled out_dir="$cells" hydra.sweep.dir="$cells/multirun" 2>&1 | tee -a "$log" || status=1
     if [ -d "$cells" ]; then tar -czf "$cells.tar.gz" -C "$dir" gpu_batch_sweep && rm -rf "$cells"; fi
 }
 status=0
@@ -152,7 +154,7 @@ if [ "$distill" = 1 ]; then  # the head distilled here, in the whole time (the d
 fi
 # The embedded target dequantised once (tens of seconds the first time), before any part's clock runs.
 $PY -c "from harness.models.embedded import embedded_model_dir; embedded_model_dir('smollm2')" 2>&1 | tee -a "$log" || exit 1
-part head gpu_head "$t1" 45 "${head[@]}" +pair=smollm2_eagle forward=hf || exit 1  # forward=auto is hf on a GPU: said, for the rehearsal too
+part head gpu_head "$t1" 45 "${head[@]}" +pair=smollm2_eagle compile=true || exit 1  # the lean forward and head, captured
 sweep "$t2" 60 "${sweep[@]}" || exit 1
 part eager gpu_eager "$t3" 60 "${eager[@]}" +pair=smollm2 forward=hf || exit 1
 part compiled gpu_static_compile "$end" 60 "${compiled[@]}" +pair=smollm2 cache=static compile=true forward=hf || exit $status
