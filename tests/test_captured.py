@@ -130,3 +130,17 @@ def test_compiled_steps_read_the_host_once_per_cycle(folders, kind):
         steps = list(speculative_decode_rows(pair.target, pair.drafter, prompts, 3, Sampling(1.0), 16, set(), generators))
     assert sum(c.num_drafted for step in steps for _, c in step) > len(steps)
     assert reads.total == len(steps), reads.sites
+
+
+def test_compiled_storage_has_room_for_a_steps_padding():
+    """A captured step cannot grow the storage (a new shape): reserved for L positions, a compiled
+    forward keeps room for a step's padding past L, rounding up to the next ROOM only when L is near it."""
+    model = make_model(98, seed=0, layers=2)
+    for length, capacity in ((200, 256), (250, 512)):
+        lean = LeanLlama(model, rows=2)
+        lean.compile()
+        lean.reserve(length)
+        assert lean.capacity == capacity
+    eager = LeanLlama(model, rows=2)
+    eager.reserve(250)
+    assert eager.capacity == 256

@@ -211,7 +211,8 @@ class HeadRows:
         return self.store.capacity
 
     def reserve(self, length: int) -> None:
-        self.store.reserve(length)
+        """Compiled, with room for a step's padding past the longest row (a captured step cannot grow the storage)."""
+        self.store.reserve(length + (COMPILED_MAX_TOKENS if self.captured is not None else 0))
 
     def keep_rows(self, kept: list[int]) -> None:
         """Only the rows `kept` (in order) go on: their storage moves up."""

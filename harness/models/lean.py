@@ -141,8 +141,9 @@ class LeanLlama:
         return self.store.capacity
 
     def reserve(self, length: int) -> None:
-        """Room for `length` positions per row, rounded up to ROOM; what is stored is kept."""
-        self.store.reserve(length)
+        """Room for `length` positions per row, rounded up to ROOM; what is stored is kept. Compiled, room
+        for a step's padding past the longest row too (a captured step cannot grow the storage)."""
+        self.store.reserve(length + (COMPILED_MAX_TOKENS if self.captured is not None else 0))
 
     def keep_rows(self, kept: list[int]) -> None:
         """Only the rows `kept` (indices, in order) go on: a batch drops the others."""
@@ -326,6 +327,6 @@ class LeanBackend(Backend):
         copies): the same storage and compiled steps; otherwise storage of its own."""
         if share_static_cache:
             return LeanBackend(self.lean, self.capacity)
-        lean = self.lean.like(1)  # the model's fused weights, storage of its own
-        lean.reserve(self.lean.capacity)
+        lean = self.lean.like(1)  # the model's fused weights, storage of its own, as large
+        lean.store.reserve(self.lean.capacity)
         return LeanBackend(lean, self.capacity)
