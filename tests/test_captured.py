@@ -144,3 +144,21 @@ def test_compiled_storage_has_room_for_a_steps_padding():
     eager = LeanLlama(model, rows=2)
     eager.reserve(250)
     assert eager.capacity == 256
+
+
+def test_a_machine_that_cannot_compile_says_so_in_one_line():
+    """torch.compile needs a C++ compiler on a CPU (Triton on a GPU): without one, the first compiled
+    step is a HarnessError naming the step and the way out, not inductor's traceback."""
+    import torch._inductor.exc
+
+    lean = LeanLlama(make_model(98, seed=0, layers=2))
+    lean.reserve(64)
+    lean.compile()
+
+    def no_compiler(*args):
+        raise torch._inductor.exc.InvalidCxxCompiler()
+
+    lean.captured.fn = no_compiler
+    with pytest.raises(HarnessError, match=r"could not compile the lean forward of LlamaForCausalLM \(No working C\+\+ compiler"):
+        lean.warm_up([1])
+    assert lean.captured.inputs == {}  # nothing left half-made: a later call tries again

@@ -13,6 +13,8 @@ compiled in this process, so that a run records its recompiles after warm-up.
 from __future__ import annotations
 
 import torch
+import torch._dynamo.exc
+import torch._inductor.exc
 
 from harness.base.host_reads import unwatched
 from harness.config.settings import COMPILED_MAX_TOKENS
@@ -60,10 +62,22 @@ class Captured:
                     "command line, or run with compile=false"
                 )
             self.inputs[key] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        inputs = self.inputs[key]
-        for mine, given in zip(inputs, args):
+            try:  # the first call compiles: a machine without a working compiler is one line, not a traceback
+                return self._run(self.inputs[key])
+            except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InvalidCxxCompiler) as err:
+                del self.inputs[key]
+                reason = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+                raise HarnessError(
+                    f"compile=true could not compile the {self.name} ({reason}): install a C++ compiler (CPU) or "
+                    "Triton (GPU) that torch.compile can use, or run with compile=false"
+                ) from err
+        return self._run(self.inputs[key], args)
+
+    def _run(self, inputs: list, given: tuple = ()):
+        """The compiled step on this shape's own inputs, `given` copied into them first."""
+        for mine, value in zip(inputs, given):
             if isinstance(mine, torch.Tensor):
-                mine.copy_(given)
+                mine.copy_(value)
         if self.graphs:  # a CUDA graph's outputs live in buffers its next replay overwrites
             torch.compiler.cudagraph_mark_step_begin()
             return torch.utils._pytree.tree_map(torch.clone, unwatched(self.fn, *inputs))
