@@ -162,3 +162,26 @@ def test_a_machine_that_cannot_compile_says_so_in_one_line():
     with pytest.raises(HarnessError, match=r"could not compile the lean forward of LlamaForCausalLM \(No working C\+\+ compiler"):
         lean.warm_up([1])
     assert lean.captured.inputs == {}  # nothing left half-made: a later call tries again
+
+
+def test_gpu_clocks_are_read_from_nvidia_smi(tmp_path, monkeypatch):
+    """On CUDA a cell records the GPU's clocks from nvidia-smi at its start and end; fields the GPU does
+    not report are null, a CPU or a failing nvidia-smi gives None (checked with a stand-in nvidia-smi)."""
+    from harness.base.device import gpu_clocks
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\necho "1755, 2619, 1980, 41, [N/A]"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert gpu_clocks(torch.device("cpu")) is None
+    clocks = gpu_clocks(torch.device("cuda", 1))
+    assert clocks == {
+        "clocks.sm": 1755.0,
+        "clocks.mem": 2619.0,
+        "clocks.max.sm": 1980.0,
+        "temperature.gpu": 41.0,
+        "power.draw": None,
+    }
+    assert (tmp_path / "args").read_text().split()[-2:] == ["-i", "1"]
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    assert gpu_clocks(torch.device("cuda", 0)) is None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -45,3 +47,28 @@ def device_identity(device: torch.device) -> dict:
     if device.type == "cpu":
         identity["threads"] = torch.get_num_threads()
     return identity
+
+
+GPU_CLOCKS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "temperature.gpu", "power.draw")  # nvidia-smi's names
+
+
+def gpu_clocks(device: torch.device) -> dict | None:
+    """The GPU's clocks now (SM and memory MHz, the SM's maximum, temperature C, power W), as nvidia-smi
+    reports them: a run records them at its start and end, since a throttled GPU times other costs.
+    None on a CPU, without nvidia-smi, or when it cannot answer."""
+    if device.type != "cuda" or not shutil.which("nvidia-smi"):
+        return None
+    query = ["nvidia-smi", f"--query-gpu={','.join(GPU_CLOCKS)}", "--format=csv,noheader,nounits", "-i", str(device.index or 0)]
+    try:
+        line = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    values = [v.strip() for v in line.split(",")]
+    return {key: _number(v) for key, v in zip(GPU_CLOCKS, values)} if len(values) == len(GPU_CLOCKS) else None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import harness.tracking.tracker as tracking
+from harness.base.device import gpu_clocks
 from harness.base.files import write_json_atomic
 from harness.config.checks import validate, with_default_pair
 from harness.config.settings import PROMPT_SEED_STRIDE
@@ -103,6 +104,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     records = read_records(lines_path, trim=True)
     pair.follow_linear(records)
     costs = _warmed_up(pair, encoded, cfg, sampling)
+    clocks_at_start = gpu_clocks(device)  # None on a CPU
 
     resumed = len(records)  # records[resumed:] are run by this process
     done = {r["id"] for r in records}
@@ -136,6 +138,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
             **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
             recompiles_after_warm_up=compiles() - pair.compiled_at_warm_up if cfg.compile else None,
+            gpu_clocks={"start": clocks_at_start, "end": gpu_clocks(device)} if clocks_at_start else None,
             cell=cell_dir.name,
             cell_dir=str(cell_dir),
         )
