@@ -12,6 +12,8 @@ compiled in this process, so that a run records its recompiles after warm-up.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch._dynamo.exc
 import torch._inductor.exc
@@ -31,6 +33,18 @@ def allow_recompiles() -> None:
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * getattr(config, limit))
     if hasattr(config, "fail_on_recompile_limit_hit") and not config.suppress_errors:  # torch refuses both at once
         config.fail_on_recompile_limit_hit = True
+
+
+def runs_captured(captured: Captured | None, starts: list[int], counts: list[int], width: int) -> bool:
+    """Whether a step runs captured: compiled, at most COMPILED_MAX_TOKENS positions, every row it feeds past
+    its position 0 (a prompt's pass runs eagerly: its length changes from prompt to prompt)."""
+    return captured is not None and width <= COMPILED_MAX_TOKENS and all(s > 0 for s, c in zip(starts, counts) if c)
+
+
+def padded_rows(feed: torch.Tensor, rows: int) -> torch.Tensor:
+    """feed [B, ...] with zero rows up to `rows` [rows, ...]: the finished rows of a captured batch."""
+    pad = rows - feed.shape[0]
+    return torch.nn.functional.pad(feed, (0, 0) * (feed.dim() - 1) + (0, pad)) if pad else feed
 
 
 def compiles() -> int:
@@ -83,8 +97,10 @@ class Captured:
             return torch.utils._pytree.tree_map(torch.clone, unwatched(self.fn, *inputs))
         return unwatched(self.fn, *inputs)
 
-    def seal(self) -> None:
-        self.sealed = True
-
-    def unseal(self) -> None:
+    @contextlib.contextmanager
+    def warming(self):
+        """Within it every shape met compiles (outside any timing); after it, a new shape is an error."""
         self.sealed = False
+        with torch.inference_mode():
+            yield
+        self.sealed = True

@@ -35,7 +35,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from harness.base.host_reads import from_host
 from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
-from harness.models.captured import Captured
+from harness.models.captured import Captured, padded_rows, runs_captured
 from harness.models.kv_store import KVStore, Step
 from harness.models.lean import rotate
 
@@ -193,18 +193,16 @@ class HeadRows:
         # compile=true: steps after the first (every row fed past position 0, at most COMPILED_MAX_TOKENS pairs) captured
         self.captured = Captured(self._fixed, f"{head.layout} head", attn.o_proj.weight.device) if compile else None
 
-    @torch.inference_mode()
     def warm_up(self, widths: list[int]) -> None:
         """Compile the captured steps now: widths pairs read from the target, one pair of the head's own."""
         if self.captured is None:
             return
-        self.captured.unseal()
         like, head = self.store.like, self.head
-        for T, from_target in [(T, True) for T in widths] + [(1, False)]:
-            width = head.fc.in_features if from_target and head.layout == "eagle3" else head.config.hidden_size  # F
-            tokens = torch.zeros(self.rows, T, dtype=torch.long, device=like.device)
-            self._captured(tokens, like.new_zeros(self.rows, T, width), [1] * self.rows, [T] * self.rows, from_target)
-        self.captured.seal()
+        with self.captured.warming():
+            for T, from_target in [(T, True) for T in widths] + [(1, False)]:
+                width = head.fc.in_features if from_target and head.layout == "eagle3" else head.config.hidden_size  # F
+                tokens = torch.zeros(self.rows, T, dtype=torch.long, device=like.device)
+                self._captured(tokens, like.new_zeros(self.rows, T, width), [1] * self.rows, [T] * self.rows, from_target)
 
     @property
     def capacity(self) -> int:
@@ -227,7 +225,7 @@ class HeadRows:
         pair (rows with none: garbage), outputs [B, T, H])."""
         B, T = tokens.shape
         starts, self.lengths = self.lengths, [n + c for n, c in zip(self.lengths, counts)]
-        if self.captured is not None and T <= COMPILED_MAX_TOKENS and all(s > 0 for s, c in zip(starts, counts) if c):
+        if runs_captured(self.captured, starts, counts, T):
             return self._captured(tokens, hidden, starts, counts, from_target)
         step = self.store.step(starts, T)
         if B == 1:
@@ -252,16 +250,12 @@ class HeadRows:
     def _captured(self, tokens, hidden, starts, counts, from_target):
         """step() over every row of the storage at its whole capacity (finished rows: padding at position 0)."""
         B, T = tokens.shape
-        if max(starts) + T > self.store.capacity:  # a new capacity: a new shape, refused once sealed
-            self.store.reserve(max(starts) + T)
-        pad, device = self.rows - B, tokens.device
-        if pad:
-            tokens, hidden = F.pad(tokens, (0, 0, 0, pad)), F.pad(hidden, (0, 0, 0, 0, 0, pad))
-        positions = from_host(list(starts) + [0] * pad, device)[:, None] + torch.arange(T, device=device)  # [rows, T]
-        last = from_host([max(c, 1) - 1 for c in counts] + [0] * pad, device)  # [rows]
+        positions = self.store.fixed_positions(starts, T)  # [rows, T]
+        last = from_host([max(c, 1) - 1 for c in counts] + [0] * (self.rows - B), tokens.device)  # [rows]
         key = (self.rows, T, self.store.capacity, from_target)
-        logits, out = self.captured(key, tokens, hidden, positions, last, from_target)
-        return (logits[:B], out[:B]) if pad else (logits, out)
+        rows = self.rows
+        logits, out = self.captured(key, padded_rows(tokens, rows), padded_rows(hidden, rows), positions, last, from_target)
+        return (logits[:B], out[:B]) if B < rows else (logits, out)
 
     def _fixed(self, tokens, hidden, positions, last, from_target):
         rows = torch.arange(tokens.shape[0], device=tokens.device)

@@ -69,20 +69,29 @@ class KVStore:
             positions = torch.arange(starts[0], end, device=device)[None]  # [1, T]
             mask = None if width == 1 else torch.arange(end, device=device) <= positions[0, :, None]  # [T, end]
             return Step(positions, mask, end, slice(starts[0], end))
-        positions = from_host(starts, device)[:, None] + torch.arange(width, device=device)  # [B, T]
-        mask = (torch.arange(end, device=device) <= positions[..., None])[:, None]  # [B, 1, T, end]
-        rows = torch.arange(B, device=device)[:, None, None]  # [B, 1, 1]
-        heads = torch.arange(self.kv_heads, device=device)[None, :, None]  # [1, kv_heads, 1]
-        return Step(positions, mask, end, (rows, heads, positions[:, None, :]))
+        return self._at(from_host(starts, device)[:, None] + torch.arange(width, device=device), end)  # positions [B, T]
 
     def fixed_step(self, positions: torch.Tensor) -> Step:
-        """A step at positions [rows, T] (a device tensor) over the whole capacity: its shapes depend on the
-        rows and T only (a captured step, harness.models.captured). Every row of the storage takes part."""
-        device, capacity = positions.device, self.capacity
-        mask = (torch.arange(capacity, device=device) <= positions[..., None])[:, None]  # [rows, 1, T, capacity]
-        rows = torch.arange(positions.shape[0], device=device)[:, None, None]  # [rows, 1, 1]
+        """A step at positions [rows, T] (a device tensor, `fixed_positions`) over the whole capacity: its shapes
+        depend on the rows and T only (a captured step, harness.models.captured)."""
+        return self._at(positions, self.capacity)
+
+    def fixed_positions(self, starts: list[int], width: int) -> torch.Tensor:
+        """Positions [rows, T] of a captured step: the first len(starts) rows at starts.. (host ints: no read), the
+        rows past them (finished) at 0, where the padding they are fed is never read. A row that would pass the
+        capacity grows the storage: a new shape, which a sealed step refuses."""
+        if max(starts) + width > self.capacity:
+            self.reserve(max(starts) + width)
+        device = self.like.device
+        return from_host(list(starts) + [0] * (self.rows - len(starts)), device)[:, None] + torch.arange(width, device=device)
+
+    def _at(self, positions: torch.Tensor, end: int) -> Step:
+        """A step at positions [B, T] reading the first `end` positions of each row, the mask causal per row."""
+        device = positions.device
+        mask = (torch.arange(end, device=device) <= positions[..., None])[:, None]  # [B, 1, T, end]
+        rows = torch.arange(positions.shape[0], device=device)[:, None, None]  # [B, 1, 1]
         heads = torch.arange(self.kv_heads, device=device)[None, :, None]  # [1, kv_heads, 1]
-        return Step(positions, mask, capacity, (rows, heads, positions[:, None, :]))
+        return Step(positions, mask, end, (rows, heads, positions[:, None, :]))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's new keys and values [B, kv_heads, T, D] where `step` says; the keys and values

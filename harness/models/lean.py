@@ -37,7 +37,7 @@ from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
 from harness.models import cpu_linear
 from harness.models.backend import Backend
-from harness.models.captured import Captured
+from harness.models.captured import Captured, padded_rows, runs_captured
 from harness.models.kv_store import KVStore, Step
 
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
@@ -165,7 +165,7 @@ class LeanLlama:
         B, T = input_ids.shape
         self._count_pass()
         counts = counts or [T] * B
-        if self.captured is not None and T <= COMPILED_MAX_TOKENS and all(s > 0 for s, c in zip(starts, counts) if c):
+        if runs_captured(self.captured, starts, counts, T):
             x, taken = self._captured_step(input_ids, starts, capture)  # a step after the prompt: fixed shapes
         else:
             x, taken = self._layers(input_ids, self.store.step(starts, T), capture)  # [B, T, hidden]
@@ -196,31 +196,23 @@ class LeanLlama:
         capacity and all its rows, one graph per (rows, positions, capacity)."""
         self.captured = Captured(self._fixed_layers, f"lean forward of {type(self.model).__name__}", self.store.like.device)
 
-    @torch.inference_mode()
     def warm_up(self, widths, captures=((),)) -> None:
         """Compile the captured steps of these widths (returning each of `captures`' features) now,
         outside any timing; then refuse new shapes."""
         if self.captured is None:
             return
-        self.captured.unseal()
-        ids = torch.zeros(self.rows, max(widths), dtype=torch.long, device=self.store.like.device)
-        for T in widths:
-            for capture in captures:
-                self._captured_step(ids[:, :T], [1] * self.rows, tuple(capture))
-        self.captured.seal()
+        with self.captured.warming():
+            ids = torch.zeros(self.rows, max(widths), dtype=torch.long, device=self.store.like.device)
+            for T in widths:
+                for capture in captures:
+                    self._captured_step(ids[:, :T], [1] * self.rows, tuple(capture))
 
     def _captured_step(self, input_ids, starts: list[int], capture) -> tuple[torch.Tensor, dict]:
-        """_layers over every row of the storage at its whole capacity: rows past the batch's B (finished
-        ones) are fed padding at position 0, which nothing reads."""
+        """_layers over every row of the storage at its whole capacity (finished rows: padding at position 0)."""
         B, T = input_ids.shape
-        if max(starts) + T > self.capacity:  # a new capacity: a new shape, refused once sealed
-            self.reserve(max(starts) + T)
-        pad = self.rows - B
-        device = input_ids.device
-        ids = F.pad(input_ids, (0, 0, 0, pad)) if pad else input_ids  # [rows, T]
-        positions = from_host(list(starts) + [0] * pad, device)[:, None] + torch.arange(T, device=device)  # [rows, T]
-        x, taken = self.captured((self.rows, T, self.capacity, capture), ids, positions, capture)
-        return (x[:B], {i: t[:B] for i, t in taken.items()}) if pad else (x, taken)
+        positions = self.store.fixed_positions(starts, T)  # [rows, T]
+        x, taken = self.captured((self.rows, T, self.capacity, capture), padded_rows(input_ids, self.rows), positions, capture)
+        return (x[:B], {i: t[:B] for i, t in taken.items()}) if B < self.rows else (x, taken)
 
     def _fixed_layers(self, input_ids, positions, capture):
         return self._layers(input_ids, self.store.fixed_step(positions), capture)
