@@ -159,10 +159,7 @@ class ModelDrafter(DrafterBase):
 
     def warm_up(self, k: int, rows: int = 1) -> None:
         """With compile=true: its one-token steps and two-token catch-up (last draft + bonus)."""
-        if rows == 1:
-            self.lm.warm_up([(1, 1), (2, 1)])
-        else:
-            rows_of(self.lm, rows).warm_up([1, 2])
+        rows_of(self.lm, rows).warm_up([(1, 1), (2, 1)])
 
     def models(self) -> list:
         return [self.lm.model]

@@ -45,9 +45,9 @@ class BatchedLM:
     def reserve(self, max_len: int, rows: int = 1) -> None:
         """Room for `rows` sequences of up to max_len positions (where storage is allocated ahead)."""
 
-    def warm_up(self, widths: list[int], captures=((),)) -> None:
-        """With compile=true: compile the steps of these widths (positions per row) for the reserved rows, now,
-        returning each of `captures`' features (forward_features' layers)."""
+    def warm_up(self, shapes: list[tuple[int, int]], captures=((),)) -> None:
+        """With compile=true: compile the steps of these shapes ((positions per row, logits kept) pairs, as
+        CachedLM.warm_up takes them) for the reserved rows, now, returning each of `captures`' features."""
 
     def forward(self, feeds: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
         """Append feeds[i] [T_i] (T_i may be 0) to active row i; per row the logits [num_logits[i], V]
@@ -107,8 +107,8 @@ class LeanBatch(BatchedLM):
         self.max_len = max(self.max_len, max_len)
         self.lean.reserve(self.max_len)
 
-    def warm_up(self, widths, captures=((),)):
-        self.lean.warm_up(widths, captures)
+    def warm_up(self, shapes, captures=((),)):
+        self.lean.warm_up(sorted({tokens for tokens, _ in shapes}), captures)
 
     def forward(self, feeds, num_logits):
         return self._step(feeds, num_logits, ())
@@ -237,6 +237,9 @@ class OneRow(BatchedLM):
 
     def rollback(self, lengths) -> None:
         self.lm.rollback(lengths[0])
+
+    def warm_up(self, shapes, captures=((),)) -> None:
+        self.lm.warm_up(shapes, captures)
 
     def keep(self, rows) -> None:
         assert list(rows) in ([], [0]), rows

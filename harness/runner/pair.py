@@ -64,10 +64,7 @@ class Pair:
         """With compile=true, compile every step shape of a k-draft run of `rows` rows before anything
         is timed: verifies of 1..k+1 tokens (k' < k near the token budget), and the draft's steps."""
         captures = list(dict.fromkeys([(), self.drafter.reads_target]))  # the baseline's steps, the verifies' features
-        if rows == 1:
-            self.target.warm_up([(n, n) for n in range(1, k + 2)], captures)
-        else:
-            rows_of(self.target, rows).warm_up(list(range(1, k + 2)), captures)
+        rows_of(self.target, rows).warm_up([(n, n) for n in range(1, k + 2)], captures)
         self.drafter.warm_up(k, rows)
 
     def models(self) -> list:
