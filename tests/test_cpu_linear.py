@@ -15,6 +15,7 @@ from harness.errors import HarnessError
 from harness.models import cpu_linear
 from harness.models.cached import CachedLM
 from harness.models.cpu_linear import TransposedLinear, choose, transposed_linear
+from harness.models.lean import LeanLlama
 from harness.models.loading import ModelSpec, load_model
 from harness.models.shared_draft import build_shared_draft
 
@@ -89,7 +90,7 @@ def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins(
     rows_to = cpu_linear.plan(found)
     assert rows_to[1:] == (2, 2, 4, 4, 5, 6, 7, 8, 12, 12, 12, 12, 0, 0, 0, 0, 0)
     assert (
-        cpu_linear.describe(rows_to)
+        cpu_linear.describe_one(rows_to)
         == "W @ x.T, rows padded 1->2, 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
     )
     equal = cpu_linear.plan({**found, "transposed_ms": ms({m: 0.5 for m in range(1, 18)})})
@@ -98,7 +99,10 @@ def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins(
     assert within == (0, 2, *[0] * 16)  # torch's everywhere but at one row
     slower = cpu_linear.plan({**found, "transposed_ms": ms({m: 2.0 for m in range(1, 18)})})
     assert slower is None  # torch's product clearly faster than one row padded to two: torch's everywhere
-    assert cpu_linear.describe(None) == "torch's product"
+    assert cpu_linear.describe_one(None) == cpu_linear.describe({}) == "torch's product"
+    assert cpu_linear.describe({"4x8 float32": rows_to, "8x4 float32": None}) == (
+        f"4x8: {cpu_linear.describe_one(rows_to)}; 8x4: torch's product"
+    )
 
 
 def test_a_strided_input_gives_the_same_product():
@@ -136,7 +140,7 @@ def test_choosing_a_product_sets_every_linear_layer_and_keeps_the_logits(tiny_pa
     assert choose("transposed", [target, draft], CPU) == {
         "mode": "transposed",
         "product": "transposed",
-        "rows_to": list(cpu_linear.ONE_AS_TWO),
+        "plans": {cpu_linear.EVERY_SHAPE: list(cpu_linear.ONE_AS_TWO)},
     }
     assert linear_types(target) == {TransposedLinear} and draft.lm_head.rows_to == cpu_linear.ONE_AS_TWO
     for model, logits in zip((target, draft), before):
@@ -165,16 +169,22 @@ def test_greedy_speculation_with_the_transposed_product_is_the_target_s_greedy(t
     assert spec == base and torch_spec == torch_base and len(base) == 30
 
 
-def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, monkeypatch):
+def test_auto_times_every_product_a_step_runs_by_shape(tiny_pair, monkeypatch):
+    """The probe times each shape's weights on their own within a pass through every shape, each
+    weight once a pass, over every row count in each sweep; the lean forward's fused products are
+    shapes of their own."""
     target = fresh(tiny_pair)
-    layers = cpu_linear._linears([target, target])  # a module shared by two models counts once
-    assert len(layers) == sum(isinstance(m, nn.Linear) for m in target.modules())
-    size = {id(layer.weight): layer.weight.numel() * 4 for layer in layers}
+    weights = cpu_linear.step_weights([target, target])  # a module shared by two models counts once
+    assert sum(map(len, weights.values())) == sum(isinstance(m, nn.Linear) for m in target.modules())
+    LeanLlama(target)  # fuses q/k/v and gate/up: two more products a layer
+    fused = cpu_linear.step_weights([target])
+    assert set(weights) <= set(fused)
+    assert sum(map(len, fused.values())) == sum(map(len, weights.values())) + 2 * target.config.num_hidden_layers
     calls, plans, timing, order = [], set(), [], []
 
     def transposed(x, w, b, plan):
         if timing:  # not the warm-up
-            calls.append(w), plans.add(plan), order.append(x.shape[0])
+            calls.append(cpu_linear.shape_of(w)), plans.add(plan), order.append(x.shape[0])
         return F.linear(x, w)
 
     def one_pass(fn):
@@ -185,25 +195,29 @@ def test_auto_times_a_step_through_every_layer_and_keeps_the_faster(tiny_pair, m
 
     monkeypatch.setattr(cpu_linear, "transposed_linear", transposed)
     monkeypatch.setattr(cpu_linear, "_ms", one_pass)
-    found = cpu_linear.probe([target])
+    monkeypatch.setattr(cpu_linear, "MIN_PASS_BYTES", 0)  # the weights as they are, not repeated
+    found = cpu_linear.probe(fused)
     rows = list(range(1, cpu_linear.FEW_ROWS + 1))  # every row count a step can have
-    assert found["rows"] == rows and found["torch_ms"] == found["transposed_ms"] == [1.0] * len(rows)
-    assert sorted(id(w) for w in calls) == sorted(
-        list(size) * len(rows) * cpu_linear.REPS
-    )  # every weight, once a pass, each sweep
+    assert set(found["shapes"]) == set(fused)
+    for shape, one in found["shapes"].items():
+        assert one["rows"] == rows and one["weights"] == len(fused[shape])
+        assert one["torch_ms"] == one["transposed_ms"] == [1.0 / len(fused[shape])] * len(rows)  # per weight
+        assert calls.count(shape) == len(fused[shape]) * len(rows) * cpu_linear.REPS  # each weight once a pass, each sweep
     assert [m for i, m in enumerate(order) if i == 0 or order[i - 1] != m] == rows * cpu_linear.REPS  # sweeps over the row counts
     assert plans == {cpu_linear.AS_IS}  # the transposed product timed unpadded at each row count
-    outlier = iter([50.0] + [1.0] * 1000)  # a disturbance in the first sweep's first pass
+    outlier = iter([50.0] + [1.0] * 100000)  # a disturbance in the first sweep's first pass
     monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(outlier))
-    assert cpu_linear.probe([target])["torch_ms"] == [1.0] * len(rows)  # the median of the sweeps leaves it out
+    first = next(iter(cpu_linear.probe(fused)["shapes"].values()))
+    assert first["torch_ms"][0] == first["torch_ms"][1]  # the median of the sweeps leaves it out
     monkeypatch.setattr(cpu_linear, "_ms", one_pass)
-    cap = sum(size.values()) // 3
-    monkeypatch.setattr(cpu_linear, "PROBE_BYTES", cap)  # past the cap: a sample, its time scaled up by bytes
+    monkeypatch.setattr(cpu_linear, "PROBE_BYTES", 1)  # past the cap: one weight of each shape
     calls.clear()
-    found = cpu_linear.probe([target], rows=(1,), reps=1)
-    taken = sum(size[id(w)] for w in calls)
-    assert 0 < taken <= cap and len(calls) < len(layers)
-    assert found["torch_ms"][0] == pytest.approx(sum(size.values()) / taken)
+    found = cpu_linear.probe(fused, rows=(1,), reps=1)
+    assert sorted(calls) == sorted(fused) and all(one["weights"] == 1 for one in found["shapes"].values())
+    monkeypatch.setattr(cpu_linear, "PROBE_BYTES", 2**40)
+    monkeypatch.setattr(cpu_linear, "MIN_PASS_BYTES", 2**40)  # a small model: each shape repeated, up to MAX_REPEAT
+    found = cpu_linear.probe(fused, rows=(1,), reps=1)
+    assert all(one["weights"] == cpu_linear.MAX_REPEAT * len(fused[s]) for s, one in found["shapes"].items())
     monkeypatch.undo()
 
 
@@ -230,9 +244,13 @@ def test_auto_keeps_the_transposed_product_only_when_clearly_faster(tiny_pair, t
         return transposed_ms if used else 1.0
 
     monkeypatch.setattr(cpu_linear, "_ms", timed)
+    monkeypatch.setattr(cpu_linear, "MIN_PASS_BYTES", 0)
     record = choose("auto", [target], CPU)
-    assert record["probe"]["transposed_ms"] == [transposed_ms] * cpu_linear.FEW_ROWS
-    assert record.get("rows_to") == rows_to
+    shapes = set(cpu_linear.step_weights([target]))
+    assert set(record["probe"]) == set(record["plans"]) == shapes and set(record["plan"]["probed"]) == shapes
+    for shape, found in record["probe"].items():
+        assert found["transposed_ms"] == [transposed_ms / found["weights"]] * cpu_linear.FEW_ROWS
+        assert record["plans"][shape] == rows_to
     assert record["product"] == ("transposed" if rows_to else "torch")
     assert linear_types(target) == {TransposedLinear if rows_to else nn.Linear}
 
@@ -249,7 +267,7 @@ def test_what_choose_leaves_alone_and_refuses(tiny_pair):
     hooked.forward = lambda x: F.linear(x, hooked.weight)  # as accelerate's offloading hooks replace it
     choose("transposed", [target], CPU)
     assert type(hooked) is nn.Linear and hooked not in cpu_linear._linears([target])
-    assert choose("auto", [nn.Sequential(nn.ReLU())], CPU) == {"mode": "auto", "product": "torch"}  # nothing to time
+    assert choose("auto", [nn.Sequential(nn.ReLU())], CPU) == {"mode": "auto", "product": "torch", "plans": {}}  # nothing to time
     with pytest.raises(HarnessError, match="cpu_linear=fast must be one of auto, probe, transposed, torch"):
         choose("fast", [target], CPU)  # harness.bench does not run validate(): choose checks for itself
 
@@ -263,9 +281,13 @@ def plan_of(model_layers) -> set:
     "earlier, plan",
     [
         ({"linear": "torch"}, None),
-        ({"linear": "transposed", "linear_rows_to": list(cpu_linear.AS_IS)}, cpu_linear.AS_IS),  # another process's plan
+        ({"linear": "transposed", "linear_plans": {"*": list(cpu_linear.AS_IS)}}, cpu_linear.AS_IS),  # another process's plans
+        (
+            {"linear": "transposed", "linear_rows_to": list(cpu_linear.AS_IS)},
+            cpu_linear.AS_IS,
+        ),  # one plan for all shapes (older records)
     ],
-    ids=["torch", "another-plan"],
+    ids=["torch", "another-plan", "older-record"],
 )
 def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, tmp_path, monkeypatch, earlier, plan):
     """cpu_linear=auto times the products in each process; where they are close a resumed cell
@@ -283,7 +305,7 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
 
     rows = list(range(1, cpu_linear.FEW_ROWS + 1))
     found = {"rows": rows, "torch_ms": ms({}), "transposed_ms": ms({m: 0.5 for m in rows} | {3: 0.7}), "seconds": 0.0}
-    monkeypatch.setattr(cpu_linear, "probe", lambda models: found)
+    monkeypatch.setattr(cpu_linear, "probe", lambda weights: {"shapes": {shape: found for shape in weights}, "seconds": 0.0})
     monkeypatch.setenv("SPECBENCH_PLANS", str(tmp_path / "plans"))  # no stored plan: the load probes (the fake above)
     loaded_pairs.clear()  # a pair loaded by another test was probed for real
     overrides = [
@@ -299,20 +321,21 @@ def test_a_resumed_cell_keeps_the_plan_its_earlier_prompts_ran_with(tiny_pair, t
     try:
         first = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
         cell = Path(first["cell_dir"])
-        assert first["conditions"]["linear"]["rows_to"] == list(cpu_linear.plan(found)) and cpu_linear.plan(found)[3] == 4
+        plans = first["conditions"]["linear"]["plans"]
+        assert set(map(tuple, plans.values())) == {cpu_linear.plan(found)} and cpu_linear.plan(found)[3] == 4
         records = [json.loads(line) for line in (cell / "prompts.jsonl").read_text().splitlines()]
-        assert {tuple(r["linear_rows_to"]) for r in records} == {cpu_linear.plan(found)}  # each record names its plan
+        assert all(r["linear_plans"] == plans for r in records)  # each record names its plans
         as_if = [{**{key: value for key, value in r.items() if not key.startswith("linear")}, **earlier} for r in records[:2]]
         (cell / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in as_if))  # as if another process ran these
         (cell / "summary.json").unlink()
         second = run.run_cell(cfg, out_dir=tmp_path, quiet=True)
         linear = second["conditions"]["linear"]
         assert linear["product"] == earlier["linear"] and "resumed" in linear["why"]
-        assert linear.get("rows_to") == (list(plan) if plan else None)  # not the load's plan
+        assert linear["plans"] == ({"*": list(plan)} if plan else {})  # not the load's plans
         pair = next(iter(loaded_pairs.values()))
         assert plan_of(cpu_linear._linears(pair.models())) == {plan}
         last = json.loads((cell / "prompts.jsonl").read_text().splitlines()[-1])
-        assert last["linear"] == earlier["linear"] and last.get("linear_rows_to") == linear.get("rows_to")
+        assert last["linear"] == earlier["linear"] and last.get("linear_plans", {}) == linear["plans"]
         # the next cell of the same process (a multirun reuses the loaded pair) is a new one: back to the load's plan
         third = run.run_cell(OmegaConf.merge(cfg, {"k": cfg.k + 1}), out_dir=tmp_path, quiet=True)
         assert third["conditions"]["linear"] == first["conditions"]["linear"]
@@ -325,12 +348,33 @@ def test_a_probe_whose_sweeps_disagree_says_so(monkeypatch):
     """Another process on the cores makes the probe's sweeps disagree (measured here: slowest / fastest
     1.02-1.05 quiet, 2.0-3.8 beside one busy process, with plans that then took torch's product for one
     row): the run warns rather than trusting the plan without a word."""
-    layers = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    weights = cpu_linear.step_weights([torch.nn.Linear(16, 32)])
+    monkeypatch.setattr(cpu_linear, "MAX_REPEAT", 1)
     sweeps = iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0])  # the second sweep three times slower
     monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(sweeps))
-    found = cpu_linear.probe([layers], rows=(1, 2), reps=3)
+    found = cpu_linear.probe(weights, rows=(1, 2), reps=3)["shapes"]["32x16 float32"]
     assert found["spread"] == 3.0 and "disagreed by 200%" in cpu_linear.noisy(found)
     steady = iter([1.0, 1.1] * 6)
     monkeypatch.setattr(cpu_linear, "_ms", lambda fn: next(steady))
-    found = cpu_linear.probe([layers], rows=(1, 2), reps=3)
+    found = cpu_linear.probe(weights, rows=(1, 2), reps=3)["shapes"]["32x16 float32"]
     assert found["spread"] == 1.0 and cpu_linear.noisy(found) is None
+
+
+def test_the_lean_forward_s_fused_products_take_their_shape_s_plan(tiny_pair, monkeypatch):
+    """The lean forward's fused q/k/v product is no module's: it reads the plan of its own shape."""
+    target = fresh(tiny_pair)
+    lean = LeanLlama(target)
+    calls = []
+    real = cpu_linear.transposed_linear
+    monkeypatch.setattr(
+        cpu_linear, "transposed_linear", lambda x, w, b=None, plan=cpu_linear.ONE_AS_TWO: calls.append(w) or real(x, w, b, plan)
+    )
+    qkv = cpu_linear.shape_of(target.fused_linear_weights[0])
+    cpu_linear.apply([target], {qkv: cpu_linear.AS_IS})
+    lean.reserve(8)
+    lean.forward(torch.arange(5, 9)[None], [0], [1])
+    assert [id(w) for w in calls] == [id(w) for w in target.fused_linear_weights[::2]]  # each layer's q/k/v, nothing else
+    calls.clear()
+    cpu_linear.apply([target], {})
+    lean.forward(torch.arange(9, 10)[None], [4], [1])
+    assert calls == []

@@ -1,5 +1,5 @@
 """The CPU linear plan is reproducible: decided with a statistical margin, stored once per
-machine and model shape, reused by later runs, re-probed when the machine or the setting says so."""
+machine and weight shape, shared by every pair with that shape, reused by later runs, re-probed when the machine or the setting says so."""
 
 from __future__ import annotations
 
@@ -145,54 +145,56 @@ def test_the_comparison_uses_the_second_extremes():
 @pytest.fixture
 def layers(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECBENCH_PLANS", str(tmp_path / "plans"))
-    calls = []
+    calls = []  # the shapes each probe timed
     found = sweeps_from({"torch_ms": [10.0] * len(ROWS), "transposed_ms": [4.0] * len(ROWS)}, noise=0.02, seed=2)
 
-    def fake_probe(models):
-        calls.append(1)
-        return {**found, "seconds": 0.1}
+    def fake_probe(weights):
+        calls.append(sorted(weights))
+        return {"shapes": {shape: found for shape in weights}, "seconds": 0.1}
 
     monkeypatch.setattr(cpu_linear, "probe", fake_probe)
     return [nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))], calls
 
 
-def test_a_stored_plan_is_reused_and_a_changed_fingerprint_probes_again(layers):
+def test_stored_plans_are_reused_by_shape_and_a_changed_machine_probes_again(layers):
     models, calls = layers
     first = cpu_linear.choose("auto", models, CPU, IDENTITY)
-    assert len(calls) == 1 and first["plan"]["source"] == "probed"
+    assert calls == [["16x32 float32", "32x16 float32"]] and first["plan"]["source"] == "probed"
     stored = json.loads(open(first["plan"]["file"]).read())
-    assert stored["rows_to"] == first["rows_to"] and stored["key"]["device"] == IDENTITY
+    assert {s: e["rows_to"] for s, e in stored["shapes"].items()} == first["plans"] and stored["key"]["device"] == IDENTITY
 
     again = cpu_linear.choose("auto", models, CPU, IDENTITY)
-    assert len(calls) == 1 and again["plan"] == {**first["plan"], "source": "stored"}
-    assert again["rows_to"] == first["rows_to"]
+    assert len(calls) == 1 and again["plan"] == {**first["plan"], "source": "stored", "probed": [], "seconds": 0.0}
+    assert again["plans"] == first["plans"] and "probe" not in again
 
     cpu_linear.choose("auto", models, CPU, {**IDENTITY, "threads": 4})  # other threads: another machine, to the plan
     assert len(calls) == 2
-    cpu_linear.choose("auto", [nn.Linear(16, 48)], CPU, IDENTITY)  # other shapes
-    assert len(calls) == 3
+    other = cpu_linear.choose("auto", [nn.Linear(16, 48), nn.Linear(16, 32)], CPU, IDENTITY)  # one shape new, one stored
+    assert calls[-1] == ["48x16 float32"] and other["plans"]["32x16 float32"] == first["plans"]["32x16 float32"]
+    assert set(json.loads(open(first["plan"]["file"]).read())["shapes"]) == {"16x32 float32", "32x16 float32", "48x16 float32"}
     forced = cpu_linear.choose("probe", models, CPU, IDENTITY)  # the setting that re-probes
-    assert len(calls) == 4 and forced["plan"]["source"] == "probed" and forced["plan"]["file"] == first["plan"]["file"]
+    assert calls[-1] == calls[0] and forced["plan"]["source"] == "probed" and forced["plan"]["file"] == first["plan"]["file"]
 
 
 def test_a_file_that_is_not_a_plan_is_probed_over(layers):
     models, calls = layers
-    key = cpu_linear.plan_key(models, IDENTITY)
+    key = cpu_linear.machine_key(IDENTITY)
     path = cpu_linear.plan_path(key)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert cpu_linear.choose("auto", models, CPU, IDENTITY)["plan"]["source"] == "probed" and len(calls) == 1
-    assert cpu_linear.stored_plan(key)["rows_to"] is not None
+    assert cpu_linear.stored_plans(key)["32x16 float32"]["rows_to"] is not None
 
 
 def test_a_noisy_probe_is_used_but_not_stored(layers, monkeypatch):
     """A probe whose sweeps disagree (another process on the cores) must not fix the plan of every
     later run: it serves this run, and the next run probes again."""
     models, calls = layers
-    noisy = {**cpu_linear.probe(models), "spread": 2 * cpu_linear.NOISY}
-    monkeypatch.setattr(cpu_linear, "probe", lambda models: calls.append(1) or noisy)
+    probed = cpu_linear.probe(cpu_linear.step_weights(models))
+    noisy = {shape: {**found, "spread": 2 * cpu_linear.NOISY} for shape, found in probed["shapes"].items()}
+    monkeypatch.setattr(cpu_linear, "probe", lambda weights: calls.append(1) or {"shapes": noisy, "seconds": 0.1})
     first = cpu_linear.choose("auto", models, CPU, IDENTITY)
-    assert first["plan"]["source"].startswith("probed, not stored") and first["rows_to"]
-    assert cpu_linear.stored_plan(cpu_linear.plan_key(models, IDENTITY)) is None
+    assert first["plan"]["source"].startswith("probed, not stored") and any(first["plans"].values())
+    assert cpu_linear.stored_plans(cpu_linear.machine_key(IDENTITY)) == {}
     cpu_linear.choose("auto", models, CPU, IDENTITY)
     assert len(calls) == 3  # the fixture's probe once, then one probe a run

@@ -182,7 +182,7 @@ def main(argv=None) -> None:
         data = build_one_pass_data(args, sampler, tok, model_dir, reads(target))
         target = sampler.to("cpu")
         if args.device != "cpu":  # the lean forward's fused weights are of the device copy
-            del target._harness_lean_fused
+            del target._harness_lean_fused, target.fused_linear_weights
     else:
         data = build_training_data(args, target, tok, model_dir)
     positions = sum(len(p) for p in data["probs"])

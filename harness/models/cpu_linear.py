@@ -3,39 +3,35 @@
 A decode, draft or verify step feeds every linear layer 1 to k + 1 rows. On
 some CPUs torch's product for such rows, x [M, K] @ W.T, is much slower than
 the same product computed the other way round, (W [N, K] @ x.T).T: the BLAS
-takes another path. Measured on a 2-core AMD EPYC (Zen 5), torch 2.13 with
-MKL 2024.2, float32, over weights of SmolLM2-135M's linear-layer shapes read
-from memory: 35 ms for one row (a matrix-vector product, on one thread) and
-52 ms for two, against 16 and 15 ms computed as W @ x.T (one row padded to
-two). The two differ only in float rounding.
+takes another path (one row: a matrix-vector product on one thread). The BLAS
+also runs some row counts much slower than a few more, so a plan (`rows_to`)
+says, for each row count, how many rows to compute it with: the real ones,
+padded with zero rows, or 0 for torch's product. Figures: docs/design.md,
+"Linear layers on the CPU".
 
-The BLAS also runs some row counts much slower than a few more: on the same
-EPYC, W @ x.T over the pair's weights took 23.6 ms at four rows but 26.3 at
-three, and 56.2 at sixteen but 86.0 to 105.2 at thirteen to fifteen (the
-probe behind docs/design.md, "Linear layers on the CPU"). A
-plan (`rows_to`) therefore says, for each row count, how many rows to
-compute it with: the real ones, padded with zero rows.
-
-`cpu_linear=auto` (the default) uses the plan stored for this machine and these
-weights (`plan_key`: CPU model, torch threads, torch version, the layers' shapes), in
-the harness's cache; with none stored it times both products at every row count up to
-FEW_ROWS over the pair's own weights (`probe`, REPS sweeps), decides a plan that departs
-from the simpler choice only beyond the sweeps' scatter (`plan`), and stores it, so that
-the same command on the same machine runs the same kernels. `probe` times it anew and
-stores the result; `transposed` (one row padded to two, no other padding) or `torch`
-pick one product. The plan is recorded in a run's conditions. It changes the models'
-modules, so HF generate() in the bench runs on the same products as our loop and the
-comparison stays like for like.
+Plans are per weight shape and per machine. `cpu_linear=auto` (the default)
+uses the plans stored for this machine (`machine_key`: CPU model, torch
+threads, torch version, the rule's version) in one file of the harness's
+cache, one plan per shape [N, K] and dtype; a shape with none stored is probed
+(`probe`) on the products the forward really runs (the lean forward's fused
+q/k/v and gate/up weights included), in passes through every such weight as a
+step makes them, and its plan is added to the file. Every pair met on the
+machine therefore shares its plans: a target has the same products whichever
+draft it is paired with, and so the same baseline. `probe` times the pair's
+shapes anew; `transposed` (one row padded to two, no other padding) or `torch`
+pick one product for every shape. The plans are recorded in a run's
+conditions. They change the models' own modules, so HF generate() in the bench
+runs on the same products as our loop.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import statistics
 import time
-from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -52,10 +48,15 @@ MARGIN = 0.9  # auto takes the transposed product for a row count only when it i
 NEAR = 1.05  # and pads a row count only to save more than this: closer times are within the probe's noise
 NOISY = 1.25  # sweeps of a probe further apart than this (slowest / fastest, median over row counts): a warning
 REPS = 7  # sweeps of a probe: a plan departs from the simpler choice only where the two sets of sweeps are apart by a margin
-PROBE_BYTES = 2**30  # weights a probe pass reads, about (at least one layer): 0.1 s at 10 GB/s
+PROBE_BYTES = 2**30  # weights a probe pass reads, at most: past it, a seeded sample of each shape's weights
+MIN_PASS_BYTES = 2**28  # and at least: fewer (small models, one new shape) are repeated, so that a pass reads memory, not cache
+MAX_REPEAT = 16  # up to this many times (tiny models run from cache anyway)
 AS_IS = tuple(range(FEW_ROWS + 1))  # a plan computing each row count as it is
 ONE_AS_TWO = (0, 2, *range(2, FEW_ROWS + 1))  # cpu_linear=transposed: one row runs as a matrix-vector product, padded to two
-PLAN_RULE = 2  # the version of `plan` a stored plan was decided by: a stored plan of another version is probed anew
+EVERY_SHAPE = "*"  # a plans' key for the shapes it does not name
+PLAN_RULE = 3  # the version of `plan` and `probe` stored plans were decided by: others are probed anew
+
+Plans = dict[str, "tuple[int, ...] | None"]  # weight shape (`shape_of`) -> rows_to (None: torch's product)
 
 
 def transposed_linear(
@@ -75,6 +76,12 @@ def transposed_linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plans: Plans | None) -> torch.Tensor:
+    """F.linear by the plan `plans` gives weight's shape (for a product that is no module's: the lean forward's fused ones)."""
+    rows_to = rows_for(plans, weight)
+    return transposed_linear(x, weight, bias, rows_to) if rows_to else F.linear(x, weight, bias)
+
+
 class TransposedLinear(nn.Linear):
     """nn.Linear computing few-row products as W @ x.T (`transposed_linear`) by its plan `rows_to`."""
 
@@ -82,6 +89,18 @@ class TransposedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return transposed_linear(x, self.weight, self.bias, self.rows_to)
+
+
+def shape_of(weight: torch.Tensor) -> str:
+    """A plan's key: the weight's [N, K] and dtype, as `960x576 float32`."""
+    return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
+
+
+def rows_for(plans: Plans | None, weight: torch.Tensor) -> tuple[int, ...] | None:
+    """The plan for this weight's shape (EVERY_SHAPE for a shape not named), or None: torch's product."""
+    if not plans:
+        return None
+    return plans.get(shape_of(weight), plans.get(EVERY_SHAPE))
 
 
 def _linears(models: list[nn.Module]) -> list[nn.Module]:
@@ -97,68 +116,82 @@ def _linears(models: list[nn.Module]) -> list[nn.Module]:
     return list(seen.values())
 
 
+def step_weights(models: list[nn.Module]) -> dict[str, list[torch.Tensor]]:
+    """The weights of every product a step of these models can run, by shape: each linear layer's
+    and the fused ones the lean forward computes with (`fused_linear_weights`), each once."""
+    weights = [layer.weight for layer in _linears(models)]
+    weights += [w for model in models for w in getattr(model, "fused_linear_weights", [])]
+    by_shape: dict[str, dict[int, torch.Tensor]] = {}
+    for w in weights:
+        by_shape.setdefault(shape_of(w), {}).setdefault(id(w), w)
+    return {shape: list(ws.values()) for shape, ws in by_shape.items()}
+
+
 def _ms(fn) -> float:
     start = time.perf_counter()
     fn()
     return 1e3 * (time.perf_counter() - start)
 
 
+def _pass_weights(weights: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    """The weights a probe pass reads, by shape: at most PROBE_BYTES in all (a seeded sample of each
+    shape, at least one weight), at least MIN_PASS_BYTES (each shape's weights repeated as copies)."""
+    size = {shape: ws[0].numel() * ws[0].element_size() for shape, ws in weights.items()}
+    total = sum(size[shape] * len(ws) for shape, ws in weights.items())
+    share = min(1.0, PROBE_BYTES / total)
+    taken = {
+        shape: random.Random(0).sample(ws, max(1, round(share * len(ws)))) if share < 1 else list(ws)
+        for shape, ws in weights.items()
+    }
+    taken_bytes = sum(size[shape] * len(ws) for shape, ws in taken.items())
+    repeat = min(math.ceil(MIN_PASS_BYTES / taken_bytes), MAX_REPEAT)
+    return {shape: ws + [w.clone() for _ in range(repeat - 1) for w in ws] for shape, ws in taken.items()}
+
+
 @torch.inference_mode()
-def probe(models: list[nn.Module], rows: tuple[int, ...] = AS_IS[1:], reps: int = REPS) -> dict:
-    """Time of one step through the models' linear layers for each row count, ms, with torch's
-    product and with the transposed one (unpadded): the median of `reps` sweeps over the row
-    counts, so that a passing disturbance lands in one sweep and a drift in all row counts
-    alike. Each pass reads every layer's own weight once, as a step does, so that the weights
-    come from memory rather than a warm cache; past PROBE_BYTES of weights, a seeded random
-    sample of the layers, the time scaled up by bytes."""
+def probe(weights: dict[str, list[torch.Tensor]], rows: tuple[int, ...] = AS_IS[1:], reps: int = REPS) -> dict:
+    """Time per weight of each shape's product, ms, with torch's product and the transposed one
+    (unpadded), for each row count: the median of `reps` sweeps. A sweep runs, for each row count
+    and product, one pass through the weights of every shape (`_pass_weights`), each shape timed
+    on its own, so that each shape's weights come from memory after the others', as in a step; a
+    passing disturbance lands in one sweep, a drift in every row count alike. {shape: found}."""
     started = time.perf_counter()
-    layers = _linears(models)
-    size = {id(layer): layer.weight.numel() * layer.weight.element_size() for layer in layers}
-    sample, taken = [], 0
-    for layer in random.Random(0).sample(layers, len(layers)):
-        if sample and taken + size[id(layer)] > PROBE_BYTES:
-            continue
-        sample.append(layer)
-        taken += size[id(layer)]
-    scale = sum(size.values()) / taken
-    weights = [layer.weight for layer in sample]
+    taken = _pass_weights(weights)
+    products = (F.linear, lambda x, w: transposed_linear(x, w, None, AS_IS))
     gen = torch.Generator().manual_seed(0)  # the global generator's state stays the run's
-    passes = {}  # row count -> (torch's pass, the transposed pass), each through every sampled layer
+    inputs = {}  # (row count, K, dtype) -> x [M, K]
     for m in rows:
-        inputs = {
-            (w.shape[1], w.dtype, w.device): torch.randn(m, w.shape[1], generator=gen).to(w.device, w.dtype) for w in weights
-        }
-        pairs = [(inputs[w.shape[1], w.dtype, w.device], w) for w in weights]  # ([M, K], [N, K]) per layer
-        passes[m] = (
-            lambda pairs=pairs: [F.linear(x, w) for x, w in pairs],
-            lambda pairs=pairs: [transposed_linear(x, w, None, AS_IS) for x, w in pairs],
-        )
-        one_per_shape = list({(w.shape, w.dtype, w.device): (x, w) for x, w in pairs}.values())
-        for x, w in one_per_shape:  # warm-up: each product, shape and row count once (allocations, BLAS set-up)
-            F.linear(x, w), transposed_linear(x, w, None, AS_IS)
-    times = {m: ([], []) for m in rows}
+        for w in (ws[0] for ws in taken.values()):
+            if (m, w.shape[1], w.dtype) not in inputs:
+                x = inputs[m, w.shape[1], w.dtype] = torch.randn(m, w.shape[1], generator=gen).to(w.device, w.dtype)
+                [product(x, w) for product in products]  # warm-up: each product, shape and row count once
+    times = {shape: {m: ([], []) for m in rows} for shape in taken}
     for _ in range(reps):
         for m in rows:
-            for product, timed in zip(passes[m], times[m]):
-                timed.append(scale * _ms(product))
-    # How far the sweeps disagreed: the median over row counts and products of slowest / fastest sweep.
-    spread = statistics.median(max(t) / min(t) for m in rows for t in times[m] if min(t) > 0) if reps > 1 else 1.0
-    return {
-        "rows": list(rows),
-        "torch_ms": [statistics.median(times[m][0]) for m in rows],
-        "transposed_ms": [statistics.median(times[m][1]) for m in rows],
-        "spread": spread,
-        "sweeps": {"torch_ms": [times[m][0] for m in rows], "transposed_ms": [times[m][1] for m in rows]},
-        "seconds": time.perf_counter() - started,
-    }
+            for p, product in enumerate(products):
+                for shape, ws in taken.items():
+                    x = inputs[m, ws[0].shape[1], ws[0].dtype]
+                    times[shape][m][p].append(_ms(lambda ws=ws, x=x, product=product: [product(x, w) for w in ws]) / len(ws))
+    found = {}
+    for shape, by_rows in times.items():
+        sweeps = [t for m in rows for t in by_rows[m] if min(t) > 0]
+        found[shape] = {
+            "rows": list(rows),
+            "torch_ms": [statistics.median(by_rows[m][0]) for m in rows],
+            "transposed_ms": [statistics.median(by_rows[m][1]) for m in rows],
+            "spread": statistics.median(max(t) / min(t) for t in sweeps) if reps > 1 and sweeps else 1.0,
+            "sweeps": {"torch_ms": [by_rows[m][0] for m in rows], "transposed_ms": [by_rows[m][1] for m in rows]},
+            "weights": len(taken[shape]),
+        }
+    return {"shapes": found, "seconds": time.perf_counter() - started}
 
 
 def noisy(found: dict) -> str | None:
-    """A warning when a probe's sweeps disagreed by more than NOISY (another process using the
-    cores, say): its plan may then be off, and so may the run's timings. The spread comes from
-    the extremes (slowest / fastest), not from the sweeps `clearly_faster` compares: the one
-    disturbed sweep the plan leaves aside still says that the machine was busy during the probe,
-    and may be during the run, so such a probe serves its run but is not stored (`choose`)."""
+    """A warning when a shape's probe sweeps disagreed by more than NOISY (another process using the
+    cores, say): its plan may then be off, and so may the run's timings. The spread comes from the
+    extremes (slowest / fastest), not from the sweeps `clearly_faster` compares: the one disturbed
+    sweep the plan leaves aside still says that the machine was busy, so such a plan serves its run
+    but is not stored (`choose`)."""
     spread = found.get("spread", 1.0)
     if spread <= NOISY:
         return None
@@ -171,41 +204,33 @@ def noisy(found: dict) -> str | None:
 
 def inner_range(sweeps: list[float]) -> tuple[float, float]:
     """(second-fastest, second-slowest) of a set of sweeps: one disturbed sweep, however far off,
-    leaves both within the other sweeps' range, as it does not the fastest or the slowest. With
-    fewer than three sweeps there is no such pair: (fastest, slowest)."""
+    leaves both within the other sweeps' range. With fewer than three sweeps: (fastest, slowest)."""
     times = sorted(sweeps)
     return (times[1], times[-2]) if len(times) >= 3 else (times[0], times[-1])
 
 
 def clearly_faster(fast: list[float], slow: list[float], margin: float) -> bool:
-    """Sweeps `fast` beat sweeps `slow` by `margin` beyond the sweeps' own scatter, not only at the
-    medians: the second-slowest of `fast` under `margin` times the second-fastest of `slow`. One
-    disturbed sweep on each side (a slow one among `fast`, a fast one among `slow`) cannot decide
-    it; a difference in all the other sweeps still does."""
+    """Sweeps `fast` beat sweeps `slow` by `margin` beyond the sweeps' own scatter: the second-slowest
+    of `fast` under `margin` times the second-fastest of `slow`, so that one disturbed sweep on each
+    side cannot decide it."""
     return inner_range(fast)[1] < margin * inner_range(slow)[0]
 
 
 def plan(found: dict) -> tuple[int, ...] | None:
-    """rows_to from a probe. For each row count M: the transposed product padded to M' > M rows
-    only where M' is clearly faster than M (`clearly_faster` by 1 / NEAR: beyond the sweeps' own
-    scatter), at the fewest rows among the paddings not clearly slower than the fastest one;
-    then that product only where it is clearly faster than torch's at M (`clearly_faster` by
-    MARGIN). Anything within the probe's noise keeps the simpler choice (no padding; torch's
-    product), so that probes on one machine agree. One row is the exception: its simpler choice
-    is the transposed product padded to two (as `cpu_linear=transposed` runs it), and torch's
-    product only where that is clearly faster. Unpadded, one row is a matrix-vector product,
-    which the BLASes measured run on one thread; the probe's sweeps at one and two rows can
-    overlap while a model's whole step is clearly faster padded (docs/design.md, "Linear layers
-    on the CPU"), and one row is every step of the target alone, the baseline of every speedup.
-    None: torch's product at every row count."""
-    torch_ms = dict(zip(found["rows"], found["torch_ms"]))
+    """rows_to from one shape's probe. For each row count M: the transposed product padded to M' > M
+    rows only where M' is clearly faster than M (`clearly_faster` by 1 / NEAR), at the fewest rows
+    among the paddings not clearly slower than the fastest one; then that product only where it is
+    clearly faster than torch's at M (by MARGIN). Anything within the probe's noise keeps the simpler
+    choice (no padding; torch's product), so that probes on one machine agree. One row's simpler
+    choice is the transposed product padded to two (a matrix-vector product runs on one thread, and
+    one row is every step of the target alone: docs/design.md), and torch's product only where that
+    is clearly faster. None: torch's product at every row count."""
     sweeps = found.get("sweeps") or {}
-    sweeps_of = {
-        name: dict(zip(found["rows"], sweeps.get(name) or [[t] for t in found[name]])) for name in ("torch_ms", "transposed_ms")
-    }
+    transposed, torch_sweeps = (
+        dict(zip(found["rows"], sweeps.get(name) or [[t] for t in found[name]])) for name in ("transposed_ms", "torch_ms")
+    )
     rows_to = [0] * (FEW_ROWS + 1)
-    transposed, torch_sweeps = sweeps_of["transposed_ms"], sweeps_of["torch_ms"]
-    for m in torch_ms:
+    for m in found["rows"]:
         one_as_two = m == 1 and 2 in transposed  # one row's simpler choice: padded to two (ONE_AS_TWO)
         rows = start = 2 if one_as_two else m
         better = {
@@ -221,8 +246,8 @@ def plan(found: dict) -> tuple[int, ...] | None:
     return tuple(rows_to) if any(rows_to) else None
 
 
-def describe(rows_to: tuple[int, ...] | list[int] | None) -> str:
-    """A plan in a few words: which row counts are padded, and which take torch's product."""
+def describe_one(rows_to: tuple[int, ...] | list[int] | None) -> str:
+    """One plan in a few words: which row counts are padded, and which take torch's product."""
     if not rows_to:
         return "torch's product"
     padded = [f"{m}->{n}" for m, n in enumerate(rows_to) if n and n != m]
@@ -234,77 +259,91 @@ def describe(rows_to: tuple[int, ...] | list[int] | None) -> str:
     )
 
 
-def apply(models: list[nn.Module], rows_to: tuple[int, ...] | list[int] | None) -> None:
-    """Give the models' linear layers the plan rows_to (None: torch's own product)."""
-    rows_to = tuple(rows_to) if rows_to else None
+def describe(plans: Plans | dict | None) -> str:
+    """Plans in a few words: each distinct plan and the shapes that have it."""
+    if not plans:
+        return "torch's product"
+    groups: dict[str, list[str]] = {}
+    for shape, rows_to in sorted(plans.items()):
+        groups.setdefault(describe_one(rows_to), []).append("every shape" if shape == EVERY_SHAPE else shape.split()[0])
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(f"{', '.join(shapes)}: {how}" for how, shapes in groups.items())
+
+
+def apply(models: list[nn.Module], plans: Plans | dict | None) -> None:
+    """Give the models' linear layers the plan of their shape (None: torch's own product), and the
+    models the plans (`cpu_linear_plans`, read by `planned_linear` for their fused products)."""
+    plans = {shape: tuple(rows_to) if rows_to else None for shape, rows_to in (plans or {}).items()}
     for layer in _linears(models):
+        rows_to = rows_for(plans, layer.weight)
         if type(layer) in (nn.Linear, TransposedLinear):  # a subset head keeps its class and reads its plan
             layer.__class__ = TransposedLinear if rows_to else nn.Linear
         layer.rows_to = rows_to
+    for model in models:
+        model.cpu_linear_plans = plans
 
 
-def plan_key(models: list[nn.Module], identity: dict) -> dict:
-    """What a plan depends on: the device (CPU model and torch threads), torch's version, the
-    shapes and dtypes of the linear layers it times, and the rule (`plan`) that decided it."""
-    shapes = Counter((*layer.weight.shape, str(layer.weight.dtype)) for layer in _linears(models))
-    shapes = sorted([*shape, count] for shape, count in shapes.items())
-    return {"device": identity, "torch": torch.__version__, "shapes": shapes, "rule": PLAN_RULE}
+def machine_key(identity: dict) -> dict:
+    """What plans depend on besides the shape: the device (CPU model and torch threads), torch's
+    version, and the version of the rule (`plan`, `probe`) that decided them."""
+    return {"device": identity, "torch": torch.__version__, "rule": PLAN_RULE}
 
 
 def plan_path(key: dict) -> Path:
-    """Where the plan for `key` is stored: one file a machine and model shape, in the harness's
-    cache (`SPECBENCH_PLANS` moves the folder)."""
-
-    digest = json_digest(key, 16)
-    return Path(os.environ.get("SPECBENCH_PLANS") or cache_root() / "cpu_linear") / f"{digest}.json"
+    """Where the plans for this machine are stored: one file, in the harness's cache (`SPECBENCH_PLANS` moves the folder)."""
+    return Path(os.environ.get("SPECBENCH_PLANS") or cache_root() / "cpu_linear") / f"{json_digest(key, 16)}.json"
 
 
-def stored_plan(key: dict) -> dict | None:
-    """The plan stored for `key`, or None (none yet, or a file that does not read as one)."""
+def stored_plans(key: dict) -> dict:
+    """The plans stored for this machine, by shape ({rows_to, probe, created_utc}); {} when none or unreadable."""
     try:
         stored = json.loads(plan_path(key).read_text())
     except (OSError, ValueError):
-        return None
-    return stored if isinstance(stored, dict) and stored.get("key") == key and "probe" in stored else None
+        return {}
+    ok = isinstance(stored, dict) and stored.get("key") == key and isinstance(stored.get("shapes"), dict)
+    return (
+        {shape: entry for shape, entry in stored["shapes"].items() if isinstance(entry, dict) and "probe" in entry} if ok else {}
+    )
+
+
+def _probed(mode: str, models: list[nn.Module], identity: dict) -> dict:
+    """auto / probe: the plans of the models' shapes, stored or probed now (and then stored unless noisy)."""
+    weights = step_weights(models)
+    key = machine_key(identity)
+    stored = stored_plans(key)
+    missing = {shape: ws for shape, ws in weights.items() if mode == "probe" or shape not in stored}
+    probed = probe(missing) if missing else {"shapes": {}, "seconds": 0.0}
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    fresh = {shape: {"rows_to": plan(found), "probe": found, "created_utc": now} for shape, found in probed["shapes"].items()}
+    keep = {shape: entry for shape, entry in fresh.items() if not noisy(entry["probe"])}
+    if keep:
+        path = plan_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"key": key, "shapes": {**stored_plans(key), **keep}})
+    entries = {shape: fresh.get(shape) or stored[shape] for shape in weights}
+    source = "stored" if not fresh else "probed" if len(keep) == len(fresh) else "probed, not stored (noisy)"
+    return {
+        "plans": {shape: list(entry["rows_to"]) if entry["rows_to"] else None for shape, entry in entries.items()},
+        "plan": {"source": source, "file": str(plan_path(key)), "probed": sorted(fresh), "seconds": probed["seconds"]},
+        "probe": {shape: entry["probe"] for shape, entry in fresh.items()},
+    }
 
 
 def choose(mode: str, models: list[nn.Module], device: torch.device, identity: dict | None = None) -> dict:
     """Set the models' linear layers to the product `mode` asks for, on a CPU, and return what
-    was chosen and why, for a run's conditions. `auto`: the plan stored for this machine and
-    these shapes (`plan_key`; `identity` names the device), else a probe's plan, stored for
-    later runs; `probe`: probe anew and store; `transposed` or `torch`: one product, no probe."""
+    was chosen and why, for a run's conditions. `auto`: the plans stored for this machine
+    (`identity` names the device) and each shape without one probed and stored; `probe`: the
+    models' shapes probed anew and stored; `transposed` or `torch`: one product, no probe."""
     if mode not in MODES:
         raise HarnessError(f"cpu_linear={mode} must be one of {', '.join(MODES)}")
     if device.type != "cpu":
         return {"mode": mode, "product": "torch", "why": f"{device.type}: torch's own product"}
-    found, rows_to, source = None, None, None
+    chosen: dict = {"plans": {}}
     if mode in ("auto", "probe") and _linears(models):
-        key = plan_key(models, identity or {"type": "cpu", "threads": torch.get_num_threads()})
-        stored = stored_plan(key) if mode == "auto" else None
-        if stored:
-            found, rows_to, source = stored["probe"], stored["rows_to"], "stored"
-        else:
-            found = probe(models)
-            rows_to, source = plan(found), "probed"
-            if noisy(found):  # a disturbed probe is used for this run only: the next run probes again
-                source = "probed, not stored (noisy)"
-        if source == "probed":
-            path = plan_path(key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(
-                path,
-                {
-                    "key": key,
-                    "rows_to": list(rows_to) if rows_to else None,
-                    "probe": found,
-                    "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                },
-            )
-        rows_to = tuple(rows_to) if rows_to else None
+        chosen = _probed(mode, models, identity or {"type": "cpu", "threads": torch.get_num_threads()})
     elif mode == "transposed":
-        rows_to = ONE_AS_TWO
-    apply(models, rows_to)
-    chosen = {"mode": mode, "product": "transposed" if rows_to else "torch"}
-    if source:
-        chosen["plan"] = {"source": source, "file": str(plan_path(key))}
-    return {**chosen, **({"rows_to": list(rows_to)} if rows_to else {}), **({"probe": found} if found else {})}
+        chosen = {"plans": {EVERY_SHAPE: list(ONE_AS_TWO)}}
+    apply(models, chosen["plans"])
+    product = "transposed" if any(chosen["plans"].values()) else "torch"
+    return {"mode": mode, "product": product, **{name: value for name, value in chosen.items() if value or name == "plans"}}

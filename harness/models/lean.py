@@ -35,9 +35,9 @@ from torch import nn
 from harness.base.host_reads import from_host
 from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
-from harness.models import cpu_linear
 from harness.models.backend import Backend
 from harness.models.captured import Captured, padded_rows, runs_captured
+from harness.models.cpu_linear import planned_linear
 from harness.models.kv_store import KVStore, Step
 
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
@@ -75,14 +75,6 @@ def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
             m.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
     return weight, bias
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> torch.Tensor:
-    """F.linear with the product harness.models.cpu_linear planned for the layer `like` (read at each call: a plan may change)."""
-    rows_to = getattr(like, "rows_to", None)
-    if rows_to and type(like) is cpu_linear.TransposedLinear:
-        return cpu_linear.transposed_linear(x, weight, bias, rows_to)
-    return F.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -124,6 +116,7 @@ class LeanLlama:
                 for layer in self.layers
             ]
             model._harness_lean_fused = fused
+            model.fused_linear_weights = [weight for products in fused for weight, _ in products]  # for cpu_linear's plans
         self.fused = fused
         self.rows = rows
         self.captured: Captured | None = None  # compile=true: the steps after a prompt, compiled (`compile`)
@@ -229,13 +222,14 @@ class LeanLlama:
         cos, sin = self.inner.rotary_emb(x, step.positions)  # [B, T, D] each
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         split = (self.heads, self.kv_heads, self.kv_heads)
+        plans = getattr(self.model, "cpu_linear_plans", None)  # the fused products' plans (harness.models.cpu_linear)
         taken: dict[int, torch.Tensor] = {}  # layer index -> its input [B, T, hidden]
         for index, (layer, ((qkv_w, qkv_b), (gu_w, gu_b))) in enumerate(zip(self.layers, self.fused)):
             if index in capture:
                 taken[index] = x
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
-            qkv = _linear(h, qkv_w, qkv_b, attn.q_proj)  # [B, T, (heads + 2 kv_heads) D]
+            qkv = planned_linear(h, qkv_w, qkv_b, plans)  # [B, T, (heads + 2 kv_heads) D]
             q, k, v = qkv.view(B, T, -1, self.head_dim).transpose(1, 2).split(split, dim=1)  # [B, heads|kv_heads, T, D]
             read_keys, read_values = self.store.write(index, rotate(k, cos, sin), v, step)
             out = F.scaled_dot_product_attention(
@@ -243,7 +237,7 @@ class LeanLlama:
             )  # [B, heads, T, D]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             h = _rms_norm(x, layer.post_attention_layernorm)
-            gate, up = _linear(h, gu_w, gu_b, mlp.gate_proj).chunk(2, dim=-1)  # [B, T, intermediate] each
+            gate, up = planned_linear(h, gu_w, gu_b, plans).chunk(2, dim=-1)  # [B, T, intermediate] each
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         return x, taken
 

@@ -183,8 +183,8 @@ def _record(result: dict, started: str, here: dict, versions: str, pair: Pair) -
     record["harness_commit"] = harness_commit()  # ... or with other code
     record["libraries"] = versions  # ... or other torch and transformers
     record["linear"] = pair.linear.get("product")
-    if pair.linear.get("rows_to"):
-        record["linear_rows_to"] = pair.linear["rows_to"]
+    if any((pair.linear.get("plans") or {}).values()):
+        record["linear_plans"] = pair.linear["plans"]
     if pair.device.type == "cuda":
         record["cuda_allocated_mb"] = torch.cuda.memory_allocated(pair.device) / 2**20
     return record

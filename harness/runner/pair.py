@@ -34,7 +34,7 @@ class Pair:
     tokenizer: Any
     eos_ids: set[int]
     device: torch.device
-    linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the product the linear layers use, and why
+    linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the products the linear layers use, and why
     linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
     compiled_at_warm_up: int = 0  # harness.models.captured.compiles() after the last warm_up: later ones are recompiles
 
@@ -72,27 +72,26 @@ class Pair:
         return [self.target.model, *self.drafter.models()]
 
     def follow_linear(self, records: list[dict]) -> None:
-        """Set the CPU linear products for a cell whose earlier prompts are `records`: the plan they
-        ran with (a cell never mixes plans: one stored plan replaced by a re-probe, say), else the
-        one chosen at load, which a previous cell in this process may have changed."""
+        """Set the CPU linear products for a cell whose earlier prompts are `records`: the plans they
+        ran with (a cell never mixes plans: a stored plan replaced by a re-probe, say), else the
+        ones chosen at load, which a previous cell in this process may have changed."""
         linear = self.linear_at_load
-        earlier = {_linear_plan(r) for r in records}
-        at_load = tuple(linear["rows_to"]) if linear.get("rows_to") else None
-        if linear.get("mode") in ("auto", "probe") and len(earlier) == 1 and earlier != {at_load}:
-            rows_to = earlier.pop()
-            linear = {key: value for key, value in linear.items() if key != "rows_to"} | {
-                "product": "transposed" if rows_to else "torch",
-                "why": "resumed: the cell's earlier prompts ran with this plan",
-                **({"rows_to": list(rows_to)} if rows_to else {}),
+        earlier = {_frozen(r.get("linear_plans") or {cpu_linear.EVERY_SHAPE: r.get("linear_rows_to")}) for r in records}
+        if linear.get("mode") in ("auto", "probe") and len(earlier) == 1 and earlier != {_frozen(linear.get("plans"))}:
+            plans = {shape: list(rows_to) for shape, rows_to in earlier.pop()}
+            linear = linear | {
+                "product": "transposed" if plans else "torch",
+                "why": "resumed: the cell's earlier prompts ran with these plans",
+                "plans": plans,
             }
         elif len(earlier) > 1:
             print(
                 f"[harness] warning: this cell's earlier prompts ran with different CPU linear products "
-                f"({'; '.join(sorted(cpu_linear.describe(plan) for plan in earlier))}); force=true runs it anew with one",
+                f"({'; '.join(sorted(cpu_linear.describe(dict(plans)) for plans in earlier))}); force=true runs it anew with one",
                 file=sys.stderr,
             )
-        if linear.get("rows_to") != self.linear.get("rows_to"):
-            cpu_linear.apply(self.models(), linear.get("rows_to"))
+        if _frozen(linear.get("plans")) != _frozen(self.linear.get("plans")):
+            cpu_linear.apply(self.models(), linear.get("plans"))
         self.linear = linear
 
     def use_costs(self, costs: dict) -> None:
@@ -104,9 +103,9 @@ class Pair:
 loaded_pairs: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun
 
 
-def _linear_plan(record: dict) -> tuple[int, ...] | None:
-    """The cpu_linear plan a prompt record names (its `linear_rows_to`); None: torch's product."""
-    return tuple(record["linear_rows_to"]) if record.get("linear_rows_to") else None
+def _frozen(plans: dict | None) -> tuple:
+    """Plans as a comparable value: (shape, rows_to) pairs, those of torch's product left out (as absent)."""
+    return tuple(sorted((shape, tuple(rows_to)) for shape, rows_to in (plans or {}).items() if rows_to))
 
 
 def load_pair(
@@ -183,20 +182,19 @@ def make_drafter(
     raise HarnessError(f"pair.draft.kind={draft_cfg.kind} is not a drafter: use {', '.join(DRAFT_KINDS)}")
 
 
-def _say_linear_plan(plan: dict, mode: str) -> None:
-    """One line on the CPU linear products chosen and where their plan came from (and a warning if its probe was noisy)."""
-    source = plan["plan"]["source"]
-    timed = f"timed at 1 to {cpu_linear.FEW_ROWS} rows in {plan['probe']['seconds']:.1f} s"
+def _say_linear_plan(linear: dict, mode: str) -> None:
+    """One line on the CPU linear products chosen and where their plans came from (and a warning if a probe was noisy)."""
+    plan = linear["plan"]
+    timed = f"{len(plan['probed'])} shapes timed at 1 to {cpu_linear.FEW_ROWS} rows in {plan['seconds']:.1f} s"
     how = {
-        "stored": "the plan stored for this machine; cpu_linear=probe times it anew",
+        "stored": "the plans stored for this machine; cpu_linear=probe times them anew",
         "probed": f"{timed}, stored for later runs",
-    }.get(source, f"{timed}, not stored: the next run probes again")
-    print(
-        f"[harness] cpu_linear={mode}: {cpu_linear.describe(plan.get('rows_to'))} ({how}: {plan['plan']['file']})",
-        file=sys.stderr,
-    )
-    if source != "stored" and (warning := cpu_linear.noisy(plan["probe"])):
-        print(f"warning: {warning}", file=sys.stderr)
+    }.get(plan["source"], f"{timed}, the noisy ones not stored: the next run probes them again")
+    print(f"[harness] cpu_linear={mode}: {cpu_linear.describe(linear['plans'])} ({how}: {plan['file']})", file=sys.stderr)
+    for found in linear.get("probe", {}).values():
+        if warning := cpu_linear.noisy(found):
+            print(f"warning: {warning}", file=sys.stderr)
+            break
 
 
 def draft_size(pair: Pair) -> dict:
