@@ -133,7 +133,11 @@ def test_bench_compares_ours_with_hf_on_the_same_work(tiny_pair, tmp_path):
     assert len(goals) == len(bench_goals.GOALS)
     assert result["setup"]["cache"] == "dynamic" and result["conditions"]["device"] == "cpu"
     assert result["machine"]["cores"] >= 1 and result["machine"]["gpus"] == torch.cuda.device_count()
-    assert result["conditions"]["linear"]["mode"] == "auto" and "probe" in result["conditions"]["linear"]
+    assert result["conditions"]["linear"]["mode"] == "auto" and "plan" in result["conditions"]["linear"]
+    profiled = result["profile"]  # one prompt profiled: passes run operators, the loop reads the host once a cycle
+    assert profiled["target_passes"] >= profiled["cycles"] and profiled["draft_steps"] > profiled["cycles"]
+    assert profiled["per_cycle"]["host_reads"] == 1.0 and profiled["device_waits"] == profiled["graph_launches"] == 0
+    assert profiled["per_pass"]["kernels"] > 10 and "CPU operators" in profiled["kernels_are"]
     for audit in result["sync_audit"].values():  # on a CPU too: host reads, 1 per cycle, none per drafted token
         assert audit["drafted"] > audit["cycles"] and audit["host_reads_per_cycle"] == 1.0 and "syncs" not in audit
     batched = result["batched"]["4"]  # our batched baseline against generate() on the same left-padded batch

@@ -154,7 +154,7 @@ class ForwardCounter:
 
     def __init__(self, module):
         self.count = 0
-        module.register_forward_pre_hook(self._hook)
+        self.handle = module.register_forward_pre_hook(self._hook)  # .remove() stops counting
 
     def _hook(self, module, args):
         self.count += 1

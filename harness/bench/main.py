@@ -71,7 +71,7 @@ from transformers.utils import logging as hf_logging
 from harness.base.files import write_json_atomic
 from harness.bench.contenders import lookup_room
 from harness.bench.goals import goals
-from harness.bench.parts import SPREAD_NOTE, batched_baselines, limit, memory, sync_audit, throughput
+from harness.bench.parts import SPREAD_NOTE, batched_baselines, cycle_profile, limit, memory, sync_audit, throughput
 from harness.config.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode_within, select
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["limits"] = {k: limit(pair, encoded, k, args.max_new_tokens, device, args.reps) for k in args.ks}
         write_result(args.out, result)
     result["sync_audit"] = sync_audit(pair, encoded[0], max(args.ks), args.max_new_tokens, device)  # every drafter kind
+    result["profile"] = cycle_profile(pair, encoded[0], max(args.ks), args.max_new_tokens, device)
     write_result(args.out, result)
     if args.batch_sizes and (cfg.compile or cfg.cache != "dynamic"):
         result["batched"] = {"note": "not run: the batch part compares eager dynamic-cache runs (cache=dynamic compile=false)"}
@@ -321,6 +322,13 @@ def print_summary(result: dict) -> None:
         )
         if "syncs" in audit:
             print(f"device syncs ({name}): {audit['syncs_per_cycle']:.2f} per cycle; by line: {audit['by_line']}")
+    if profiled := result.get("profile"):
+        cycle, one = profiled["per_cycle"], profiled["per_pass"] or {}
+        print(
+            f"one prompt profiled: {profiled['cycles']} cycles, {cycle['kernels']:.1f} {profiled['kernels_are']} "
+            f"({one.get('kernels', 0):.1f} a pass), {cycle['graph_launches']:.1f} graph launches, "
+            f"{cycle['device_waits']:.2f} device waits and {cycle['host_reads']:.2f} host reads per cycle"
+        )
     if "memory" in result:
         mem = result["memory"]
         print(

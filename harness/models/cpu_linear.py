@@ -191,7 +191,7 @@ def noisy(found: dict) -> str | None:
     cores, say): its plan may then be off, and so may the run's timings. The spread comes from the
     extremes (slowest / fastest), not from the sweeps `clearly_faster` compares: the one disturbed
     sweep the plan leaves aside still says that the machine was busy, so such a plan serves its run
-    but is not stored (`choose`)."""
+    but is not stored (`choose`). A run's conditions keep each probe without its sweeps (the stored file has them)."""
     spread = found.get("spread", 1.0)
     if spread <= NOISY:
         return None
@@ -326,7 +326,7 @@ def _probed(mode: str, models: list[nn.Module], identity: dict) -> dict:
     return {
         "plans": {shape: list(entry["rows_to"]) if entry["rows_to"] else None for shape, entry in entries.items()},
         "plan": {"source": source, "file": str(plan_path(key)), "probed": sorted(fresh), "seconds": probed["seconds"]},
-        "probe": {shape: entry["probe"] for shape, entry in fresh.items()},
+        "probe": {shape: {n: v for n, v in entry["probe"].items() if n != "sweeps"} for shape, entry in fresh.items()},
     }
 
 
