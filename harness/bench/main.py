@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--memory-new-tokens", type=int, default=16)
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument(
-        "--batch-sizes", type=k_value, nargs="*", default=[4], help="part 5's batch sizes (none: skip it); each at least 2"
+        "--batch-sizes", type=k_value, nargs="*", default=[4], help="part 6's batch sizes (none: skip it); each at least 2"
     )
     parser.add_argument("--out", type=Path, default=Path("results/bench/bench.json"))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +pair=smollm2 device=cuda")
