@@ -1,19 +1,11 @@
 """Drafters: whatever proposes tokens for the target to verify, over a batch of rows (one row: a batch of one).
 
-Every drafter has the same verbs, and the loop (harness.core.loop) knows nothing else:
-  start(prompts)                      B new sequences begin;
-  propose(rows, budgets, sampling)    per row i of the loop's state (harness.core.loop.Rows: its committed
-                                      ids and its own generator), up to budgets[i] tokens after its committed
-                                      ids, with the laws q they were drawn from: a Proposal;
-  observe(seen)                       a drafter that reads the target (`reads_target`, the target layers
-                                      it reads) is handed each row's hidden states at the committed positions
-                                      after each verify; the others ignore it;
-  rollback(lengths)                   only the first lengths[i] tokens of what row i has seen are committed;
-  keep(rows)                          only these rows (indices into the rows, in order) go on.
-And what the runner asks of any drafter: `reserve`, `warm_up`, `use_costs`, `models`, `context`,
-`size`, `forwards` (whether each drafted token costs a forward pass). A drafter may propose fewer
-than budgets[i] tokens (prompt lookup finds no match): the cycle then verifies what there is, down
-to a plain target step. harness.runner.pair.load_pair is the one place that knows the classes.
+The loop (harness.core.loop) knows only the verbs of `Drafter`: `start` B new sequences; `propose` up to
+budgets[i] tokens after row i's committed ids (a Proposal; fewer is fine, down to none: a plain target
+step); `observe` the target's hidden states at the committed positions (only a drafter that
+`reads_target`); `rollback` to the first lengths[i] tokens of what row i has seen; `keep` these rows.
+The runner also asks `reserve`, `warm_up`, `use_costs`, `models`, `context`, `size` and `forwards`.
+harness.runner.pair.load_pair is the one place that knows the classes.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import torch
 from harness.base.host_reads import from_host
 from harness.config.settings import LOOKUP_LENGTHS
 from harness.core.sampling import Sampling, sample_rows, shape_probs
-from harness.models.batched import rows_of
+from harness.models.batched import resized, rows_of
 
 if TYPE_CHECKING:
     from harness.core.loop import Rows
@@ -43,17 +35,17 @@ class Proposal:
     q: torch.Tensor | None  # [B, K, V] the laws row i's drafts were drawn from; None when greedy or none drafted
 
 
-def no_proposal(rows: int, device: torch.device) -> Proposal:
-    return Proposal(torch.zeros(rows, 0, dtype=torch.long, device=device), [0] * rows, None)
-
-
-def draw_rows(logits: torch.Tensor, sampling: Sampling, generators) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft token per row of logits [B, V]: the argmax when greedy, else a sample from q with the
-    row's generator. (tokens [B], q [B, V] or None)."""
+def draw_into(tokens: torch.Tensor, q: torch.Tensor | None, at, j: int, logits: torch.Tensor, sampling: Sampling, generators):
+    """Draft token j of the rows `at` from their logits [B', V] into tokens [B, K] (the argmax when greedy, else
+    a sample from q with each row's generator), and its law into q [B, K, V] (made at the first draw): q."""
     if sampling.greedy:
-        return logits.argmax(-1), None
-    q = shape_probs(logits, sampling)  # [B, V]
-    return sample_rows(q, generators), q
+        tokens[at, j] = logits.argmax(-1)
+        return q
+    probs = shape_probs(logits, sampling)  # [B', V]
+    tokens[at, j] = sample_rows(probs, generators)
+    q = probs.new_zeros(*tokens.shape, probs.shape[-1]) if q is None else q
+    q[at, j] = probs
+    return q
 
 
 def every_row(rows: list[int], batch: int) -> slice | list[int]:
@@ -67,13 +59,9 @@ class Drafter(Protocol):
     forwards: bool
 
     def start(self, prompts: list[torch.Tensor]) -> None: ...
-
     def propose(self, rows: Rows, budgets: list[int], sampling: Sampling) -> Proposal: ...
-
     def observe(self, seen: list[tuple[torch.Tensor, int]]) -> None: ...
-
     def rollback(self, lengths: list[int]) -> None: ...
-
     def keep(self, rows: list[int]) -> None: ...
 
 
@@ -85,17 +73,10 @@ class DrafterBase:
     forwards = True  # each drafted token costs a forward pass of the draft
     context: int | None = None  # the longest sequence the draft takes (None: no limit of its own)
 
-    def observe(self, seen) -> None:
-        pass
-
-    def reserve(self, positions: int, rows: int = 1) -> None:
-        pass
-
-    def warm_up(self, k: int, rows: int = 1) -> None:
-        pass
-
-    def use_costs(self, costs: dict) -> None:
-        pass
+    def observe(self, seen) -> None: ...
+    def reserve(self, positions: int, rows: int = 1) -> None: ...
+    def warm_up(self, k: int, rows: int = 1) -> None: ...
+    def use_costs(self, costs: dict) -> None: ...
 
     def models(self) -> list:
         return []
@@ -106,12 +87,8 @@ class DrafterBase:
 
 class ModelDrafter(DrafterBase):
     """A small causal LM drafting autoregressively with its own KV cache, every row in one pass per step.
-
-    Its cache holds a prefix of each row's committed ids. A proposal first feeds each row whatever it
-    has not seen (the tokens committed last cycle: one recovered token, or the last draft plus the
-    bonus when all were accepted), then its own drafts one at a time; a row drafts budgets[i] tokens
-    and never feeds its last (if it is accepted it is caught up next cycle). No host read.
-    """
+    A proposal first feeds each row what it has not seen (last cycle's commits), then its own drafts one
+    at a time, never its last (caught up next cycle if accepted). No host read."""
 
     kind = "model"
 
@@ -138,11 +115,7 @@ class ModelDrafter(DrafterBase):
             at = every_row(drafting, B)
             logits = self.rows.forward(feeds, [int(b > step) for b in budgets])  # per row [1 or 0, V]
             scored = logits[0] if B == 1 else torch.cat([logits[i] for i in drafting])  # [B', V]
-            drawn, probs = draw_rows(scored, sampling, [rows.generators[i] for i in drafting])
-            tokens[at, step] = drawn
-            if probs is not None:
-                q = probs.new_zeros(B, K, probs.shape[-1]) if q is None else q
-                q[at, step] = probs
+            q = draw_into(tokens, q, at, step, scored, sampling, [rows.generators[i] for i in drafting])
             feeds = [tokens[i, step : step + 1] if b > step + 1 else rows.ids[i][:0] for i, b in enumerate(budgets)]
         return Proposal(tokens, list(budgets), q)
 
@@ -171,18 +144,11 @@ class ModelDrafter(DrafterBase):
 
 
 class FeatureDrafter(DrafterBase):
-    """A feature head (harness.models.eagle.FeatureHead) drafting from the target's hidden states, its
-    passes batched over the rows (harness.models.eagle.HeadRows).
-
-    Pair i of the head reads the target's feature at position i and the committed token i + 1. After
-    a verify the loop hands over the features of the committed positions (`observe`): with L tokens
-    committed, those of positions 0..L-2, the last one having been fed with the next verify. A
-    proposal first feeds each row the pairs it has not seen, up to pair L-2 (their last output scores
-    the first draft), then its own output and each draft, one pair per row per step. Only pairs built
-    on the target's features stay in its cache: `rollback` drops the drafted ones, whatever was
-    accepted, so that accepted drafts are read again next cycle with the target's features. A row's
-    first cycle drafts nothing: the target has not read its prompt yet. No host read.
-    """
+    """A feature head (harness.models.eagle.FeatureHead) drafting from the target's hidden states, its passes
+    batched over the rows (harness.models.eagle.HeadRows). Pair i reads the target's feature at position i
+    and the committed token i + 1. A proposal feeds each row the pairs it has not seen, up to pair L-2 of L
+    committed tokens, then its own output and each draft. `rollback` drops every drafted pair, so accepted
+    drafts are read again with the target's features. A row's first cycle drafts nothing. No host read."""
 
     kind = "feature head"
 
@@ -198,8 +164,7 @@ class FeatureDrafter(DrafterBase):
         from harness.models.eagle import HeadRows
 
         self.capacity = max(self.capacity, positions)
-        if rows > self.store.rows or rows < self.store.rows and not self.compile:  # compiled: fewer rows run padded
-            self.store = HeadRows(self.head, rows, self.capacity, self.compile)
+        self.store = resized(self.store, rows, self.compile, lambda n: HeadRows(self.head, n, self.capacity, self.compile))
         self.store.reserve(self.capacity)
 
     def warm_up(self, k: int, rows: int = 1) -> None:
@@ -224,7 +189,7 @@ class FeatureDrafter(DrafterBase):
         B, device = len(budgets), rows.ids[0].device
         drafting = [b > 0 and n >= 2 and known >= n - 1 for b, n, known in zip(budgets, lengths, self.known)]
         if not any(drafting):
-            return no_proposal(B, device)
+            return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None)
         counts = [b if d else 0 for b, d in zip(budgets, drafting)]
         K = max(counts)
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
@@ -234,11 +199,7 @@ class FeatureDrafter(DrafterBase):
         for j in range(K):
             live = [i for i, c in enumerate(counts) if c > j]
             at = every_row(live, B)
-            drawn, probs = draw_rows(logits[at], sampling, [rows.generators[i] for i in live])
-            tokens[at, j] = drawn
-            if probs is not None:
-                q = probs.new_zeros(B, K, probs.shape[-1]) if q is None else q
-                q[at, j] = probs
+            q = draw_into(tokens, q, at, j, logits[at], sampling, [rows.generators[i] for i in live])
             going = [int(c > j + 1) for c in counts]
             if any(going):
                 logits, out = self.store.step(tokens[:, j : j + 1], last[:, None], going, from_target=False)
@@ -297,20 +258,10 @@ def kept_features(store: torch.Tensor | None, known: int, features: torch.Tensor
 
 
 class NgramDrafter(DrafterBase):
-    """Model-free prompt lookup, per row: find the latest earlier occurrence of the context's last n
-    tokens (n from max_ngram down to min_ngram) and propose the tokens that followed it; where those run
-    into the end of the context (a repeat: "7 7 7", "a b a b"), the repeat continues. Its q is a point
-    mass on each proposal, so the rule accepts x with probability p(x) and stays exact. It searches the
-    rows' committed tokens as the host holds them (harness.core.loop.Rows.tokens): no device read.
-
-    length="match" proposes the whole match, up to k tokens (as HF's prompt_lookup_num_tokens does).
-    length="cost_aware" proposes only the part that pays for its verification, once `verify_cost` is
-    set (v(n): the target's time to score n positions over its time for one, n = 1..k+1, as
-    harness.runner.costs.measure_costs gives it): the j <= k maximising expected committed tokens over
-    verify cost, (1 + a + ... + a^j) / v(j + 1), where a is the acceptance rate the row has had so far
-    from matches of the same n-gram length (prior 1/2). j = 0 is a plain target step. A proposal
-    depends only on what came before its cycle, so the rule stays exact.
-    """
+    """Model-free prompt lookup, per row (`lookup`), on the host's copy of the committed tokens. Its q is a
+    point mass on each proposal, so the rule stays exact. length="match" proposes the whole match, up to k
+    tokens (as HF's prompt_lookup_num_tokens); "cost_aware", once `verify_cost` (v(1..k+1)) is set, the
+    j <= k maximising (1 + a + ... + a^j) / v(j + 1), a the row's acceptance so far at that n-gram length."""
 
     kind = "prompt lookup"
     forwards = False
@@ -381,8 +332,7 @@ class LookupRow:
 
 def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
     """(n, the up to k tokens after the latest earlier match of the last n tokens); n = 0: none. A match
-    that runs into the end is a repeat with period len - start: it continues (a greedy loop such as
-    "7 7 7" or "a b a b" then gets k tokens, not one period)."""
+    that runs into the end continues as a repeat ("7 7 7", "a b a b" get k tokens, not one period)."""
     if k == 0:
         return 0, []
     length = len(tokens)

@@ -1,37 +1,12 @@
 """The one speculative loop, and the target-only baseline it is measured against, over a batch of rows.
 
-A sequence alone is a batch of one: `speculative_decode` and `autoregressive_decode` are the
-one-row views of `speculative_decode_rows` and `autoregressive_decode_rows`, not second paths.
-Both are generators: the benchmark times each `next()` from outside, so the algorithm carries no
-timing code. Both drive the same models (harness.models.batched.rows_of: a CachedLM behind OneRow
-for one row, its batched form for several) and the same sampler, so the only difference between
-them is speculation.
-
-Cache invariant (both models, every row): after a cycle the cache holds every committed token but
-the last; the next forward feeds that last token, whose logits give the distribution of the token
-after it. A cycle therefore feeds the target, per row, [last committed, x_1..x_k'] and gets k' + 1
-rows: row i scores x_{i+1}, and row k' is the bonus row. The first cycle feeds the whole prompt
-before the drafts, so the prompt's prefill and the first verify are one pass (as in HF's assisted
-generation). Rolling back is cropping both caches to the committed length minus one, per row.
-
-Rows draft different counts (prompt lookup's matches, a row near its token budget), accept
-different numbers of drafts and commit different numbers of tokens; a row that hits EOS or its
-token budget leaves the batch at the end of that cycle, and the passes after it run only the rows
-still decoding. Every row's law is the one-sequence law: its drafts depend only on its own
-committed tokens, its target rows are those of its own tokens alone, and every random draw of its
-cycle (the draft's samples, the acceptance coins, the recovered or bonus token) comes from its own
-generator (harness.core.rule.verify_rows).
-
-A feature head (harness.core.drafters.FeatureDrafter) reads the target's hidden states: the verify
-pass returns the layers it names, and after the verdict the drafter is handed those of the
-committed positions only (the unseen tokens and the accepted drafts). Its first cycle drafts
-nothing, since the target has not read the prompt yet.
-
-Host reads (what a CUDA device waits for): drafting, shaping, sampling and the rule are device ops
-for every row at once, so the draft's forwards are queued without waiting. Per cycle the host
-reads ONE tensor for the whole batch: each row's accepted count and committed tokens (the rollback
-lengths, EOS and the token budget need them). The baseline reads each step's tokens once.
-tests/test_host_syncs.py holds the loop to this on any device (harness.base.host_reads.HostReads).
+Both are generators (timed per `next()` from outside) driving the same models (harness.models.batched.rows_of)
+and sampler; a sequence alone is a batch of one. Cache invariant, both models, every row: after a cycle the
+cache holds every committed token but the last. A cycle feeds the target, per row, [last committed,
+x_1..x_k'] (the first: the whole prompt, prefill and verify in one pass) and scores k' + 1 rows, the last the
+bonus row; a rollback crops both caches to the committed length minus one. A row that hits EOS or its budget
+leaves the batch after its cycle. Every random draw of a row's cycle comes from its own generator, so its law
+is the one-sequence law. Host reads: ONE per cycle for the whole batch (tests/test_host_syncs.py).
 """
 
 from __future__ import annotations
@@ -69,8 +44,7 @@ class Rows:
 
     @property
     def tokens(self) -> list[list[int]]:
-        """Each row's committed ids as host ints (prompt lookup searches them): read once, when first asked
-        for, then kept up to date from each cycle's read."""
+        """Each row's committed ids as host ints (for prompt lookup): read once, then kept up to date."""
         if self._tokens is None:  # one transfer for every row
             flat, lengths = torch.cat(self.ids).tolist(), [ids.shape[0] for ids in self.ids]
             self._tokens = [flat[sum(lengths[:i]) : sum(lengths[: i + 1])] for i in range(len(lengths))]
@@ -157,23 +131,16 @@ def speculative_decode_rows(
 
 
 def read_verdicts(drafts: torch.Tensor, verdicts: Verdicts) -> tuple[list[int], list[list[int]]]:
-    """The host's one read of a cycle: per row its accepted count, and its accepted drafts followed by
-    the next token (of which the stops keep a prefix)."""
+    """The host's one read of a cycle: per row its accepted count, and its accepted drafts then the next token."""
     packed = torch.cat([verdicts.accepted[:, None], verdicts.next_token[:, None], drafts], dim=1).tolist()  # host read
     return [row[0] for row in packed], [row[2 : 2 + row[0]] + row[1:2] for row in packed]
 
 
 def autoregressive_decode_rows(
-    target,
-    prompts: Sequence[torch.Tensor],
-    sampling: Sampling,
-    max_new_tokens: int,
-    eos_ids: set[int],
-    generators: Sequence,
+    target, prompts: Sequence[torch.Tensor], sampling: Sampling, max_new_tokens: int, eos_ids: set[int], generators: Sequence
 ) -> Iterator[list[tuple[int, int]]]:
-    """Target-only decoding of B rows, one token per row per step: per step, (row, token) for every row
-    still decoding. Like HF's generate(), the prompt's forward pass also gives the first token's row,
-    so n tokens cost one prefill and n - 1 one-token steps; the host reads each step's tokens once."""
+    """Target-only decoding of B rows: per step, (row, token) for every row still decoding. As in HF's
+    generate(), n tokens cost one prefill (which scores the first) and n - 1 one-token steps."""
     B = len(prompts)
     lm = rows_of(target, B)
     lm.start(B, rollback=False)

@@ -1,49 +1,7 @@
-"""Metrics: every number the harness reports, each defined once, here.
+"""Metrics: every number the harness reports, each defined once, here (definitions: docs/metrics.md).
 
-Per prompt, the loop's cycles are reduced to counts (`cycle_counts`); the
-summary is derived from those counts and the paired timings only, so a
-results file can always be re-summarised. Definitions (docs/metrics.md):
-
-  acceptance_rate       accepted drafted tokens / drafted tokens, leaving out
-                        drafts after an accepted EOS (never to be kept)
-  alpha                 accepted / tested positions, where a cycle tests
-                        positions up to and including its first rejection
-                        (or up to an EOS among its accepted drafts):
-                        the per-position acceptance probability that
-                        Leviathan et al.'s formulas take
-  expected_alpha        mean over tested positions of sum_v min(p, q), the
-                        acceptance the distributions themselves predict
-  position_acceptance   [k] P(position i accepted | positions < i accepted)
-  accept_hist           [k + 1] cycles that accepted 0..k drafted tokens (a cycle
-                        that drafted nothing counts in 0: cycles_without_draft)
-  tokens_per_cycle      committed tokens / cycles (= target passes), bonus included
-  accepted_per_cycle    accepted drafted tokens / cycles, bonus excluded
-  speedup               (spec tokens / spec time) / (baseline tokens / baseline time),
-                        overall as a ratio of totals and as the geometric mean
-                        of per-prompt ratios, each with a 95% paired bootstrap CI
-  predicted_speedup     committed tokens / sum over cycles of (k' c + v(k'+1)),
-                        k' the tokens that cycle drafted, c = draft step / target
-                        step, v(n) = target time to score n positions / target
-                        step, after each prompt's first cycle (its prompt pass):
-                        the cost model priced on the cycles actually run, so it
-                        means the same for a fixed-k draft and for one that
-                        proposes fewer (prompt lookup without a match, cost_aware
-                        lookup, the budget's end)
-  predicted_speedup_formula
-                        (1 - alpha^(k+1)) / (1 - alpha) / (k c + v(k+1)): Leviathan
-                        et al. with a measured verify cost instead of 1, the
-                        closed form the report's what-if uses
-  decode_speedup        base_tpot_s / spec_tpot_s: the speedup after the first
-                        yield, without the prompt's pass and first cycle
-  efficiency            decode_speedup / predicted_speedup_in_run: the cost model
-                        priced on the costs timed inside the run (in_run), on the
-                        clock that timed the speedup, so its parts add up (the
-                        prediction prices decode steps only, so it is held against
-                        the decode phase: `speedup` includes prefill, which both
-                        sides pay alike and which pulls it towards 1)
-  efficiency_isolated   decode_speedup / predicted_speedup: the same against costs
-                        timed apart (measure_costs), a diagnostic of how far the
-                        isolated costs are from what the loop pays
+Per prompt, the loop's cycles are reduced to counts (`cycle_counts`); the summary is derived from
+those counts and the paired timings only, so a results file can always be re-summarised.
 """
 
 from __future__ import annotations
@@ -97,8 +55,7 @@ def ratio(a: float, b: float) -> float:
 
 
 def acceptance_rate(counts: dict) -> float:
-    """Accepted drafted tokens / drafted tokens, leaving out drafts that followed an accepted EOS
-    (they were never going to be kept: a draft equal to the target scores 1)."""
+    """Accepted drafted tokens / drafted tokens, leaving out drafts after an accepted EOS (never to be kept)."""
     return ratio(counts["accepted"], counts["drafted"] - counts.get("drafted_after_eos", 0))
 
 
@@ -108,33 +65,24 @@ def expected_tokens_per_cycle(alpha: float, k: int) -> float:
 
 
 def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -> float:
-    """Expected tokens per cycle over the cycle's cost in target steps:
-    k draft steps of c each plus one verify pass of v(k+1)."""
+    """Expected tokens per cycle over its cost in target steps: k draft steps of c, one verify pass of v(k+1)."""
     return expected_tokens_per_cycle(alpha, k) / (k * cost_ratio + verify_cost)
 
 
 def _bootstrap(columns: Sequence[np.ndarray], statistic, seed: int) -> tuple[float, float]:
     if len(columns[0]) < 2:
         return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
     res = stats.bootstrap(
-        columns,
-        statistic,
-        paired=True,
-        vectorized=True,
-        n_resamples=2000,
-        confidence_level=0.95,
-        method="percentile",
-        rng=np.random.default_rng(seed),
+        columns, statistic, paired=True, vectorized=True, n_resamples=2000, confidence_level=0.95, method="percentile", rng=rng
     )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def speedup_stats(records: Sequence[dict], seed: int = 0) -> dict:
     """Paired speedup over prompts: ratio of totals and geometric mean, with CIs."""
-    s_tok = np.array([r["spec"]["new_tokens"] for r in records], dtype=float)
-    s_t = np.array([r["spec"]["time_s"] for r in records], dtype=float)
-    b_tok = np.array([r["base"]["new_tokens"] for r in records], dtype=float)
-    b_t = np.array([r["base"]["time_s"] for r in records], dtype=float)
+    sides = [(side, key) for side in ("spec", "base") for key in ("new_tokens", "time_s")]
+    cols = tuple(np.array([r[side][key] for r in records], dtype=float) for side, key in sides)
 
     def ratio_of_totals(st, stt, bt, btt, axis=-1):
         return (st.sum(axis) / stt.sum(axis)) / (bt.sum(axis) / btt.sum(axis))
@@ -142,7 +90,6 @@ def speedup_stats(records: Sequence[dict], seed: int = 0) -> dict:
     def geomean(st, stt, bt, btt, axis=-1):
         return np.exp(np.mean(np.log((st / stt) / (bt / btt)), axis=axis))
 
-    cols = (s_tok, s_t, b_tok, b_t)
     return {
         "speedup": float(ratio_of_totals(*cols)),
         "speedup_ci": _bootstrap(cols, ratio_of_totals, seed),
@@ -160,13 +107,8 @@ def batch_units(records: Sequence[dict]) -> list[dict]:
 
 
 def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> dict:
-    """Summary metrics of a run from its per-prompt records and measured costs.
-
-    At batch_size > 1 the counts are the prompts' and the times the batches' (`batch_units`): the
-    speedup is per batch the ratio of the two sides' throughputs (tokens/s over the batch), its
-    interval bootstraps batches; TPOT is time per token over the batch, and the in-run costs are the
-    batched passes'. The prediction prices each row's cycles with the costs measured at the batch
-    size (a batch's pass serves all its rows, and so does the baseline's step)."""
+    """Summary metrics of a run from its per-prompt records and measured costs. At batch_size > 1 the
+    counts are the prompts' and the times, speedups and in-run costs the batches' (`batch_units`)."""
     units = batch_units(records)
     total = lambda key: sum(r["spec"][key] for r in records)  # noqa: E731
     hist = np.sum([r["spec"]["accept_hist"] for r in records], axis=0).tolist() if records else [0] * (k + 1)
@@ -176,14 +118,11 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     c, v = costs["cost_ratio"], costs["verify_cost"][k]  # verify_cost[n - 1] = v(n)
     by_formula = predicted_speedup(alpha, k, c, v) if not math.isnan(alpha) else float("nan")
     predicted = predicted_by_cycles(records, c, costs["verify_cost"])
+    after_eos = sum(r["spec"].get("drafted_after_eos", 0) for r in records)
     summary = {
         "num_prompts": len(records),
         "acceptance_rate": acceptance_rate(
-            {
-                "accepted": total("accepted"),
-                "drafted": total("drafted"),
-                "drafted_after_eos": sum(r["spec"].get("drafted_after_eos", 0) for r in records),
-            }
+            {"accepted": total("accepted"), "drafted": total("drafted"), "drafted_after_eos": after_eos}
         ),
         "alpha": alpha,
         "expected_alpha": ratio(total("expected_sum"), total("tested")),
@@ -215,12 +154,8 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
     if records:
         summary.update(speedup_stats(units, seed))
     else:
-        summary.update(
-            speedup=float("nan"),
-            speedup_ci=(float("nan"),) * 2,
-            speedup_geomean=float("nan"),
-            speedup_geomean_ci=(float("nan"),) * 2,
-        )
+        nan = float("nan")
+        summary.update(speedup=nan, speedup_ci=(nan, nan), speedup_geomean=nan, speedup_geomean_ci=(nan, nan))
     summary["decode_speedup"] = ratio(summary["base_tpot_s"], summary["spec_tpot_s"])
     in_run = in_run_costs(units, k)
     in_run_predicted = predicted_by_cycles(
@@ -252,11 +187,9 @@ def cost_figures(costs: dict, k: int) -> dict:
 
 
 def in_run_costs(records: Sequence[dict], k: int) -> dict:
-    """The cost model's inputs timed inside the run (harness.runner.costs.Clock), after each prompt's
-    first yield: the target step (the baseline's one-position passes), c (the draft's proposals, lookup
-    and sampling included, per drafted token, over a step) and v(n) (the verify passes over n
-    positions, over a step; nan where the run had none). Measured over the same prompts, contexts and
-    minutes as the speedup, these miss only what happens outside the passes and proposals."""
+    """The cost model's inputs timed inside the run (harness.runner.costs.Clock), after each prompt's first
+    yield: the target step (the baseline's passes), c (the draft's proposals per drafted token, over a step)
+    and v(n) (verify passes over n positions, over a step; nan where the run had none)."""
 
     def clocked(side: str, key: str) -> tuple[float, int]:
         entries = [r[side].get("clock", {}).get(key, (0.0, 0)) for r in records]
@@ -273,9 +206,8 @@ def in_run_costs(records: Sequence[dict], k: int) -> dict:
 
 
 def predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -> float:
-    """Committed tokens over what the cycles run cost in target steps (v[j] = v(j + 1)), after each
-    prompt's first cycle (the prompt's pass, which decode_speedup leaves out too). At batch_size > 1,
-    priced per batch (`batch_passes`)."""
+    """Committed tokens over what the cycles run cost in target steps (v[j] = v(j + 1)), after each prompt's
+    first cycle (its prompt pass). At batch_size > 1, priced per batch (`batch_passes`)."""
     if not records:
         return float("nan")
     if "batch" in records[0] and "drafted_hist" in records[0]["batch"]["spec"]:
@@ -294,11 +226,9 @@ def cycles_cost(cycles: np.ndarray, c: float, v: Sequence[float]) -> float:
 
 
 def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
-    """The prediction at batch_size > 1, from the batches' own passes after their first yield: a cycle
-    is one pass over the rows still decoding, as wide as the most any row drafted (k' + 1 positions,
-    v(k' + 1) in units of the B-row step) after k' batched draft steps; a baseline step is one step.
-    (spec tokens / spec cost) over (baseline tokens / baseline steps): each pass is priced as one over
-    all B rows, the baseline's steps alike, whichever rows are left."""
+    """The prediction at batch_size > 1, from the batches' passes after their first yield: a cycle is k'
+    batched draft steps and one pass of k' + 1 positions (k' the most any row drafted), a baseline step one
+    step; (spec tokens / spec cost) over (baseline tokens / baseline steps)."""
     cycles = np.sum([u["spec"]["drafted_hist"] for u in units], axis=0)  # [k + 1] passes by their widest draft
     for u in units:
         cycles[u["spec"]["first_drafted"]] -= 1
@@ -310,9 +240,8 @@ def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
 
 
 def median_ci(samples: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
-    """A distribution-free interval for the median of `samples`: the order statistics whose
-    binomial coverage is at least `confidence` (for 9 samples, the 2nd and 8th: 96%). nan
-    when there are too few samples for that coverage."""
+    """A distribution-free interval for the median: the order statistics whose binomial coverage is at
+    least `confidence` (9 samples: the 2nd and 8th, 96%); nan when too few samples reach it."""
     x = np.sort(np.asarray(samples, dtype=float))
     n = len(x)
     for j in range(n // 2, 0, -1):  # widen from the middle until the coverage suffices

@@ -1,21 +1,10 @@
-"""The speculative accept / reject rule, as pure functions.
+"""The speculative accept / reject rule, as pure functions (Leviathan et al., 2022).
 
-Vocabulary, used everywhere in the harness:
-  drafted   the k tokens the draft proposed in a cycle, x_1..x_k;
-  accepted  the leading drafted tokens the rule keeps (0..k of them);
-  recovered the token sampled at the first rejected position from the
-            residual norm(max(0, p - q));
-  bonus     the token sampled from the target's row k+1 when all k drafted
-            tokens are accepted; it costs no extra target pass.
-Each cycle commits accepted + 1 tokens: accepted drafts, then either the
-recovered or the bonus token.
-
-Notation follows Leviathan et al. (2022): p is the target's (shaped)
-distribution, q the draft's. In code they are `target_probs` and
-`draft_probs`. Drafted token x_i is accepted with probability
-min(1, p_i(x_i) / q_i(x_i)); the committed token at every position is then
-distributed exactly as p. The expected acceptance at a position is
-beta_i = sum_v min(p_i(v), q_i(v)).
+A cycle's k `drafted` tokens x_1..x_k (drawn from the draft's q, `draft_probs`) are checked against the
+target's p (`target_probs`): x_i is `accepted` with probability min(1, p_i(x_i) / q_i(x_i)). At the first
+rejection a `recovered` token is sampled from norm(max(0, p - q)); when all k are accepted, a `bonus` token
+from the target's row k+1 (no extra pass). Each cycle commits accepted + 1 tokens, each distributed exactly
+as p. The expected acceptance at a position is beta_i = sum_v min(p_i(v), q_i(v)).
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ from harness.core.sampling import sample_rows
 
 
 class Verdict(NamedTuple):
-    """One row's verdict (`verify`, `verify_greedy`: a sequence alone)."""
+    """One row's verdict (`verify`: a sequence alone)."""
 
     num_accepted: int  # leading drafted tokens kept, 0..k
     next_token: torch.Tensor  # [] the recovered or bonus token
@@ -51,10 +40,8 @@ def verify_rows(
     target_probs: torch.Tensor,  # [B, K + 1, V] p; row i's position counts[i] is its bonus row
     generators,  # [B] each row's own random stream
 ) -> Verdicts:
-    """Speculative sampling on every row at once: accept a prefix, then recover or take the bonus.
-
-    Row i draws counts[i] float64 uniforms, then one for its next token, from its own generator,
-    in that order: the same draws as the row alone. No host read."""
+    """Speculative sampling on every row at once: accept a prefix, then recover or take the bonus. Row i
+    draws counts[i] float64 uniforms, then one for its next token, from its own generator (as alone). No host read."""
     B, K = draft_tokens.shape
     device = target_probs.device
     drafted = from_host(counts, device)  # [B]
@@ -109,10 +96,4 @@ def verify(
     """`verify_rows` for one sequence alone (its accepted count read by the host)."""
     k = draft_tokens.shape[0]
     v = verify_rows(draft_tokens[None], [k], draft_probs[None], target_probs[None], [generator])
-    return Verdict(int(v.accepted[0]), v.next_token[0], v.expected_acceptance[0])
-
-
-def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> Verdict:
-    """`greedy_rows` for one sequence alone: drafts [k], the target's argmax [k + 1]."""
-    v = greedy_rows(draft_tokens[None], [draft_tokens.shape[0]], target_argmax[None])
     return Verdict(int(v.accepted[0]), v.next_token[0], v.expected_acceptance[0])

@@ -1,13 +1,8 @@
 """Turning logits into the distribution a token is drawn from.
 
-Both models' logits go through the same shaping (temperature, then top-k,
-then top-p), so the draft's q is exactly the distribution its token was
-drawn from and the target's p is the distribution speculative decoding
-must reproduce. Temperature 0 is not shaped at all: it is the greedy path
-(argmax), handled on its own by the loop and the rule.
-
-Probabilities are computed in float32 at least (float64 stays float64), so
-half-precision models never do acceptance arithmetic in half precision.
+Both models' logits go through the same shaping (temperature, then top-k, then top-p), so q is exactly
+the law a draft was drawn from and p the law to reproduce. Temperature 0 is greedy (argmax), never shaped.
+Probabilities are float32 at least, so half-precision models never do acceptance arithmetic in half precision.
 """
 
 from __future__ import annotations
@@ -31,21 +26,15 @@ class Sampling:
 
 
 def shape_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Shaped distribution over the vocabulary. logits: [..., V] -> probs [..., V].
-
-    Non-finite logits have one fixed meaning, the same for target and draft
-    (and so for the baseline): NaN is an impossible token; a row with +inf
-    logits puts equal mass on those; a row with no usable logit at all is
-    uniform. A NaN never reaches the acceptance arithmetic.
-    """
+    """Shaped distribution over the vocabulary. logits: [..., V] -> probs [..., V]. Non-finite logits mean
+    the same for every model: NaN is an impossible token; a row with +inf logits puts equal mass on those;
+    a row with no usable logit is uniform. A NaN never reaches the acceptance arithmetic."""
     assert not sampling.greedy, "greedy decoding uses argmax, not probabilities"
     dtype = torch.promote_types(logits.dtype, torch.float32)
     inf = float("inf")
     logits = logits.to(dtype).nan_to_num(nan=-inf, posinf=inf, neginf=-inf)  # NaN: impossible
-    # Shift by the row max (softmax does not see a shift). inf - inf is NaN, and
-    # NaN -> 0 below gives: +inf entries of a +inf row share its mass (the rest
-    # is -inf); a row with nothing above -inf is all 0, i.e. uniform. Finite
-    # rows are untouched. Elementwise only: no host sync, no boolean masks.
+    # Shift by the row max: inf - inf is NaN, and NaN -> 0 gives +inf entries of a +inf row its mass (the
+    # rest is -inf) and a row with nothing above -inf all 0 (uniform). Elementwise only: no host sync.
     logits = (logits - logits.amax(-1, keepdim=True)).nan_to_num(nan=0.0, posinf=inf, neginf=-inf)
     logits = logits / sampling.temperature
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
@@ -57,21 +46,14 @@ def shape_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-# Candidate counts tried, on a CPU, before sorting the whole vocabulary. A sort
-# of a 49k-token row costs ~2 ms on a CPU core and a k=4 cycle shapes 9 rows,
-# while most nuclei are small (SmolLM2 at T=1, top_p=0.9: median 28 tokens, 11%
-# over 256, 0.3% over 1024). On CUDA the sort is cheap and trying fewer first
-# would cost a host sync, so it sorts at once. Each rung gives the same floor.
+# Candidate counts tried on a CPU before sorting the whole vocabulary (a 49k-token sort: ~2 ms a row; most
+# nuclei are small). On CUDA the sort is cheap and a rung would cost a host sync. Each rung gives the same floor.
 NUCLEUS_CANDIDATES = (256, 2048)
 
 
 def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The smallest probability top-p keeps. probs [..., V] -> floor [..., 1].
-
-    The nucleus is the smallest set of most probable tokens whose mass reaches
-    top_p (a token is in when the mass before it is below top_p), plus every
-    token exactly as probable as its last one, so ties never depend on sort order.
-    """
+    """The smallest probability top-p keeps. probs [..., V] -> floor [..., 1]. The nucleus: the most probable
+    tokens while the mass before each is below top_p, plus ties of its last one (never sort-order dependent)."""
     rows = probs.reshape(-1, probs.shape[-1])  # [R, V]
     vocab = rows.shape[-1]
     floor = torch.empty_like(rows[:, :1])  # [R, 1]
@@ -94,12 +76,7 @@ def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index per row, drawn proportionally to non-negative weights [..., V], every row from `generator`.
-
-    Inverse CDF: a float64 cumulative sum (exact to ~1e-16 of the row's mass)
-    and one uniform per row, located with searchsorted. No normalisation, and
-    unlike torch.multinomial no host synchronisation on CUDA; one uniform per
-    row instead of V exponentials (14x faster per row on a CPU at V = 49152).
-    """
+    Inverse CDF: a float64 cumulative sum and one uniform per row; unlike torch.multinomial, no host sync."""
     cdf = weights.to(torch.float64).cumsum(-1)  # [..., V]
     u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device, dtype=cdf.dtype)  # [..., 1]
     return _located(cdf, u)
@@ -117,7 +94,6 @@ def _located(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The index each row's uniform u [..., 1] (in [0, 1)) lands on in its cumulative weights cdf [..., V]."""
     total = cdf[..., -1:]  # [..., 1]
     u = u * total
-    # Strictly below the total, so the draw lands on an entry whose cumulative
-    # sum rises there: a zero weight can never be drawn, not even at u -> 1.
+    # Strictly below the total: a zero weight can never be drawn, not even at u -> 1.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True)[..., 0]

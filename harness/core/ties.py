@@ -6,18 +6,15 @@ import torch
 
 from harness.errors import HarnessError
 
-# Two correct greedy decoders can part where the target's two best logits are closer
-# than its dtype's rounding: a verify pass over k + 1 positions and a one-token step
-# sum in different orders (in bfloat16: 30 times over 6 prompts x 32 tokens on a CPU;
-# in float32: never seen). Within these gaps a different token is a numerical tie, not a bug.
+# Two correct greedy decoders can part where the target's two best logits are closer than its dtype's
+# rounding (a verify pass and a one-token step sum in other orders): within these gaps, a tie, not a bug.
 TIE_LOGIT_GAP = {torch.float32: 1e-3, torch.float16: 0.125, torch.bfloat16: 0.5}
 
 
 def same_greedy_output(target, ids: torch.Tensor, reference: list[int], tokens: list[int], name: str, prompt: int) -> dict | None:
-    """None when `tokens` equal `reference`; where they first differ by a numerical tie,
-    a record of it; otherwise a HarnessError: the outputs are not comparable. After a tie the
-    contender decodes another context, so each of its later tokens must still be the target's
-    greedy choice there, up to a tie: scored along its own output in one pass."""
+    """None when `tokens` equal `reference`; a record of the tie where they first differ by one; otherwise a
+    HarnessError. After a tie each later token must still be the target's greedy choice up to a tie, scored
+    along the contender's own output in one pass."""
     if tokens == reference:
         return None
     j = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
@@ -40,10 +37,6 @@ def same_greedy_output(target, ids: torch.Tensor, reference: list[int], tokens: 
             f"prefers {int(rows[i].argmax())} to {tokens[j + i]} by {float(gaps[i]):.3g} logits, more than a "
             f"{str(dtype).removeprefix('torch.')} tie ({tolerance}): not comparable"
         )
-    return {
-        "contender": name,
-        "prompt": prompt,
-        "position": j,
-        "logit_gap": float(rows[0][reference[j]] - chosen[0]),
-        "later_ties": int((gaps[1:] > 0).sum()),
-    }  # later tokens that were not the target's strict argmax either
+    gap = float(rows[0][reference[j]] - chosen[0])
+    later = int((gaps[1:] > 0).sum())  # later tokens that were not the target's strict argmax either
+    return {"contender": name, "prompt": prompt, "position": j, "logit_gap": gap, "later_ties": later}

@@ -1,21 +1,11 @@
 """A batch of sequences of one model, each row with a length of its own (batch_size > 1).
 
-`BatchedLM` is what the loop (harness.core.loop) drives: a forward where every row feeds
-its own tokens (a ragged step: rows feed different counts, padded to the longest), a rollback
-to per-row lengths, and `keep` to drop finished rows. Two layouts:
-
-- the lean forward (`LeanBatch`, harness.models.lean): KV storage [rows, kv_heads, capacity, D]
-  written at each row's own positions, so the cache itself is ragged: a row's rollback only moves
-  its length, and the padding a short row feeds is written beyond its length, never read;
-- HF's modules (`HFBatch`) on a DynamicCache of one common length: a row's slots that hold padding
-  or rolled-back tokens stay in the cache as holes that the attention mask hides, and each token's
-  position id counts only its row's own tokens. A rollback crops what no row still holds.
-
-Either way every row's logits are those of its own tokens alone (to rounding: the products run at
-other shapes). Finished rows leave the batch: their storage is dropped (lean: the kept rows are
-moved up; HF: DynamicCache.batch_select_indices), so later passes run the rows still decoding.
-HF's static cache and compiled steps, and sliding-window models, decode one sequence at a time; the lean
-forward's compiled steps run every row of its storage, finished rows fed as padding (harness.models.captured).
+`BatchedLM` is what the loop drives: a ragged forward (rows feed different counts, right-padded to the
+longest), a rollback to per-row lengths, and `keep` to drop finished rows. Layouts: `LeanBatch` (lean
+KV storage written at each row's own positions: a rollback only moves a length, padding is never read)
+and `HFBatch` (one DynamicCache length for all rows, padding and rolled-back slots hidden by the mask).
+Either way a row's logits are those of its own tokens alone (to rounding). HF's static cache and
+compiled steps, and sliding-window models, run one sequence at a time (`OneRow`).
 """
 
 from __future__ import annotations
@@ -29,8 +19,7 @@ from harness.models.cached import CachedLM
 
 
 class BatchedLM:
-    """B sequences of one model (`lm`, a CachedLM whose settings it shares), decoded together.
-    `lengths[i]`: positions cached for active row i (host ints, as the loop rolls them back)."""
+    """B sequences of one model (`lm`, a CachedLM), decoded together; `lengths[i]`: positions cached for row i (host ints)."""
 
     layout = ""  # how rows of different lengths share the batch, recorded in a run's conditions
 
@@ -46,8 +35,7 @@ class BatchedLM:
         """Room for `rows` sequences of up to max_len positions (where storage is allocated ahead)."""
 
     def warm_up(self, shapes: list[tuple[int, int]], captures=((),)) -> None:
-        """With compile=true: compile the steps of these shapes ((positions per row, logits kept) pairs, as
-        CachedLM.warm_up takes them) for the reserved rows, now, returning each of `captures`' features."""
+        """With compile=true: compile the steps of these shapes for the reserved rows now (as CachedLM.warm_up)."""
 
     def forward(self, feeds: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
         """Append feeds[i] [T_i] (T_i may be 0) to active row i; per row the logits [num_logits[i], V]
@@ -57,17 +45,16 @@ class BatchedLM:
     def forward_features(
         self, feeds: list[torch.Tensor], num_logits: list[int], layers: tuple[int, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """As forward, and per row the hidden states [T_i, len(layers) * hidden] of its fed positions
-        (CachedLM.forward_features), for drafts that read the target."""
+        """As forward, and per row the hidden states [T_i, len(layers) * hidden] of its fed positions."""
         raise NotImplementedError
 
     def rollback(self, lengths: list[int]) -> None:
         """Drop each active row's positions at and beyond lengths[i]."""
-        raise NotImplementedError
+        self.lengths = [min(a, b) for a, b in zip(self.lengths, lengths)]
 
     def keep(self, rows: list[int]) -> None:
         """Only the active rows `rows` (indices into the active rows, in order) go on."""
-        raise NotImplementedError
+        self.lengths = [self.lengths[i] for i in rows]
 
     def _padded(self, feeds: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
         """feeds as one [B, T] tensor, right-padded with token 0 to the longest (T >= 1)."""
@@ -102,8 +89,7 @@ class LeanBatch(BatchedLM):
         self.lengths = [0] * rows
 
     def reserve(self, max_len: int, rows: int = 1) -> None:
-        if rows > self.lean.rows or rows < self.lean.rows and self.lean.captured is None:  # compiled: fewer rows run padded
-            self.lean = self.lm.lean.like(rows)  # compiled steps are compiled anew for its rows (warm_up)
+        self.lean = resized(self.lean, rows, self.lean.captured is not None, self.lm.lean.like)
         self.max_len = max(self.max_len, max_len)
         self.lean.reserve(self.max_len)
 
@@ -126,12 +112,9 @@ class LeanBatch(BatchedLM):
         logits, features = out
         return self._split(logits, num_logits), [row[: f.shape[0]] for row, f in zip(features, feeds)]
 
-    def rollback(self, lengths):
-        self.lengths = [min(a, b) for a, b in zip(self.lengths, lengths)]
-
     def keep(self, rows):
         self.lean.keep_rows(list(rows))
-        self.lengths = [self.lengths[i] for i in rows]
+        super().keep(rows)
 
 
 class HFBatch(BatchedLM):
@@ -188,7 +171,7 @@ class HFBatch(BatchedLM):
     def rollback(self, lengths):
         counts = self.held.cumsum(1)  # [B, C] tokens of its row up to each slot
         self.held &= counts <= torch.tensor(lengths, device=self.device)[:, None]
-        self.lengths = [min(a, b) for a, b in zip(self.lengths, lengths)]
+        super().rollback(lengths)
         used = self.held.any(0).nonzero()
         end = int(used[-1]) + 1 if used.numel() else 0
         if end < self.held.shape[1]:  # the slots past every row's last token go
@@ -200,12 +183,11 @@ class HFBatch(BatchedLM):
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             self.cache.batch_select_indices(index)
             self.held = self.held[index]
-        self.lengths = [self.lengths[i] for i in rows]
+        super().keep(rows)
 
 
 class OneRow(BatchedLM):
-    """One sequence: the CachedLM's own forward (any backend: HF's dynamic or static cache, compiled
-    steps, the lean forward) behind the rows interface, so that a sequence alone is a batch of one."""
+    """One sequence: the CachedLM's own forward (any backend) behind the rows interface: a batch of one."""
 
     layout = "one row"
 
@@ -245,6 +227,12 @@ class OneRow(BatchedLM):
         assert list(rows) in ([], [0]), rows
 
 
+def resized(storage, rows: int, compiled: bool, make):
+    """`storage` (with `.rows`) or, where `rows` needs new storage, make(rows): more rows, or fewer unless
+    compiled (compiled steps run fewer rows padded; new storage is compiled anew at warm-up)."""
+    return make(rows) if rows > storage.rows or rows < storage.rows and not compiled else storage
+
+
 def batched(lm: CachedLM) -> BatchedLM:
     """The batched form of a CachedLM: the lean layout where it runs the lean forward, HF's otherwise."""
     if lm.lean is not None:
@@ -255,8 +243,8 @@ def batched(lm: CachedLM) -> BatchedLM:
 
 
 def rows_of(lm, rows: int) -> BatchedLM:
-    """The model `lm` (a CachedLM, or a wrapper of one) as `rows` sequences: itself behind OneRow for
-    one, else its batched form, made once per CachedLM (its storage kept from batch to batch)."""
+    """`lm` (a CachedLM, or a wrapper of one) as `rows` sequences: OneRow for one, else its batched form,
+    made once per CachedLM (its storage kept from batch to batch)."""
     if isinstance(lm, BatchedLM):
         return lm
     lean = getattr(lm, "lean", None)  # (a model of the tests' own kind may have none)
