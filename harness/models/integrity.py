@@ -1,12 +1,6 @@
-"""Which file of a saved model cannot be read, and why.
-
-What an interrupted download or copy leaves (a truncated file), a file of another format under a
-weight file's name (an HTML error page saved as model.safetensors), a shard that
-model.safetensors.index.json lists but the folder lacks, a corrupt GGUF file or a JSON file that
-does not parse. Only headers are read (a safetensors file's header, checked against the file's
-size; a GGUF file's header and tensor table; a torch.save zip archive's central directory), so the
-check is cheap; harness.models.loading and harness.models.eagle run it when a load fails, to name the
-file and the fix rather than pass on a library's traceback.
+"""Which file of a saved model cannot be read, and why: a truncated file, another format under a weight
+file's name, a shard the index lists but the folder lacks, a corrupt GGUF file, JSON that does not parse.
+Only headers are read, so it is cheap; loading runs it when a load fails, to name the file and the fix.
 """
 
 from __future__ import annotations
@@ -45,8 +39,8 @@ def unreadable(folder: Path, gguf_file: str | None = None, weights: bool = True)
 
 
 def unreadable_head(folder: Path, weight_files: tuple[str, ...]) -> tuple[Path, str] | None:
-    """(file, why) for the first file of the feature head in `folder` (harness.models.eagle) that cannot be
-    read: its config.json, then the first of `weight_files` present (the one the head loads); None when both can."""
+    """(file, why) for the first file of a feature head in `folder` that cannot be read: its config.json, then
+    the first of `weight_files` present (the one it loads); None when both can."""
     checks = [(folder / "config.json", json_problem)]
     if weights := next((folder / name for name in weight_files if (folder / name).exists()), None):
         checks.append((weights, safetensors_problem if weights.suffix == ".safetensors" else torch_file_problem))
@@ -80,8 +74,8 @@ def safetensors_problem(path: Path) -> str | None:
 
 
 def torch_file_problem(path: Path) -> str | None:
-    """A torch.save file (pytorch_model.bin): since torch 1.6 a zip archive, whose central directory, at
-    its end, is read. The legacy format (a pickle stream) is not checked: only loading it reads it all."""
+    """A torch.save file (pytorch_model.bin): a zip archive, whose central directory is read (the legacy
+    pickle format is not checked)."""
     import zipfile
 
     if not path.exists():

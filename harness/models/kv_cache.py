@@ -1,20 +1,9 @@
-"""A dynamic KV cache that does not copy itself at every step.
+"""A dynamic KV cache that does not copy itself at every step (docs/design.md).
 
-HF's DynamicCache appends a step's keys and values with `torch.cat`, so every
-forward copies the whole cache of every layer: O(context) work per step,
-which the loop would charge to speculative decoding. On the 2-core EPYC
-(SmolLM2-135M, float32) a target step over 1, 2 and 5 positions after a
-1,000-token context took 28.1-29.6, 34.1-36.3 and 44.4-44.9 ms with
-DynamicCache and 27.4-28.3, 31.7-32.4 and 42.2-42.8 ms writing in place
-(4 rounds); after 150 tokens the gain is 0-2%, within the rounds' spread.
-
-`GrowingLayer` keeps a full-attention layer's keys and values in storage
-allocated ahead ([batch, heads, capacity, head_dim]) and written in place;
-the model sees views of the first `length` positions, so attention reads the
-same values as with DynamicCache, and rolling back only moves `length`. It
-doubles its storage when a sequence outgrows it, and keeps it across
-sequences. `in_place` swaps these layers into a DynamicCache; sliding-window
-and other special layers keep HF's own.
+HF's DynamicCache appends each step with `torch.cat`, copying every layer's cache per forward. `GrowingLayer`
+keeps a full-attention layer's keys and values in storage allocated ahead and written in place; the model
+sees views of the first `length` positions, and a rollback only moves `length`. `in_place` swaps these
+layers into a DynamicCache; sliding-window and other special layers keep HF's own.
 """
 
 from __future__ import annotations
@@ -76,8 +65,7 @@ class GrowingLayer(DynamicLayer):
         self.length = end
         return self.keys, self.values
 
-    # The keys and values are views of the first `length` positions, made when read, so that a
-    # rollback only moves `length` (a model's layers read them once per forward, from `update`).
+    # Views of the first `length` positions, made when read, so that a rollback only moves `length`.
     @property
     def keys(self) -> torch.Tensor | None:  # [B, H, length, D]
         return self._keys[:, :, : self.length] if self.is_initialized else None
@@ -116,8 +104,7 @@ class GrowingLayer(DynamicLayer):
 
 
 def in_place(cache: DynamicCache, kept: dict[int, GrowingLayer]) -> DynamicCache:
-    """Swap the cache's plain full-attention layers for GrowingLayers, the same ones (and their
-    storage) each time: `kept` maps a layer's index to its GrowingLayer and is filled as needed."""
+    """Swap the cache's plain full-attention layers for GrowingLayers, the same ones each time (`kept`: index -> layer)."""
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             grown = kept.setdefault(index, GrowingLayer())

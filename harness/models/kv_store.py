@@ -1,12 +1,9 @@
 """KV storage written in place, for a batch's rows: the one cache of the lean forward and the feature heads.
 
-Per attention layer, keys and values [rows, kv_heads, capacity, head_dim] allocated ahead in
-multiples of ROOM positions. Each row holds its own length (kept by the caller: a rollback only
-moves it); a step writes each row's new keys and values at that row's positions and attention reads
-the first `end` positions of every row, where `end` is the longest row's, a causal mask hiding what
-lies past each row's own positions (padding a shorter row fed, or what a rollback dropped: it is
-overwritten by the row's next step). One row alone writes a slice and needs no mask for one position.
-A captured step (`fixed_step`) reads the whole capacity instead, so that its shapes stay fixed.
+Per layer, keys and values [rows, kv_heads, capacity, head_dim], grown in multiples of ROOM. Each row has
+its own length (kept by the caller: a rollback only moves it); a step writes at each row's positions and
+attention reads the first `end` positions, a causal mask hiding what lies past a row's own (padding, or
+what a rollback dropped). A captured step (`fixed_step`) reads the whole capacity: fixed shapes.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ ROOM = 256  # the storage grows in multiples of this many positions
 
 @dataclass
 class Step:
-    """Where a step of T positions per row lands: positions [B, T], the mask attention takes
-    (None, [T, end] or [B, 1, T, end]), the positions read (`end`), and the write index."""
+    """Where a step lands: positions [B, T], the mask (None, [T, end] or [B, 1, T, end]), `end` read, the write index."""
 
     positions: torch.Tensor
     mask: torch.Tensor | None
@@ -72,14 +68,12 @@ class KVStore:
         return self._at(from_host(starts, device)[:, None] + torch.arange(width, device=device), end)  # positions [B, T]
 
     def fixed_step(self, positions: torch.Tensor) -> Step:
-        """A step at positions [rows, T] (a device tensor, `fixed_positions`) over the whole capacity: its shapes
-        depend on the rows and T only (a captured step, harness.models.captured)."""
+        """A step at positions [rows, T] (`fixed_positions`) over the whole capacity: shapes depend on rows and T only."""
         return self._at(positions, self.capacity)
 
     def fixed_positions(self, starts: list[int], width: int) -> torch.Tensor:
-        """Positions [rows, T] of a captured step: the first len(starts) rows at starts.. (host ints: no read), the
-        rows past them (finished) at 0, where the padding they are fed is never read. A row that would pass the
-        capacity grows the storage: a new shape, which a sealed step refuses."""
+        """Positions [rows, T] of a captured step: the first len(starts) rows at starts.., finished rows at 0 (their
+        padding never read). A row past the capacity grows the storage: a new shape, which a sealed step refuses."""
         if max(starts) + width > self.capacity:
             self.reserve(max(starts) + width)
         device = self.like.device
@@ -94,8 +88,7 @@ class KVStore:
         return Step(positions, mask, end, (rows, heads, positions[:, None, :]))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a layer's new keys and values [B, kv_heads, T, D] where `step` says; the keys and values
-        attention reads, [B, kv_heads, end, D] each."""
+        """Write a layer's new keys and values [B, kv_heads, T, D] where `step` says; those attention reads [B, kv_heads, end, D]."""
         keys, values = self.keys[layer], self.values[layer]
         B = k.shape[0]
         if isinstance(step.index, slice):

