@@ -27,8 +27,7 @@ def cpuinfo() -> list[dict[str, str]]:
 
 
 def cpu_name() -> str:
-    """The CPU's model (e.g. "AMD EPYC 7763 64-Core Processor"), as /proc/cpuinfo or the platform names it
-    (part of a CPU cell's key: `device_identity`)."""
+    """The CPU's model (e.g. "AMD EPYC 7763 64-Core Processor"), as /proc/cpuinfo or the platform names it."""
     names = (cpu.get("model name") for cpu in cpuinfo())
     return next((name for name in names if name), None) or platform.processor() or "cpu"
 
@@ -41,8 +40,7 @@ def device_name(device: torch.device) -> str:
 
 
 def device_identity(device: torch.device) -> dict:
-    """What of a device a cell's results depend on: its type and model (`device_name`), not its
-    index; on a CPU also the torch threads, which its timings depend on as much."""
+    """What of a device a cell's results depend on: its type and model, not its index; on a CPU its torch threads."""
     identity = {"type": device.type, "name": device_name(device)}
     if device.type == "cpu":
         identity["threads"] = torch.get_num_threads()
@@ -53,9 +51,8 @@ GPU_CLOCKS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "temperature.gpu", "po
 
 
 def gpu_clocks(device: torch.device) -> dict | None:
-    """The GPU's clocks now (SM and memory MHz, the SM's maximum, temperature C, power W), as nvidia-smi
-    reports them: a run records them at its start and end, since a throttled GPU times other costs.
-    None on a CPU, without nvidia-smi, or when it cannot answer."""
+    """The GPU's clocks now (SM and memory MHz, the SM's maximum, temperature C, power W) from nvidia-smi (a
+    throttled GPU times other costs); None on a CPU, without nvidia-smi, or when it cannot answer."""
     if device.type != "cuda" or not shutil.which("nvidia-smi"):
         return None
     query = ["nvidia-smi", f"--query-gpu={','.join(GPU_CLOCKS)}", "--format=csv,noheader,nounits", "-i", str(device.index or 0)]

@@ -10,8 +10,7 @@ from typing import Any
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file beside it and a rename: a reader (or a
-    run killed mid-write) sees the old file or the new one, never a torn one."""
+    """Write `text` to `path` through a temporary file and a rename: a reader sees the old file or the new, never a torn one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one a process: parallel jobs may write one file at once
     tmp.write_text(text)
@@ -47,7 +46,6 @@ def file_sha256(path: Path) -> str:
 
 
 def cache_root() -> Path:
-    """Where the harness keeps what it fetches and measures once per machine: $SPECBENCH_CACHE, else
-    $XDG_CACHE_HOME/specbench-harness (~/.cache/specbench-harness)."""
+    """Where the harness keeps what it fetches and measures once: $SPECBENCH_CACHE, else $XDG_CACHE_HOME/specbench-harness."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specbench-harness"
     return Path(os.environ.get("SPECBENCH_CACHE", default))

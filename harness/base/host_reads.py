@@ -1,16 +1,9 @@
 """Host reads of tensor values: what would make the host wait for a GPU.
 
-On CUDA, `torch.cuda.set_sync_debug_mode` reports every synchronisation, but
-only on a GPU. `HostReads` finds the usual places on any device: it watches,
-through a torch function mode, the operations that bring a tensor's value to
-the host (`.item()`, `int(t)`, `bool(t)`, `.tolist()`, `.cpu()`, `nonzero`,
-an index that is a boolean mask or a tensor scalar, ...) and counts them by
-the source line that asked, in our code or the model's. It does not see a
-synchronisation made inside a C++ kernel, nor reads inside torch's own Python
-functions (the mode is set aside while it handles a call), nor inside a
-compiled step (`unwatched`): on a GPU the debug mode stays the authority. On
-a CPU it is what lets a test hold the loop to its promise of no host wait per
-drafted token.
+`HostReads` watches, through a torch function mode, the operations that bring a tensor's value to the
+host (`.item()`, `int(t)`, `.tolist()`, `nonzero`, a mask index, ...) and counts them by the source line
+that asked, on any device. It does not see reads inside C++ kernels, torch's own Python functions or
+compiled steps (`unwatched`): on a GPU torch.cuda.set_sync_debug_mode stays the authority.
 """
 
 from __future__ import annotations
@@ -29,38 +22,13 @@ except ImportError:  # pragma: no cover
     _get_current_function_mode_stack = None
 
 _T = torch.Tensor
+# Tensor methods that bring values to the host (`if t.any():` reads through __bool__; t.any() alone stays on the
+# device), and those that are torch functions too (nonzero, unique...: output sizes from the values).
+_METHODS = "item tolist numpy __bool__ __int__ __float__ __index__ __repr__ __format__ cpu __contains__".split()
+_BOTH = "nonzero masked_select unique equal allclose is_nonzero bincount unique_consecutive".split()
 READS_TO_HOST = frozenset(
-    {
-        _T.item,
-        _T.tolist,
-        _T.numpy,
-        _T.__bool__,
-        _T.__int__,
-        _T.__float__,
-        _T.__index__,
-        _T.__repr__,
-        _T.__format__,
-        _T.cpu,
-        _T.nonzero,
-        torch.nonzero,
-        torch.argwhere,
-        _T.masked_select,
-        torch.masked_select,
-        _T.unique,
-        torch.unique,
-        _T.equal,
-        torch.equal,
-        torch.allclose,
-        _T.allclose,
-        torch.is_nonzero,
-        _T.is_nonzero,
-        _T.__contains__,
-        torch.bincount,
-        _T.bincount,
-        torch.unique_consecutive,
-        _T.unique_consecutive,  # output sizes from the values
-    }
-)  # `if t.any():` reads through __bool__; t.any() alone stays on the device
+    [getattr(_T, name) for name in _METHODS + _BOTH] + [getattr(torch, name) for name in _BOTH + ["argwhere"]]
+)
 _FROM_HOST = frozenset({torch.tensor, torch.as_tensor, _T.new_tensor})  # Python data copied to a device: the host waits
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 _PACKAGE = Path(__file__).resolve().parents[1]  # harness/
@@ -78,7 +46,7 @@ def _caller() -> str:
 
 
 def _reads_index(index) -> bool:
-    """An index that needs values on the host: a mask (its count of True) or a tensor scalar or bound."""
+    """An index that needs values on the host: a mask (its count of True), or a tensor scalar or bound."""
     items = index if isinstance(index, tuple) else (index,)
     for item in items:
         if isinstance(item, slice):
@@ -90,9 +58,7 @@ def _reads_index(index) -> bool:
 
 
 def _to_host(args, kwargs) -> bool:
-    """Tensor.to(...) from a GPU to the CPU. On a CPU run `.to(device)` is the usual
-    move to the model's device, not a read, so it only counts off the CPU; `.cpu()`
-    always counts (code that calls it means the host)."""
+    """Tensor.to(...) from a GPU to the CPU (on a CPU run `.to(device)` is no read; `.cpu()` always counts)."""
     if not args or args[0].device.type == "cpu":
         return False
     targets = [*args[1:], kwargs.get("device")]
@@ -120,12 +86,8 @@ def _is_read(func, args, kwargs) -> bool:
     if func is torch.where:  # torch.where(mask) alone is nonzero
         return len(args) + len(kwargs) == 1
     if func in (torch.repeat_interleave, _T.repeat_interleave):  # tensor repeats: the output size
-        if len(args) > 1:
-            repeats = args[1]
-        elif "repeats" in kwargs:
-            repeats = kwargs["repeats"]
-        else:  # torch.repeat_interleave(repeats)
-            repeats = args[0] if args and func is torch.repeat_interleave else None
+        alone = args[0] if args and func is torch.repeat_interleave else None  # torch.repeat_interleave(repeats)
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", alone)
         return isinstance(repeats, torch.Tensor) and "output_size" not in kwargs
     return False
 
@@ -150,11 +112,8 @@ class HostReads(TorchFunctionMode):
 
 
 def unwatched(fn, *args, **kwargs):
-    """fn(*args, **kwargs) with any active HostReads set aside while it runs (the
-    other torch function modes stay, in order): for a compiled step. Dynamo guards
-    on the torch function modes, so a step called under one it was not compiled
-    with would compile anew (for CUDA graphs, minutes); its reads, if any, are
-    left to the CUDA debug mode."""
+    """fn(*args, **kwargs) with any active HostReads set aside (other modes stay, in order): for a compiled step,
+    which dynamo would compile anew under a mode it was not compiled with."""
     stack = _get_current_function_mode_stack() if _get_current_function_mode_stack else []
     if not any(isinstance(mode, HostReads) for mode in stack):
         return fn(*args, **kwargs)
@@ -174,8 +133,7 @@ def unwatched(fn, *args, **kwargs):
 
 
 def from_host(values: list[int], device: torch.device) -> torch.Tensor:
-    """A long tensor of host values on `device` without waiting for the device's queue: on CUDA
-    through pinned memory, copied asynchronously (a plain copy of pageable memory would sync)."""
+    """A long tensor of host values on `device` without waiting for its queue (CUDA: pinned memory, copied async)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.long, device=device)
     return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)

@@ -1,9 +1,5 @@
-"""Timing: stamps on a decode from outside, and the cost model's figures.
-
-`timed` stamps each item a decode generator yields, the device synchronised;
-`measure_costs` measures a target step, the verify cost v(n) and the draft's
-cost ratio c (docs/metrics.md) in isolated repetitions before a run, and
-`Clock` times the same passes inside the run itself (the summary's in-run costs).
+"""Timing: stamps on a decode from outside (`timed`), the cost model's figures measured in isolated rounds
+before a run (`measure_costs`: docs/metrics.md), and the same passes timed inside the run (`Clock`).
 """
 
 from __future__ import annotations
@@ -41,11 +37,9 @@ def timed(generator, device: torch.device) -> tuple[list, list[float]]:
 
 
 class Clock:
-    """Seconds a decode spends in its target passes and draft proposals after its first yield
-    (the prompt's pass, which the decode figures leave out), tallied by key: `verify@n` for a target
-    pass over n positions, `draft` for a proposal (its forwards, sampling and lookup alike). On a CPU
-    the wall clock around each call; on CUDA a pair of events, read when the prompt is done, so that
-    no pass waits for the host. The tally goes in each prompt's record (`tally`)."""
+    """Seconds a decode spends in its target passes (`verify@n`: n positions) and draft proposals (`draft`)
+    after its first yield, tallied by key. On CUDA a pair of events per call, read when the prompt is done,
+    so that no pass waits for the host; elsewhere the wall clock."""
 
     def __init__(self, device: torch.device):
         self.device, self.on = device, False
@@ -73,8 +67,7 @@ class Clock:
 
     @contextlib.contextmanager
     def watching(self, target, drafter=None):
-        """The target's passes (forward, forward_features) and the drafter's proposals timed for the
-        duration; the instances' own methods afterwards."""
+        """The target's passes and the drafter's proposals timed for the duration; their own methods afterwards."""
         positions = lambda ids, *rest: f"verify@{width(ids)}"  # noqa: E731
         patched = [(target, name, positions) for name in ("forward", "forward_features") if hasattr(target, name)]
         if drafter is not None:
@@ -109,18 +102,10 @@ class Clock:
 
 
 def measure_costs(pair: Pair, prompts: torch.Tensor | list[torch.Tensor], k: int, sampling: Sampling, rounds: int = 9) -> dict:
-    """Target step time, verify cost v(n) = T(n positions) / T(1), draft cost ratio c, of passes over
-    B = len(prompts) rows (one prompt [T]: B = 1), each row at its own prompt's context (a ragged step,
-    as the loop runs it), in units of the B-row step: the figures a cell's prediction prices its cycles with.
-
-    A feature head's verify passes return the features it reads, and its k drafts start with one
-    pair read from the target's features, as in a cycle after a rejection at the first draft.
-    Measured at the context length of real prompts, in interleaved rounds: each round times a
-    target pass over 1..k+1 positions and then a k-token draft, and each figure is the median over
-    rounds (v and c of the ratios within a round). Timed in separate blocks instead, a drift in the
-    machine's speed between blocks lands in the ratios: one compiled run put v(3) 4% under what the
-    loop then paid.
-    """
+    """Target step time, verify cost v(n) = T(n positions) / T(1) and draft cost ratio c, of passes over
+    B = len(prompts) rows (one prompt [T]: B = 1) at their prompts' contexts, in units of the B-row step.
+    A feature head's drafts start with one pair read from the target's features (as after a rejection at
+    the first draft). Interleaved rounds (`cost_rounds`), so that drift in the machine's speed cancels."""
     from harness.core.loop import Rows
 
     prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
@@ -129,21 +114,16 @@ def measure_costs(pair: Pair, prompts: torch.Tensor | list[torch.Tensor], k: int
     reads = drafter.reads_target  # a feature head: the verify returns its features, as in the loop
     prompts = [ids[-max(pair.context - k, 1) :] for ids in prompts]  # room for the k + 1 positions scored after each
     lengths = [ids.shape[0] - 1 for ids in prompts]
+    verify = (lambda feeds, n: target.forward_features(feeds, n, reads)) if reads else target.forward
     target.start(B)
-    if reads:
-        _, prompt_features = target.forward_features([ids[:-1] for ids in prompts], [0] * B, reads)
-    else:
-        target.forward([ids[:-1] for ids in prompts], [0] * B)
+    prompt_features = verify([ids[:-1] for ids in prompts], [0] * B)[1] if reads else None
     extra = [ids[-1:].repeat(k + 1) for ids in prompts]  # positions to score; their values do not matter for timing
     generators = [torch.Generator(device).manual_seed(row) for row in range(B)]
 
     def score(n: int) -> float:
         """Seconds of a target pass over n positions per row; the rollback after it is not timed (a step has none)."""
         feeds = [e[:n] for e in extra]
-        if reads:
-            spent = seconds(device, lambda: target.forward_features(feeds, [n] * B, reads))
-        else:
-            spent = seconds(device, lambda: target.forward(feeds, [n] * B))
+        spent = seconds(device, lambda: verify(feeds, [n] * B))
         target.rollback(lengths)
         return spent
 
@@ -170,10 +150,9 @@ def seconds(device: torch.device, fn) -> float:
 
 
 def cost_rounds(score, draft, k: int, rounds: int) -> dict:
-    """The cost figures from interleaved rounds: each round times `score(n)` (a target pass over n
-    positions) for n = 1..k+1, then `draft()` (seconds per drafted token). On a CPU the draft runs right
-    after a target pass, as in the loop: the target's weights have evicted the draft's from the caches
-    (measured back to back instead, the draft step looks ~25% cheaper than it is)."""
+    """The cost figures from interleaved rounds: each times `score(n)` (a target pass over n positions) for
+    n = 1..k+1, then `draft()` (seconds per drafted token), each figure the median over rounds. `draft` runs
+    right after a target pass, as in the loop (back to back, a CPU's caches make it look ~25% cheaper)."""
     verify_s, draft_s = [], []  # [rounds, k + 1] scoring 1..k+1 positions; [rounds] per drafted token
     for _ in range(rounds):
         verify_s.append([score(n) for n in range(1, k + 2)])
@@ -203,10 +182,8 @@ def width(ids) -> int:
 
 
 def verify_cost_dips(intervals: list[tuple[float, float]]) -> list[int]:
-    """The n where scoring n positions cost clearly less than scoring fewer (v(n)'s interval
-    wholly below an earlier v(m)'s): a verify-cost curve that is not monotone beyond its own
-    intervals is a measurement problem (a plan or kernel change between row counts, another
-    process on the cores), which the table flags rather than predicting from it silently."""
+    """The n where scoring n positions cost clearly less than scoring fewer (v(n)'s interval wholly below an
+    earlier v(m)'s): a measurement problem the table flags rather than predicting from it silently."""
     dips = []
     for n in range(1, len(intervals)):
         if any(intervals[n][1] < intervals[m][0] for m in range(n)):

@@ -1,8 +1,5 @@
-"""What a cell's figures depend on beyond its config, and where they were measured.
-
-The device (harness.base.device: part of the cell key), the machine
-(`machine`), the libraries and the harness's own commit, the run's conditions as
-summary.json records them, and the process's memory (peak and growth per prompt).
+"""What a cell's figures depend on beyond its config, and where they were measured: the machine, the
+libraries and the harness's commit, the run's conditions, and the process's memory.
 """
 
 from __future__ import annotations
@@ -35,10 +32,9 @@ def utc_now() -> str:
 
 
 def machine() -> dict:
-    """The machine a process runs on: the CPU's model, the physical cores and hardware threads this
-    process may use, the GPUs it sees (model, or models joined by ", ", and count; None and 0
-    without CUDA) and the total memory in GB, e.g. {"cpu": "AMD EPYC", "cores": 2, "threads": 2,
-    "gpu": None, "gpus": 0, "memory_gb": 23.5}."""
+    """The machine a process runs on: the CPU's model, the physical cores and hardware threads it may use,
+    the GPUs it sees and the total memory, e.g. {"cpu": "AMD EPYC", "cores": 2, "threads": 2, "gpu": None,
+    "gpus": 0, "memory_gb": 23.5}."""
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     cpus = {cpu.get("processor"): cpu for cpu in cpuinfo()}
     placed = [cpus.get(str(n), {}) for n in usable]
@@ -52,14 +48,8 @@ def machine() -> dict:
         memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (OSError, ValueError):
         memory_gb = None
-    return {
-        "cpu": cpu_name(),
-        "cores": cores,
-        "threads": len(usable),
-        "gpu": ", ".join(names) or None,
-        "gpus": gpus,
-        "memory_gb": memory_gb,
-    }
+    gpu = ", ".join(names) or None
+    return {"cpu": cpu_name(), "cores": cores, "threads": len(usable), "gpu": gpu, "gpus": gpus, "memory_gb": memory_gb}
 
 
 def libraries() -> str:
@@ -71,8 +61,8 @@ def libraries() -> str:
 
 @functools.cache
 def harness_commit(root: Path = ROOT) -> str | None:
-    """The git commit of the harness's checkout (with -dirty for uncommitted changes), if it is one; else
-    SPECBENCH_COMMIT, which a copy of the tree without .git may set (scripts/gpu_check.sh, from its payload)."""
+    """The git commit of the harness's checkout (-dirty with uncommitted changes); else SPECBENCH_COMMIT, which a
+    copy of the tree without .git may set (scripts/gpu_check.sh)."""
     if not (root / ".git").exists():
         return os.environ.get("SPECBENCH_COMMIT") or None
     try:
@@ -85,8 +75,7 @@ def harness_commit(root: Path = ROOT) -> str | None:
 
 
 def conditions(cfg: DictConfig, pair: Pair) -> dict:
-    """What a run's figures depend on beyond its config: the device, the target's dtype, threads,
-    versions, the machine (`machine`), and the CPU linear product the pair's layers use (Pair.linear)."""
+    """What a run's figures depend on beyond its config: device, dtype, threads, versions, machine, linear plan."""
     import transformers
 
     return {
@@ -132,9 +121,8 @@ def batch_conditions(cfg: DictConfig, pair: Pair) -> dict:
 
 
 def reset_peak_rss() -> bool:
-    """Start the peak resident memory afresh for this cell (Linux: writing 5 to clear_refs resets
-    VmHWM), so that a multirun's later cells do not report an earlier cell's peak. False where
-    that cannot be done (not Linux, or /proc read-only)."""
+    """Start the peak resident memory afresh for this cell (Linux: 5 to clear_refs resets VmHWM); False where
+    that cannot be done."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True
@@ -143,8 +131,7 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_mb(since_reset: bool) -> tuple[float, str]:
-    """(peak resident memory in MB, over what): since a successful reset_peak_rss ("cell", Linux
-    VmHWM), else the whole process's ("process", getrusage)."""
+    """(peak resident memory in MB, over what): "cell" since a successful reset_peak_rss, else "process"."""
     if since_reset:
         with contextlib.suppress(OSError, ValueError, StopIteration):
             line = next(row for row in Path("/proc/self/status").read_text().splitlines() if row.startswith("VmHWM:"))
@@ -167,8 +154,7 @@ def current_rss_mb() -> float:
 
 
 def memory_growth(records: list[dict]) -> dict:
-    """Resident memory after the first and last prompt, and its fitted growth
-    per prompt (scipy.stats.linregress over the prompts run in this process)."""
+    """Resident memory after the first and last prompt, and its fitted growth per prompt (linregress)."""
     rss = [r["rss_mb"] for r in records if r.get("rss_mb") is not None]
     if len(rss) < 3:
         return {}

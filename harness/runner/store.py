@@ -1,13 +1,8 @@
 """A cell's results on disk: its key and folder, and its prompt records.
 
-Results live in `<out_dir>/<cell key>/`: config.yaml, prompts.jsonl (one record per
-prompt, appended as each finishes), status.json (running | finished | interrupted |
-failed) and summary.json. Each JSON written here carries `schema_version`
-(SCHEMA_VERSION) and `started_utc` (`stamped`).
-
-Torch-free at import, so that what only reads or writes results (the sweep
-aggregate, the analysis) does not load torch; `cell_key` imports what resolves a
-device when it is called.
+`<out_dir>/<cell key>/` holds config.yaml, prompts.jsonl (a record per prompt, appended as each
+finishes), status.json and summary.json, each JSON `stamped`. Torch-free at import (the aggregate and
+the analysis only read results).
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ def stamped(result: dict, started_utc: str) -> dict:
 
 def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     """`<pair>-k<k>-t<temperature>[-b<batch_size>]-<hash>`, the hash over the resolved config less NOT_IN_KEY, with
-    `device` and every dtype as they resolve on this machine (`device_identity`; auto: bfloat16
-    on CUDA, float32 on CPU) rather than as written, so that a CPU and a GPU process sharing
-    out_dir never share a cell. `device`: the resolved device (default: cfg.device resolved here)."""
+    `device` (default: cfg.device resolved here) and every dtype as they resolve on this machine, so that a
+    CPU and a GPU process sharing out_dir never share a cell."""
     from harness.base.device import device_identity
     from harness.models.loading import resolve_device, resolve_dtype
 
@@ -76,16 +70,14 @@ def cell_path(cfg: DictConfig, out_dir: str | Path | None = None, device: torch.
 
 
 def dataset_sha256(cfg: DictConfig) -> str | None:
-    """The SHA-256 of the file a prompt set is read from: `dataset.path` of dataset=local or of a
-    hub set read from a local copy (None when prompts come from the hub or the builtin set)."""
+    """The SHA-256 of the file a prompt set is read from (`dataset.path`), or None (the hub or the builtin set)."""
     data_file = Path(str(cfg.dataset.get("path") or "")).expanduser()
     return file_sha256(data_file) if data_file.is_file() else None
 
 
 def read_records(path: Path, trim: bool = False) -> list[dict]:
-    """The prompt records up to the first line that does not parse (one cut by a kill mid-write:
-    it and everything after it are redone). trim: also cut the file back to those records, each
-    ending its line, so that the records a resumed run appends start on a line of their own."""
+    """The prompt records up to the first line that does not parse (cut by a kill: redone). trim: also cut the
+    file back to those records, each ending its line, for a resumed run to append to."""
     if not path.exists():
         return []
     data = path.read_bytes()
