@@ -52,7 +52,11 @@ def test_cli_end_to_end_on_tiny_pair(tiny_pair, tmp_path):
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["acceptance_rate"] == last["acceptance_rate"]
     assert summary["conditions"]["torch"] and summary["conditions"]["threads"] >= 1
-    assert summary["conditions"]["linear"] == {"mode": "transposed", "product": "transposed", "rows_to": [0, 2, *range(2, 18)]}
+    assert summary["conditions"]["linear"] == {
+        "mode": "transposed",
+        "product": "transposed",
+        "plans": {"*": [0, 2, *range(2, 18)]},
+    }
     assert (
         summary["conditions"]["forward"] == summary["conditions"]["draft_forward"] == "lean"
     )  # forward=auto, Llama models on the CPU

@@ -90,7 +90,7 @@ def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins(
     rows_to = cpu_linear.plan(found)
     assert rows_to[1:] == (2, 2, 4, 4, 5, 6, 7, 8, 12, 12, 12, 12, 0, 0, 0, 0, 0)
     assert (
-        cpu_linear.describe_one(rows_to)
+        cpu_linear.describe(rows_to)
         == "W @ x.T, rows padded 1->2, 3->4, 9->12, 10->12, 11->12; torch's product at 13, 14, 15, 16, 17 rows"
     )
     equal = cpu_linear.plan({**found, "transposed_ms": ms({m: 0.5 for m in range(1, 18)})})
@@ -99,9 +99,9 @@ def test_a_plan_pads_a_row_count_to_a_faster_one_and_leaves_torch_where_it_wins(
     assert within == (0, 2, *[0] * 16)  # torch's everywhere but at one row
     slower = cpu_linear.plan({**found, "transposed_ms": ms({m: 2.0 for m in range(1, 18)})})
     assert slower is None  # torch's product clearly faster than one row padded to two: torch's everywhere
-    assert cpu_linear.describe_one(None) == cpu_linear.describe({}) == "torch's product"
+    assert cpu_linear.describe(None) == cpu_linear.describe({}) == "torch's product"
     assert cpu_linear.describe({"4x8 float32": rows_to, "8x4 float32": None}) == (
-        f"4x8: {cpu_linear.describe_one(rows_to)}; 8x4: torch's product"
+        f"4x8: {cpu_linear.describe(rows_to)}; 8x4: torch's product"
     )
 
 

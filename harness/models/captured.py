@@ -36,6 +36,11 @@ def runs_captured(captured: Captured | None, starts: list[int], counts: list[int
     return captured is not None and width <= COMPILED_MAX_TOKENS and all(s > 0 for s, c in zip(starts, counts) if c)
 
 
+def room(length: int, captured: Captured | None) -> int:
+    """Storage for `length` positions, compiled with room for a step's padding past the longest row (a captured step cannot grow it)."""
+    return length + (COMPILED_MAX_TOKENS if captured is not None else 0)
+
+
 def padded_rows(feed: torch.Tensor, rows: int) -> torch.Tensor:
     """feed [B, ...] with zero rows up to `rows` [rows, ...]: the finished rows of a captured batch."""
     pad = rows - feed.shape[0]

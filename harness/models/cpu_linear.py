@@ -1,27 +1,13 @@
 """Linear layers for the few rows of a decoding step, on a CPU.
 
-A decode, draft or verify step feeds every linear layer 1 to k + 1 rows. On
-some CPUs torch's product for such rows, x [M, K] @ W.T, is much slower than
-the same product computed the other way round, (W [N, K] @ x.T).T: the BLAS
-takes another path (one row: a matrix-vector product on one thread). The BLAS
-also runs some row counts much slower than a few more, so a plan (`rows_to`)
-says, for each row count, how many rows to compute it with: the real ones,
-padded with zero rows, or 0 for torch's product. Figures: docs/design.md,
-"Linear layers on the CPU".
-
-Plans are per weight shape and per machine. `cpu_linear=auto` (the default)
-uses the plans stored for this machine (`machine_key`: CPU model, torch
-threads, torch version, the rule's version) in one file of the harness's
-cache, one plan per shape [N, K] and dtype; a shape with none stored is probed
-(`probe`) on the products the forward really runs (the lean forward's fused
-q/k/v and gate/up weights included), in passes through every such weight as a
-step makes them, and its plan is added to the file. Every pair met on the
-machine therefore shares its plans: a target has the same products whichever
-draft it is paired with, and so the same baseline. `probe` times the pair's
-shapes anew; `transposed` (one row padded to two, no other padding) or `torch`
-pick one product for every shape. The plans are recorded in a run's
-conditions. They change the models' own modules, so HF generate() in the bench
-runs on the same products as our loop.
+For 1 to k + 1 rows some CPUs' BLAS runs x [M, K] @ W.T much slower than (W [N, K] @ x.T).T, and
+some row counts slower than a few more. A plan (`rows_to`) says, for each row count, how many rows
+to compute it with as W @ x.T (zero rows padded), or 0 for torch's product (docs/design.md, "Linear
+layers on the CPU"). Plans are per weight shape and per machine: `cpu_linear=auto` uses those stored
+for this machine and probes a shape with none on the products a step really runs (the lean forward's
+fused ones included), so every pair with a shape shares its plan and a target keeps its products
+whatever its draft. The plans change the models' own modules, so HF generate() in the bench runs on
+the same products as our loop.
 """
 
 from __future__ import annotations
@@ -104,8 +90,8 @@ def rows_for(plans: Plans | None, weight: torch.Tensor) -> tuple[int, ...] | Non
 
 
 def _linears(models: list[nn.Module]) -> list[nn.Module]:
-    """The linear layers of the models, each once (a shared module counted once). A module
-    that is not an nn.Linear takes part when it has a `rows_to` plan (a draft's subset head); one whose forward is replaced on the instance (accelerate's offloading hooks) does not."""
+    """The linear layers of the models, each once; a module with a `rows_to` plan (a subset head) too,
+    not one whose forward is replaced on the instance (accelerate's offloading hooks)."""
     seen: dict[int, nn.Module] = {}
     for model in models:
         for module in model.modules():
@@ -150,11 +136,10 @@ def _pass_weights(weights: dict[str, list[torch.Tensor]]) -> dict[str, list[torc
 
 @torch.inference_mode()
 def probe(weights: dict[str, list[torch.Tensor]], rows: tuple[int, ...] = AS_IS[1:], reps: int = REPS) -> dict:
-    """Time per weight of each shape's product, ms, with torch's product and the transposed one
-    (unpadded), for each row count: the median of `reps` sweeps. A sweep runs, for each row count
-    and product, one pass through the weights of every shape (`_pass_weights`), each shape timed
-    on its own, so that each shape's weights come from memory after the others', as in a step; a
-    passing disturbance lands in one sweep, a drift in every row count alike. {shape: found}."""
+    """ms per weight of each shape's product, torch's and the transposed one (unpadded), per row count:
+    the median of `reps` sweeps. A sweep makes, per row count and product, one pass through every
+    shape's weights (`_pass_weights`), each shape timed on its own, so that its weights come from
+    memory after the others', as in a step."""
     started = time.perf_counter()
     taken = _pass_weights(weights)
     products = (F.linear, lambda x, w: transposed_linear(x, w, None, AS_IS))
@@ -187,11 +172,8 @@ def probe(weights: dict[str, list[torch.Tensor]], rows: tuple[int, ...] = AS_IS[
 
 
 def noisy(found: dict) -> str | None:
-    """A warning when a shape's probe sweeps disagreed by more than NOISY (another process using the
-    cores, say): its plan may then be off, and so may the run's timings. The spread comes from the
-    extremes (slowest / fastest), not from the sweeps `clearly_faster` compares: the one disturbed
-    sweep the plan leaves aside still says that the machine was busy, so such a plan serves its run
-    but is not stored (`choose`). A run's conditions keep each probe without its sweeps (the stored file has them)."""
+    """A warning when a shape's probe sweeps disagreed by more than NOISY (slowest / fastest: a busy
+    machine): such a plan serves its run but is not stored (`choose`)."""
     spread = found.get("spread", 1.0)
     if spread <= NOISY:
         return None
@@ -203,28 +185,22 @@ def noisy(found: dict) -> str | None:
 
 
 def inner_range(sweeps: list[float]) -> tuple[float, float]:
-    """(second-fastest, second-slowest) of a set of sweeps: one disturbed sweep, however far off,
-    leaves both within the other sweeps' range. With fewer than three sweeps: (fastest, slowest)."""
+    """(second-fastest, second-slowest) of the sweeps, which one disturbed sweep cannot move; (fastest, slowest) under three."""
     times = sorted(sweeps)
     return (times[1], times[-2]) if len(times) >= 3 else (times[0], times[-1])
 
 
 def clearly_faster(fast: list[float], slow: list[float], margin: float) -> bool:
-    """Sweeps `fast` beat sweeps `slow` by `margin` beyond the sweeps' own scatter: the second-slowest
-    of `fast` under `margin` times the second-fastest of `slow`, so that one disturbed sweep on each
-    side cannot decide it."""
+    """The second-slowest of `fast` under `margin` times the second-fastest of `slow` (`inner_range`)."""
     return inner_range(fast)[1] < margin * inner_range(slow)[0]
 
 
 def plan(found: dict) -> tuple[int, ...] | None:
-    """rows_to from one shape's probe. For each row count M: the transposed product padded to M' > M
-    rows only where M' is clearly faster than M (`clearly_faster` by 1 / NEAR), at the fewest rows
-    among the paddings not clearly slower than the fastest one; then that product only where it is
-    clearly faster than torch's at M (by MARGIN). Anything within the probe's noise keeps the simpler
-    choice (no padding; torch's product), so that probes on one machine agree. One row's simpler
-    choice is the transposed product padded to two (a matrix-vector product runs on one thread, and
-    one row is every step of the target alone: docs/design.md), and torch's product only where that
-    is clearly faster. None: torch's product at every row count."""
+    """rows_to from one shape's probe. Row count M is padded to M' only where M' is clearly faster
+    (by 1 / NEAR), at the fewest rows not clearly slower than the fastest padding; the transposed
+    product is taken only where clearly faster than torch's (by MARGIN). Within the noise the simpler
+    choice stays, so probes on one machine agree; one row's simpler choice is the transposed product
+    padded to two (docs/design.md). None: torch's product at every row count."""
     sweeps = found.get("sweeps") or {}
     transposed, torch_sweeps = (
         dict(zip(found["rows"], sweeps.get(name) or [[t] for t in found[name]])) for name in ("transposed_ms", "torch_ms")
@@ -246,12 +222,19 @@ def plan(found: dict) -> tuple[int, ...] | None:
     return tuple(rows_to) if any(rows_to) else None
 
 
-def describe_one(rows_to: tuple[int, ...] | list[int] | None) -> str:
-    """One plan in a few words: which row counts are padded, and which take torch's product."""
-    if not rows_to:
+def describe(plans: Plans | dict | tuple | list | None) -> str:
+    """Plans (or one plan, rows_to) in a few words: which row counts are padded, which take torch's product."""
+    if isinstance(plans, dict):
+        groups: dict[str, list[str]] = {}
+        for shape, rows_to in sorted(plans.items()):
+            groups.setdefault(describe(rows_to), []).append("every shape" if shape == EVERY_SHAPE else shape.split()[0])
+        if len(groups) < 2:
+            return next(iter(groups), "torch's product")
+        return "; ".join(f"{', '.join(shapes)}: {how}" for how, shapes in groups.items())
+    if not plans:
         return "torch's product"
-    padded = [f"{m}->{n}" for m, n in enumerate(rows_to) if n and n != m]
-    own = [str(m) for m, n in enumerate(rows_to) if m and not n]
+    padded = [f"{m}->{n}" for m, n in enumerate(plans) if n and n != m]
+    own = [str(m) for m, n in enumerate(plans) if m and not n]
     return (
         "W @ x.T"
         + (f", rows padded {', '.join(padded)}" if padded else "")
@@ -259,21 +242,8 @@ def describe_one(rows_to: tuple[int, ...] | list[int] | None) -> str:
     )
 
 
-def describe(plans: Plans | dict | None) -> str:
-    """Plans in a few words: each distinct plan and the shapes that have it."""
-    if not plans:
-        return "torch's product"
-    groups: dict[str, list[str]] = {}
-    for shape, rows_to in sorted(plans.items()):
-        groups.setdefault(describe_one(rows_to), []).append("every shape" if shape == EVERY_SHAPE else shape.split()[0])
-    if len(groups) == 1:
-        return next(iter(groups))
-    return "; ".join(f"{', '.join(shapes)}: {how}" for how, shapes in groups.items())
-
-
 def apply(models: list[nn.Module], plans: Plans | dict | None) -> None:
-    """Give the models' linear layers the plan of their shape (None: torch's own product), and the
-    models the plans (`cpu_linear_plans`, read by `planned_linear` for their fused products)."""
+    """Give each linear layer its shape's plan, and the models the plans (`cpu_linear_plans`: their fused products')."""
     plans = {shape: tuple(rows_to) if rows_to else None for shape, rows_to in (plans or {}).items()}
     for layer in _linears(models):
         rows_to = rows_for(plans, layer.weight)
@@ -285,8 +255,7 @@ def apply(models: list[nn.Module], plans: Plans | dict | None) -> None:
 
 
 def machine_key(identity: dict) -> dict:
-    """What plans depend on besides the shape: the device (CPU model and torch threads), torch's
-    version, and the version of the rule (`plan`, `probe`) that decided them."""
+    """What plans depend on besides the shape: the device (CPU model, torch threads), torch, the rule's version."""
     return {"device": identity, "torch": torch.__version__, "rule": PLAN_RULE}
 
 
@@ -331,10 +300,9 @@ def _probed(mode: str, models: list[nn.Module], identity: dict) -> dict:
 
 
 def choose(mode: str, models: list[nn.Module], device: torch.device, identity: dict | None = None) -> dict:
-    """Set the models' linear layers to the product `mode` asks for, on a CPU, and return what
-    was chosen and why, for a run's conditions. `auto`: the plans stored for this machine
-    (`identity` names the device) and each shape without one probed and stored; `probe`: the
-    models' shapes probed anew and stored; `transposed` or `torch`: one product, no probe."""
+    """Set the models' linear layers to the products `mode` asks for, on a CPU; what was chosen and why,
+    for a run's conditions. `auto`: the stored plans, a shape without one probed and stored; `probe`:
+    every shape probed anew; `transposed` or `torch`: one product for every shape, no probe."""
     if mode not in MODES:
         raise HarnessError(f"cpu_linear={mode} must be one of {', '.join(MODES)}")
     if device.type != "cpu":

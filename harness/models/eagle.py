@@ -19,9 +19,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from harness.base.host_reads import from_host
-from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
-from harness.models.captured import Captured, padded_rows, runs_captured
+from harness.models.captured import Captured, padded_rows, room, runs_captured
 from harness.models.kv_store import KVStore, Step
 from harness.models.lean import rotate
 
@@ -188,8 +187,7 @@ class HeadRows:
                 self._captured(tokens, like.new_zeros(self.rows, T, width), [1] * self.rows, [T] * self.rows, from_target)
 
     def reserve(self, length: int) -> None:
-        """Compiled, with room for a step's padding past the longest row (a captured step cannot grow the storage)."""
-        self.store.reserve(length + (COMPILED_MAX_TOKENS if self.captured is not None else 0))
+        self.store.reserve(room(length, self.captured))
 
     def keep_rows(self, kept: list[int]) -> None:
         """Only the rows `kept` (in order) go on: their storage moves up."""

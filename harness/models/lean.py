@@ -1,29 +1,11 @@
 """A lean forward for Llama-architecture models (`forward=lean`).
 
-HF's forward spends part of a decode step around its matrix products: per
-layer a dozen module calls, keyword plumbing, a cache object's update, a
-mask built per call, output dataclasses. On a 2-core CPU and SmolLM2-135M,
-a one-token target step took 34.9 ms through HF's modules and 31.0 ms through
-this forward, on the same weights and the same products (docs/design.md, "The
-lean forward"). This forward runs the same computation with fewer calls:
-
-- the q, k and v projections are one product, and so are gate and up: the
-  model's own weights are re-pointed as views of one fused tensor per layer,
-  so nothing is copied and HF's modules (the bench's HF contenders) keep
-  working on the very same memory;
-- keys and values live in one preallocated tensor per layer
-  [kv_heads, capacity, head_dim]; a rollback only moves the length, as a
-  static cache does, and attention reads the first `length` slots;
-- one `scaled_dot_product_attention` call per layer (grouped-query heads
-  without copies), an explicit mask only for steps of several tokens.
-
-It stays exact in the sense the harness needs: the baseline and the loop
-both run it, so the target's law p is one function on both sides. It is
-checked against HF's logits when a model is wrapped (`check`): a model this
-forward would compute differently is refused in one line rather than run.
-Only `LlamaForCausalLM` is taken (SmolLM2, Llama 2/3, TinyLlama, Vicuna and
-the harness's shared-weights drafts); anything else needs `forward=hf`.
-`LeanBackend` is its CachedLM backend (harness.models.backend).
+The same computation as HF's forward with fewer calls (docs/design.md, "The lean forward"): the q, k and
+v projections are one product and so are gate and up (the model's own weights re-pointed as views of
+one fused tensor per layer, so HF's modules keep working on the same memory); keys and values live in
+one KVStore (harness.models.kv_store); one scaled_dot_product_attention call per layer. It is checked
+against HF's logits when a model is wrapped (`check`): a model it would compute differently is refused
+in one line. Only `LlamaForCausalLM` is taken; anything else needs `forward=hf`.
 """
 
 from __future__ import annotations
@@ -33,10 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.base.host_reads import from_host
-from harness.config.settings import COMPILED_MAX_TOKENS
 from harness.errors import HarnessError
 from harness.models.backend import Backend
-from harness.models.captured import Captured, padded_rows, runs_captured
+from harness.models.captured import Captured, padded_rows, room, runs_captured
 from harness.models.cpu_linear import planned_linear
 from harness.models.kv_store import KVStore, Step
 
@@ -134,9 +115,8 @@ class LeanLlama:
         return self.store.capacity
 
     def reserve(self, length: int) -> None:
-        """Room for `length` positions per row, rounded up to ROOM; what is stored is kept. Compiled, room
-        for a step's padding past the longest row too (a captured step cannot grow the storage)."""
-        self.store.reserve(length + (COMPILED_MAX_TOKENS if self.captured is not None else 0))
+        """Room for `length` positions per row (compiled: and a step's padding); what is stored is kept."""
+        self.store.reserve(room(length, self.captured))
 
     def keep_rows(self, kept: list[int]) -> None:
         """Only the rows `kept` (indices, in order) go on: a batch drops the others."""

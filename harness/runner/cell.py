@@ -1,16 +1,9 @@
-"""One benchmark cell: a pair, a k, a sampling setting, a prompt set.
+"""One benchmark cell: a pair, a k, a sampling setting, a prompt set (`run_cell`, which the CLI wraps).
 
-`run_cell(cfg)` is a plain function over a composed config; the Hydra entry
-point (harness.cli.main) is a thin wrapper around it and tests call it
-directly. For every prompt it runs the target-only baseline and the
-speculative loop back to back (alternating which goes first, so drift hits
-both alike), times each from outside, and appends one JSON line; the
-summary is derived from those lines.
-
-Results live in `<out_dir>/<cell key>/` (harness.runner.store), the key derived
-from the resolved config, so a re-run of the same cell resumes where it stopped
-and a finished cell is not run again unless `force=true`. While it runs, the
-process holds the cell's claim (harness.tracking.claims).
+Per prompt (or batch) the target-only baseline and the speculative loop run back to back, alternating
+which goes first, each timed from outside, one JSON line appended; the summary derives from the lines.
+Results live in `<out_dir>/<cell key>/` (harness.runner.store): a re-run resumes, a finished cell is
+reused unless `force=true`; the running process holds the cell's claim (harness.tracking.claims).
 """
 
 from __future__ import annotations
@@ -73,10 +66,7 @@ def run_cell(cfg: DictConfig, out_dir: str | Path | None = None, quiet: bool = F
         # SIGTERM ends a run as Ctrl-C does at any point, loading included: the claim is released, the exit is 130.
         with sigterm_as_interrupt(), claim(cell_dir, quiet=quiet):  # agents or SLURM tasks sharing out_dir may pick the same cell
             return _run_claimed(cfg, cell_dir, device, quiet)
-    except BaseException:
-        # A run that stopped before writing anything (a dataset offline, a model missing) leaves no empty
-        # cell. Only an empty folder goes: another process's claim or any result keeps it (and a process
-        # waiting for the claim makes the folder again).
+    except BaseException:  # a run that wrote nothing leaves no empty cell (a claim or a result keeps it)
         with contextlib.suppress(OSError):
             cell_dir.rmdir()
         raise
@@ -145,9 +135,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
         summary = stamped({**summary, "status": "finished"}, started)
         write_json_atomic(summary_path, summary)
         write_status("finished")
-    except BaseException as err:
-        # Ctrl-C, SIGTERM, or SystemExit from a SLURM requeue (submitit): interrupted; anything else, summary
-        # and writing included, failed. Either way the W&B run and status.json say so.
+    except BaseException as err:  # Ctrl-C, SIGTERM, a requeue's SystemExit: interrupted; anything else: failed
         status = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed"
         write_status(status, error=repr(err))
         try:
@@ -161,8 +149,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
 
 
 def _warmed_up(pair: Pair, encoded: list, cfg: DictConfig, sampling: Sampling) -> dict:
-    """Size and warm the pair for the cell (allocator, kernels and caches see both paths once, compiled
-    steps compile; nothing timed), then measure its costs at the cell's batch size."""
+    """Size and warm the pair for the cell (compiled steps compile; nothing timed), then measure its costs at its batch size."""
     B = cfg.get("batch_size", 1)
     pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k, B)
     pair.warm_up(cfg.k, B)
@@ -233,8 +220,7 @@ def _reused(cfg: DictConfig, cell_dir: Path, quiet: bool) -> dict:
 
 
 def _encoded(cfg: DictConfig, pair: Pair, prompts: list[dict], device: torch.device) -> tuple[list, int, int]:
-    """The prompts that fit the pair's context with max_new_tokens as (prompt, ids), and how many were
-    skipped and truncated (prompts.overlong)."""
+    """The prompts that fit with max_new_tokens as (prompt, ids), and how many were skipped and truncated."""
     budget = pair.prompt_budget(cfg.max_new_tokens)
     if budget < 1:
         raise HarnessError(
@@ -266,8 +252,7 @@ MIXED = {
 
 
 def _note_mixed(run_conditions: dict, records: list[dict], versions_now: str, cell: str) -> None:
-    """A resumed cell whose prompts ran on several machines, harness commits or library versions: each
-    list goes in the conditions, with a warning (records from before a field was kept count as unknown)."""
+    """A resumed cell whose prompts ran on several machines, harness commits or library versions: the lists go in the conditions, with a warning."""
     seen = {
         "hostnames": {r["host"] for r in records if r.get("host")} | {run_conditions["hostname"]},
         "harness_commits": {r.get("harness_commit") or "unknown" for r in records}
@@ -281,18 +266,12 @@ def _note_mixed(run_conditions: dict, records: list[dict], versions_now: str, ce
 
 
 def results(pair: Pair, encoded: list, done: set, cfg: DictConfig, sampling: Sampling, quiet: bool):
-    """The records of the prompts not `done`, as they are measured: one prompt at a time, or at
-    batch_size > 1 in batches of consecutive prompts (a batch runs whole when any of its prompts is to do)."""
-    desc = f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}"
+    """The records of the prompts not `done`, as measured: one at a time, or in batches of consecutive prompts (run whole)."""
     B = cfg.get("batch_size", 1)
-    if B == 1:
-        todo = [(i, p, ids) for i, (p, ids) in enumerate(encoded) if p["id"] not in done]
-        for i, p, ids in tqdm(todo, desc=desc, unit="prompt", file=sys.stderr, disable=quiet):
-            yield run_prompt(pair, p, ids, i, cfg, sampling)
-        return
     batches = [[(p, ids, i) for i, (p, ids) in enumerate(encoded)][j : j + B] for j in range(0, len(encoded), B)]
     todo = [(b, rows) for b, rows in enumerate(batches) if any(p["id"] not in done for p, _, _ in rows)]
-    for b, rows in tqdm(todo, desc=f"{desc} B={B}", unit="batch", file=sys.stderr, disable=quiet):
+    desc = f"{cfg.pair.name} k={cfg.k} T={cfg.temperature}" + (f" B={B}" if B > 1 else "")
+    for b, rows in tqdm(todo, desc=desc, unit="batch" if B > 1 else "prompt", file=sys.stderr, disable=quiet):
         yield from (r for r in run_batch(pair, rows, b, cfg, sampling) if r["id"] not in done)
 
 
@@ -304,11 +283,9 @@ def run_prompt(pair: Pair, prompt: dict, ids: torch.Tensor, index: int, cfg: Dic
 def run_batch(
     pair: Pair, rows: list[tuple[dict, torch.Tensor, int]], batch: int, cfg: DictConfig, sampling: Sampling
 ) -> list[dict]:
-    """Baseline and speculative decoding of a batch of prompts (prompt, ids, index), back to back
-    (which goes first alternates with `batch`); one record per prompt. Each row has the seed it has
-    alone (seed x stride + its index), so its tokens are those it would get at batch_size=1 up to the
-    rounding of other product shapes. A row's time_s is when it finished within its batch; in a cell of
-    batch_size > 1 `batch` holds the batch's own figures, at batch_size=1 the record holds its clocks itself."""
+    """Baseline and speculative decoding of a batch of (prompt, ids, index), back to back (the first alternates
+    with `batch`); one record per prompt. Each row has its own seed (seed x stride + index), as alone. A row's
+    time_s is when it finished in its batch; at batch_size > 1 `batch` holds the batch's own figures."""
     target, drafter = rows_of(pair.target, len(rows)), pair.drafter
     prompts = [ids for _, ids, _ in rows]
     seeds = [cfg.seed * PROMPT_SEED_STRIDE + index for _, _, index in rows]
@@ -394,9 +371,8 @@ def batch_unit(rows, batch: int, k: int, spec_out, base_out, clocks, base_total:
 
 
 def back_to_back(device, target, drafter, spec_decode, base_decode, base_first: bool):
-    """The speculative decode and the baseline (each made when its turn comes), one after the other in the
-    order given (alternated by the caller, so drift hits both alike), each timed from outside with a Clock on
-    its passes after the first yield (the in-run costs): (spec (items, stamps), base (items, stamps), {side: tally})."""
+    """The speculative decode and the baseline, one after the other in the order given, each timed from outside
+    with a Clock on its passes after the first yield (the in-run costs): (spec, base, {side: tally})."""
     clocks = {"spec": Clock(device), "base": Clock(device)}
     sides = {"spec": (spec_decode, (target, drafter)), "base": (base_decode, (target,))}
     out = {}

@@ -44,16 +44,11 @@ class Pair:
         return min(self.target.context, self.drafter.context or self.target.context)
 
     def prompt_budget(self, new_tokens: int) -> int:
-        """The longest prompt that leaves room in the pair's context for new_tokens, the same at
-        every k (so every k of a sweep runs the same prompts): the loop and the baseline never
-        hold more than prompt + new_tokens - 1 positions, since a cycle drafts at most the
-        tokens it can still keep (harness.core.loop)."""
+        """The longest prompt leaving room for new_tokens, the same at every k (a cycle drafts at most what it can keep)."""
         return self.context - new_tokens + 1
 
     def reserve(self, longest_prompt: int, new_tokens: int, k: int, rows: int = 1) -> None:
-        """Size both models' KV storage (static caches: their slots; dynamic ones and the lean forward's:
-        allocated ahead) for that prompt and new_tokens (prompt + new_tokens - 1 positions), or for
-        measure_costs' verify of k + 1 positions after it, whichever is longer, for batches of `rows`."""
+        """Size both models' KV storage for that prompt and new_tokens, or measure_costs' verify of k + 1, for `rows` rows."""
         positions = longest_prompt + max(new_tokens - 1, k)
         self.target.reserve(positions)
         if rows > 1:
@@ -61,8 +56,7 @@ class Pair:
         self.drafter.reserve(positions, rows)
 
     def warm_up(self, k: int, rows: int = 1) -> None:
-        """With compile=true, compile every step shape of a k-draft run of `rows` rows before anything
-        is timed: verifies of 1..k+1 tokens (k' < k near the token budget), and the draft's steps."""
+        """compile=true: compile every step of a k-draft run of `rows` rows before timing (verifies of 1..k+1, the draft's)."""
         captures = list(dict.fromkeys([(), self.drafter.reads_target]))  # the baseline's steps, the verifies' features
         rows_of(self.target, rows).warm_up([(n, n) for n in range(1, k + 2)], captures)
         self.drafter.warm_up(k, rows)
@@ -72,9 +66,8 @@ class Pair:
         return [self.target.model, *self.drafter.models()]
 
     def follow_linear(self, records: list[dict]) -> None:
-        """Set the CPU linear products for a cell whose earlier prompts are `records`: the plans they
-        ran with (a cell never mixes plans: a stored plan replaced by a re-probe, say), else the
-        ones chosen at load, which a previous cell in this process may have changed."""
+        """The CPU linear plans for a cell whose earlier prompts are `records`: theirs (a cell never mixes
+        plans), else those chosen at load (which a previous cell in this process may have changed)."""
         linear = self.linear_at_load
         earlier = {_frozen(r.get("linear_plans") or {cpu_linear.EVERY_SHAPE: r.get("linear_rows_to")}) for r in records}
         if linear.get("mode") in ("auto", "probe") and len(earlier) == 1 and earlier != {_frozen(linear.get("plans"))}:
@@ -95,8 +88,7 @@ class Pair:
         self.linear = linear
 
     def use_costs(self, costs: dict) -> None:
-        """Hand measure_costs' figures to the drafter (prompt lookup with length=cost_aware weighs its
-        proposals by v(n), and proposes whole matches until then)."""
+        """measure_costs' figures to the drafter (prompt lookup with length=cost_aware weighs by v(n))."""
         self.drafter.use_costs(costs)
 
 
