@@ -40,12 +40,17 @@ class BatchedLM:
     def forward(self, feeds: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
         """Append feeds[i] [T_i] (T_i may be 0) to active row i; per row the logits [num_logits[i], V]
         of its last positions (num_logits[i] <= T_i)."""
-        raise NotImplementedError
+        return self._step(feeds, num_logits, ())[0]
 
     def forward_features(
         self, feeds: list[torch.Tensor], num_logits: list[int], layers: tuple[int, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """As forward, and per row the hidden states [T_i, len(layers) * hidden] of its fed positions."""
+        logits, features = self._step(feeds, num_logits, layers)  # features [B, T, F]
+        return logits, [row[: f.shape[0]] for row, f in zip(features, feeds)]
+
+    def _step(self, feeds, num_logits, layers) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """A step of `forward`: per row its logits, and the features [B, T, F] of `layers` (None without)."""
         raise NotImplementedError
 
     def rollback(self, lengths: list[int]) -> None:
@@ -56,18 +61,12 @@ class BatchedLM:
         """Only the active rows `rows` (indices into the active rows, in order) go on."""
         self.lengths = [self.lengths[i] for i in rows]
 
-    def _padded(self, feeds: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def _padded(self, feeds: list[torch.Tensor]) -> torch.Tensor:
         """feeds as one [B, T] tensor, right-padded with token 0 to the longest (T >= 1)."""
-        width = max(1, max(f.shape[0] for f in feeds))
-        ids = torch.zeros(len(feeds), width, dtype=torch.long, device=self.device)
+        ids = torch.zeros(len(feeds), max(1, max(f.shape[0] for f in feeds)), dtype=torch.long, device=self.device)
         for row, f in enumerate(feeds):
             ids[row, : f.shape[0]] = self.lm.readable_ids(f)
-        return ids, width
-
-    def _last(self, feeds: list[torch.Tensor], num_logits: list[int]) -> torch.Tensor:
-        """[N, 2] (row, index in the padded feed) of every logit row asked for, row by row."""
-        pairs = [(row, t) for row, (f, n) in enumerate(zip(feeds, num_logits)) for t in range(f.shape[0] - n, f.shape[0])]
-        return torch.tensor(pairs, dtype=torch.long, device=self.device).reshape(-1, 2)
+        return ids
 
     def _split(self, logits: torch.Tensor, num_logits: list[int]) -> list[torch.Tensor]:
         """The rows' logits [N, V'] (full vocabulary width) split by row."""
@@ -96,21 +95,12 @@ class LeanBatch(BatchedLM):
     def warm_up(self, shapes, captures=((),)):
         self.lean.warm_up(sorted({tokens for tokens, _ in shapes}), captures)
 
-    def forward(self, feeds, num_logits):
-        return self._step(feeds, num_logits, ())
-
-    def forward_features(self, feeds, num_logits, layers):
-        return self._step(feeds, num_logits, layers)
-
     def _step(self, feeds, num_logits, layers):
-        ids, _ = self._padded(feeds)
         counts = [f.shape[0] for f in feeds]
-        out = self.lean.forward(ids, self.lengths, num_logits, counts, layers)  # [N, V'] (, [B, T, F])
-        self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
-        if not layers:
-            return self._split(out, num_logits)
-        logits, features = out
-        return self._split(logits, num_logits), [row[: f.shape[0]] for row, f in zip(features, feeds)]
+        out = self.lean.forward(self._padded(feeds), self.lengths, num_logits, counts, layers)  # [N, V'] (, [B, T, F])
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        logits, features = out if layers else (out, None)
+        return self._split(logits, num_logits), features
 
     def keep(self, rows):
         self.lean.keep_rows(list(rows))
@@ -139,21 +129,16 @@ class HFBatch(BatchedLM):
         self.held = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
         self.lengths = [0] * rows
 
-    def forward(self, feeds, num_logits):
-        return self._step(feeds, num_logits, ())[0]
-
-    def forward_features(self, feeds, num_logits, layers):
-        logits, states = self._step(feeds, num_logits, layers)
-        features = torch.cat([states[i] for i in layers], dim=-1)  # [B, T, F]: from the forward (output_hidden_states)
-        return logits, [row[: f.shape[0]] for row, f in zip(features, feeds)]
-
     def _step(self, feeds, num_logits, layers):
-        ids, width = self._padded(feeds)
-        real = torch.tensor([f.shape[0] for f in feeds], device=self.device)[:, None] > torch.arange(width, device=self.device)
-        positions = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)  # [B, T]
+        ids = self._padded(feeds)
+        columns = torch.arange(ids.shape[1], device=self.device)  # [T]
+        real = torch.tensor([f.shape[0] for f in feeds], device=self.device)[:, None] > columns  # [B, T]
+        positions = torch.tensor(self.lengths, device=self.device)[:, None] + columns  # [B, T]
         # This step's padding attends (to itself, at least: never a row with nothing to attend to); later steps do not see it.
         mask = torch.cat([self.held, torch.ones_like(real)], dim=1).long()  # [B, C + T]
-        last = self._last(feeds, num_logits)
+        # [N, 2] (row, index in the padded feed) of every logit row asked for, row by row
+        last = [(row, t) for row, (f, n) in enumerate(zip(feeds, num_logits)) for t in range(f.shape[0] - n, f.shape[0])]
+        last = torch.tensor(last, dtype=torch.long, device=self.device).reshape(-1, 2)
         kept, where = last[:, 1].unique(return_inverse=True)  # the positions any row wants logits of: those only
         out = self.lm.model(
             input_ids=ids,
@@ -166,7 +151,8 @@ class HFBatch(BatchedLM):
         )
         self.held = torch.cat([self.held, real], dim=1)
         self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]
-        return self._split(out.logits[last[:, 0], where], num_logits), out.hidden_states
+        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None  # [B, T, F]
+        return self._split(out.logits[last[:, 0], where], num_logits), features
 
     def rollback(self, lengths):
         counts = self.held.cumsum(1)  # [B, C] tokens of its row up to each slot
