@@ -19,11 +19,11 @@ from harness.base.host_reads import from_host
 from harness.config.settings import LOOKUP_LENGTHS
 from harness.core.sampling import Sampling, sample_rows, shape_probs
 from harness.models.batched import resized, rows_of
+from harness.models.eagle import FeatureHead, HeadRows
 
 if TYPE_CHECKING:
     from harness.core.loop import Rows
     from harness.models.cached import CachedLM
-    from harness.models.eagle import FeatureHead
 
 
 @dataclass
@@ -46,11 +46,6 @@ def draw_into(tokens: torch.Tensor, q: torch.Tensor | None, at, j: int, logits: 
     q = probs.new_zeros(*tokens.shape, probs.shape[-1]) if q is None else q
     q[at, j] = probs
     return q
-
-
-def every_row(rows: list[int], batch: int) -> slice | list[int]:
-    """An index of the rows `rows` of a batch of `batch`: a slice when they are all of them (no index tensor made)."""
-    return slice(None) if len(rows) == batch else rows
 
 
 class Drafter(Protocol):
@@ -112,7 +107,7 @@ class ModelDrafter(DrafterBase):
         feeds = [ids[n:] if b else ids[:0] for ids, n, b in zip(rows.ids, self.rows.lengths, budgets)]
         for step in range(K):
             drafting = [i for i, b in enumerate(budgets) if b > step]
-            at = every_row(drafting, B)
+            at = slice(None) if len(drafting) == B else drafting  # every row: a slice, no index tensor made
             logits = self.rows.forward(feeds, [int(b > step) for b in budgets])  # per row [1 or 0, V]
             scored = logits[0] if B == 1 else torch.cat([logits[i] for i in drafting])  # [B', V]
             q = draw_into(tokens, q, at, step, scored, sampling, [rows.generators[i] for i in drafting])
@@ -153,16 +148,12 @@ class FeatureDrafter(DrafterBase):
     kind = "feature head"
 
     def __init__(self, head: FeatureHead, store=None, compile: bool = False):
-        from harness.models.eagle import HeadRows
-
         self.head, self.compile = head, compile
         self.reads_target = tuple(head.reads)  # the target layers whose features it reads
         self.capacity = 0
         self.store = store if store is not None else HeadRows(head, 1, compile=compile)  # its KV storage, for a batch's rows
 
     def reserve(self, positions: int, rows: int = 1) -> None:
-        from harness.models.eagle import HeadRows
-
         self.capacity = max(self.capacity, positions)
         self.store = resized(self.store, rows, self.compile, lambda n: HeadRows(self.head, n, self.capacity, self.compile))
         self.store.reserve(self.capacity)
@@ -180,9 +171,21 @@ class FeatureDrafter(DrafterBase):
         self.pairs = [0] * len(prompts)  # per row: pairs in the head's cache built on the target's features
 
     def observe(self, seen) -> None:
-        """Per row, (features [n, F] of committed positions start.., start)."""
+        """Per row, (features [n, F] of committed positions start.., start): written into the row's store
+        [capacity, F] of committed positions' features (the first known[i] valid), grown as needed."""
         for i, (features, start) in enumerate(seen):
-            self.features[i], self.known[i] = kept_features(self.features[i], self.known[i], features, start)
+            if start > self.known[i]:  # a target that kept a prefix it read before this sequence began
+                raise RuntimeError(
+                    f"a feature head needs the target to read every position: features from {start}, known to {self.known[i]}"
+                )
+            store, end = self.features[i], start + features.shape[0]
+            if store is None or end > store.shape[0]:
+                grown = features.new_empty(max(end, 2 * (0 if store is None else store.shape[0]), 256), features.shape[1])
+                if store is not None:
+                    grown[:start] = store[:start]
+                store = grown
+            store[start:end] = features
+            self.features[i], self.known[i] = store, end
 
     def propose(self, rows, budgets, sampling):
         lengths = [ids.shape[0] for ids in rows.ids]
@@ -198,7 +201,7 @@ class FeatureDrafter(DrafterBase):
         self.pairs = [n - 1 if d else p for n, d, p in zip(lengths, drafting, self.pairs)]
         for j in range(K):
             live = [i for i, c in enumerate(counts) if c > j]
-            at = every_row(live, B)
+            at = slice(None) if len(live) == B else live  # every row: a slice, no index tensor made
             q = draw_into(tokens, q, at, j, logits[at], sampling, [rows.generators[i] for i in live])
             going = [int(c > j + 1) for c in counts]
             if any(going):
@@ -232,29 +235,12 @@ class FeatureDrafter(DrafterBase):
 
     def keep(self, rows) -> None:
         self.store.keep_rows(rows)
-        self.features = [self.features[i] for i in rows]
-        self.known = [self.known[i] for i in rows]
-        self.pairs = [self.pairs[i] for i in rows]
+        self.features, self.known, self.pairs = ([values[i] for i in rows] for values in (self.features, self.known, self.pairs))
 
     def size(self, target_model) -> dict:
         own = list(self.head.parameters()) + list(self.head.buffers())  # the target's embedding and LM head are not registered
         params = sum(p.numel() for p in self.head.parameters())
         return {"draft_params": params, "draft_bytes": sum(p.numel() * p.element_size() for p in own)}
-
-
-def kept_features(store: torch.Tensor | None, known: int, features: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
-    """A feature head's store [capacity, F] of committed positions' features (the first `known` of them
-    valid) with features [n, F] of positions start..start+n-1 written in, grown as needed; and the new count."""
-    if start > known:  # a target that kept a prefix it read before this sequence began
-        raise RuntimeError(f"a feature head needs the target to read every position: features from {start}, known to {known}")
-    end = start + features.shape[0]
-    if store is None or end > store.shape[0]:
-        grown = features.new_empty(max(end, 2 * (0 if store is None else store.shape[0]), 256), features.shape[1])
-        if store is not None:
-            grown[:start] = store[:start]
-        store = grown
-    store[start:end] = features
-    return store, end
 
 
 class NgramDrafter(DrafterBase):
