@@ -91,10 +91,8 @@ def speculative_decode_rows(
         unseen = [ids[n:] for ids, n in zip(rows.ids, lm.lengths)]  # the whole prompt in the first cycle
         feeds = [torch.cat([u, drafts[:c]]) for u, drafts, c in zip(unseen, proposal.tokens, counts)]
         wanted = [c + 1 for c in counts]
-        if reads:
-            logits, features = lm.forward_features(feeds, wanted, reads)  # per row [k'+1, V], [u + k', F]
-        else:
-            logits = lm.forward(feeds, wanted)  # per row [k'+1, V]
+        # per row [k'+1, V], and [u + k', F] where the drafter reads the target's features
+        logits, features = lm.forward_features(feeds, wanted, reads) if reads else (lm.forward(feeds, wanted), None)
         scored = logits[0][None] if B == 1 else torch.nn.utils.rnn.pad_sequence(logits, batch_first=True)  # [B, K+1, V]
         if sampling.greedy:
             verdicts: Verdicts = greedy_rows(proposal.tokens, counts, scored.argmax(-1))
@@ -112,9 +110,7 @@ def speculative_decode_rows(
             lengths.append(length + n)  # the committed ids and the n accepted drafts; the next token is fed next cycle
             if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
                 seen.append((features[i][: unseen[i].shape[0] + n], length - unseen[i].shape[0]))
-            tokens = (
-                proposal.tokens[i, :n] if len(kept) <= n else torch.cat([proposal.tokens[i, :n], verdicts.next_token[i : i + 1]])
-            )
+            tokens = torch.cat([proposal.tokens[i, :n], verdicts.next_token[i : i + 1]])  # the accepted drafts, the next token
             rows.commit(i, tokens[: len(kept)], kept)
             if stop:
                 finished.append(i)
@@ -160,15 +156,7 @@ def autoregressive_decode_rows(
 
 
 def speculative_decode(
-    target,
-    drafter,
-    prompt_ids: torch.Tensor,
-    k: int,
-    sampling: Sampling,
-    max_new_tokens: int,
-    eos_ids: set[int],
-    generator,
-    rule=verify_rows,
+    target, drafter, prompt_ids: torch.Tensor, k, sampling: Sampling, max_new_tokens, eos_ids, generator, rule=verify_rows
 ) -> Iterator[Cycle]:
     """One sequence (prompt_ids [T]): speculative_decode_rows with one row, its Cycles."""
     for cycles in speculative_decode_rows(target, drafter, [prompt_ids], k, sampling, max_new_tokens, eos_ids, [generator], rule):
