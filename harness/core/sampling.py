@@ -77,21 +77,20 @@ def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index per row, drawn proportionally to non-negative weights [..., V], every row from `generator`.
     Inverse CDF: a float64 cumulative sum and one uniform per row; unlike torch.multinomial, no host sync."""
-    cdf = weights.to(torch.float64).cumsum(-1)  # [..., V]
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device, dtype=cdf.dtype)  # [..., 1]
-    return _located(cdf, u)
+    u = torch.rand(weights.shape[:-1] + (1,), generator=generator, device=weights.device, dtype=torch.float64)  # [..., 1]
+    return _located(weights, u)
 
 
 def sample_rows(weights: torch.Tensor, generators) -> torch.Tensor:
     """One index per row of weights [B, V], row i drawn with generators[i] (its own stream, one uniform
     each, as `sample` draws it alone): [B]."""
-    cdf = weights.to(torch.float64).cumsum(-1)  # [B, V]
-    u = torch.cat([torch.rand(1, generator=g, device=cdf.device, dtype=cdf.dtype) for g in generators])[:, None]  # [B, 1]
-    return _located(cdf, u)
+    u = torch.cat([torch.rand(1, generator=g, device=weights.device, dtype=torch.float64) for g in generators])[:, None]  # [B, 1]
+    return _located(weights, u)
 
 
-def _located(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The index each row's uniform u [..., 1] (in [0, 1)) lands on in its cumulative weights cdf [..., V]."""
+def _located(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index each row's float64 uniform u [..., 1] (in [0, 1)) lands on in its weights' float64 cumulative sum [..., V]."""
+    cdf = weights.to(torch.float64).cumsum(-1)  # [..., V]
     total = cdf[..., -1:]  # [..., 1]
     u = u * total
     # Strictly below the total: a zero weight can never be drawn, not even at u -> 1.
