@@ -25,6 +25,7 @@ from harness.models.kv_store import KVStore, Step
 from harness.models.lean import rotate
 
 LAYOUTS = ("eagle", "eagle3")
+LAYER_PREFIX = {"eagle": "layers.0.", "eagle3": "midlayer."}  # where a layout's checkpoint keeps its decoder layer
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -224,11 +225,10 @@ class HeadRows:
 
     def _captured(self, tokens, hidden, starts, counts, from_target):
         """step() over every row of the storage at its whole capacity (finished rows: padding at position 0)."""
-        B, T = tokens.shape
+        (B, T), rows = tokens.shape, self.rows
         positions = self.store.fixed_positions(starts, T)  # [rows, T]
-        last = from_host([max(c, 1) - 1 for c in counts] + [0] * (self.rows - B), tokens.device)  # [rows]
-        key = (self.rows, T, self.store.capacity, from_target)
-        rows = self.rows
+        last = from_host([max(c, 1) - 1 for c in counts] + [0] * (rows - B), tokens.device)  # [rows]
+        key = (rows, T, self.store.capacity, from_target)
         logits, out = self.captured(key, padded_rows(tokens, rows), padded_rows(hidden, rows), positions, last, from_target)
         return (logits[:B], out[:B]) if B < rows else (logits, out)
 
@@ -267,15 +267,9 @@ def head_folder(head_id: str, revision: str | None = None) -> Path:
 
     from harness.base.hub import hub_reachable
 
+    files = ["config.json", *WEIGHT_FILES]
     try:
-        return Path(
-            snapshot_download(
-                head_id,
-                revision=revision,
-                allow_patterns=["config.json", *WEIGHT_FILES],
-                local_files_only=not hub_reachable(),
-            )
-        )
+        return Path(snapshot_download(head_id, revision=revision, allow_patterns=files, local_files_only=not hub_reachable()))
     except Exception as err:  # huggingface_hub's errors for a missing, gated or uncached repo
         reason = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise HarnessError(
@@ -301,18 +295,13 @@ def load_head(head_id: str, layout: str, target: nn.Module, dtype: torch.dtype, 
 
         if (found := unreadable_head(folder, WEIGHT_FILES)) is None:
             raise
+        other = ", or point pair.draft.id at a complete head folder"
         if head_id.startswith("embedded:"):
             fix = "the harness's installation is damaged: reinstall it"
         elif Path(head_id).expanduser().exists():
-            fix = (
-                f"download or save the head into {folder} again (an interrupted download leaves files cut short "
-                f"or missing), or point pair.draft.id at a complete head folder"
-            )
+            fix = f"download or save the head into {folder} again (an interrupted download leaves files cut short or missing){other}"
         else:
-            fix = (
-                f"delete that cache entry (hf cache rm model/{head_id}) and download it again (hf download {head_id}), "
-                f"or point pair.draft.id at a complete head folder"
-            )
+            fix = f"delete that cache entry (hf cache rm model/{head_id}) and download it again (hf download {head_id}){other}"
         raise HarnessError(f"feature head '{head_id}' cannot be read: {found[0]} {found[1]}: {fix}") from err
     target_config = target.config.get_text_config(decoder=True)
     target_hidden = int(getattr(config, "target_hidden_size", None) or target_config.hidden_size)
@@ -338,12 +327,13 @@ def load_head(head_id: str, layout: str, target: nn.Module, dtype: torch.dtype, 
 
 def _mismatch(layout, config, state, target_config, target_hidden: int, target_vocab: int) -> str | None:
     """Why a checkpoint cannot serve as a `layout` head of this target, or None."""
-    prefix = "midlayer." if layout == "eagle3" else "layers.0."
+    prefix = LAYER_PREFIX[layout]
     needed = ["fc.weight", f"{prefix}self_attn.q_proj.weight", f"{prefix}mlp.down_proj.weight"]
     needed += ["norm.weight", "lm_head.weight", "d2t"] if layout == "eagle3" else []
     if absent := [key for key in needed if key not in state]:
         other = "eagle" if layout == "eagle3" else "eagle3"
-        hint = f" (it looks like an {other} head: pair.draft.kind={other})" if _looks_like(other, state) else ""
+        looks_like_other = any(key.startswith(LAYER_PREFIX[other]) for key in state)
+        hint = f" (it looks like an {other} head: pair.draft.kind={other})" if looks_like_other else ""
         return f"missing {', '.join(absent)} for the {layout} layout{hint}"
     if getattr(config, "num_hidden_layers", 1) != 1:
         return f"it has {config.num_hidden_layers} decoder layers; the {layout} layout has one"
@@ -362,7 +352,3 @@ def _mismatch(layout, config, state, target_config, target_hidden: int, target_v
         if d2t.shape[0] != state["lm_head.weight"].shape[0] or int((torch.arange(d2t.shape[0]) + d2t).max()) >= target_vocab:
             return "its d2t map does not match its lm_head or points outside the target's vocabulary"
     return None
-
-
-def _looks_like(layout: str, state: dict) -> bool:
-    return any(key.startswith("midlayer." if layout == "eagle3" else "layers.0.") for key in state)
