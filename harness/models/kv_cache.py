@@ -65,22 +65,12 @@ class GrowingLayer(DynamicLayer):
         self.length = end
         return self.keys, self.values
 
-    # Views of the first `length` positions, made when read, so that a rollback only moves `length`.
-    @property
-    def keys(self) -> torch.Tensor | None:  # [B, H, length, D]
-        return self._keys[:, :, : self.length] if self.is_initialized else None
+    def _cleared(self, value: None) -> None:  # HF's layer code clears keys and values; the storage stays
+        assert value is None, "GrowingLayer's keys and values are views of its storage: write them with update()"
 
-    @property
-    def values(self) -> torch.Tensor | None:  # [B, H, length, D]
-        return self._values[:, :, : self.length] if self.is_initialized else None
-
-    @keys.setter
-    def keys(self, value: None) -> None:  # HF's layer code clears them; the storage stays
-        assert value is None, "GrowingLayer's keys are views of its storage: write them with update()"
-
-    @values.setter
-    def values(self, value: None) -> None:
-        assert value is None, "GrowingLayer's values are views of its storage: write them with update()"
+    # Views [B, H, length, D] of the first `length` positions, made when read, so that a rollback only moves `length`.
+    keys = property(lambda self: self._keys[:, :, : self.length] if self.is_initialized else None, _cleared)
+    values = property(lambda self: self._values[:, :, : self.length] if self.is_initialized else None, _cleared)
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0

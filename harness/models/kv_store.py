@@ -19,12 +19,13 @@ ROOM = 256  # the storage grows in multiples of this many positions
 
 @dataclass
 class Step:
-    """Where a step lands: positions [B, T], the mask (None, [T, end] or [B, 1, T, end]), `end` read, the write index."""
+    """Where a step lands: positions [B, T], the mask (None, [T, end] or [B, 1, T, end]), `end` read, the write index
+    into a layer's storage (rows, heads, positions)."""
 
     positions: torch.Tensor
     mask: torch.Tensor | None
     end: int
-    index: slice | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    index: tuple[slice, slice, slice] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class KVStore:
@@ -64,7 +65,7 @@ class KVStore:
         if B == 1:
             positions = torch.arange(starts[0], end, device=device)[None]  # [1, T]
             mask = None if width == 1 else torch.arange(end, device=device) <= positions[0, :, None]  # [T, end]
-            return Step(positions, mask, end, slice(starts[0], end))
+            return Step(positions, mask, end, (slice(0, 1), slice(None), slice(starts[0], end)))
         return self._at(from_host(starts, device)[:, None] + torch.arange(width, device=device), end)  # positions [B, T]
 
     def fixed_step(self, positions: torch.Tensor) -> Step:
@@ -74,8 +75,7 @@ class KVStore:
     def fixed_positions(self, starts: list[int], width: int) -> torch.Tensor:
         """Positions [rows, T] of a captured step: the first len(starts) rows at starts.., finished rows at 0 (their
         padding never read). A row past the capacity grows the storage: a new shape, which a sealed step refuses."""
-        if max(starts) + width > self.capacity:
-            self.reserve(max(starts) + width)
+        self.reserve(max(starts) + width)
         device = self.like.device
         return from_host(list(starts) + [0] * (self.rows - len(starts)), device)[:, None] + torch.arange(width, device=device)
 
@@ -90,9 +90,5 @@ class KVStore:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's new keys and values [B, kv_heads, T, D] where `step` says; those attention reads [B, kv_heads, end, D]."""
         keys, values = self.keys[layer], self.values[layer]
-        B = k.shape[0]
-        if isinstance(step.index, slice):
-            keys[:1, :, step.index], values[:1, :, step.index] = k, v
-        else:
-            keys[step.index], values[step.index] = k, v
-        return keys[:B, :, : step.end], values[:B, :, : step.end]
+        keys[step.index], values[step.index] = k, v
+        return keys[: k.shape[0], :, : step.end], values[: k.shape[0], :, : step.end]
