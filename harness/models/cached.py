@@ -132,9 +132,8 @@ class CachedLM:
         return self.full_width(logits), features
 
     def readable_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.readable < self.vocab_size:
-            return torch.where(input_ids < self.readable, input_ids, 0)  # on the device: no host read
-        return input_ids
+        """input_ids with the ids the model cannot read as token 0 (on the device: no host read)."""
+        return torch.where(input_ids < self.readable, input_ids, 0) if self.readable < self.vocab_size else input_ids
 
     def full_width(self, logits: torch.Tensor) -> torch.Tensor:
         """[num_logits, vocab_size]: rows beyond the range dropped, rows the model lacks -inf."""
@@ -145,9 +144,7 @@ class CachedLM:
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Cache input_ids [T] (T may be 0); the logits [vocab] after the last one, if any."""
-        if input_ids.shape[0] > 0:
-            return self.forward(input_ids, num_logits=1)[0]
-        return None
+        return self.forward(input_ids, num_logits=1)[0] if input_ids.shape[0] > 0 else None
 
     def can_roll_back(self, length: int) -> bool:
         """Whether a rollback to `length` finds what it restores (sliding-window layers: one cycle's worth)."""

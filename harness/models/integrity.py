@@ -32,10 +32,7 @@ def unreadable(folder: Path, gguf_file: str | None = None, weights: bool = True)
         checks += [(folder / shard, _listed_shard_problem) for shard in sorted(set(weight_map.values()))]
     elif weights and (folder / "model.safetensors").exists():
         checks.append((folder / "model.safetensors", safetensors_problem))
-    for path, problem_of in checks:
-        if problem := problem_of(path):
-            return path, problem
-    return None
+    return next(((path, problem) for path, problem_of in checks if (problem := problem_of(path))), None)
 
 
 def unreadable_head(folder: Path, weight_files: tuple[str, ...]) -> tuple[Path, str] | None:
@@ -44,10 +41,7 @@ def unreadable_head(folder: Path, weight_files: tuple[str, ...]) -> tuple[Path, 
     checks = [(folder / "config.json", json_problem)]
     if weights := next((folder / name for name in weight_files if (folder / name).exists()), None):
         checks.append((weights, safetensors_problem if weights.suffix == ".safetensors" else torch_file_problem))
-    for path, problem_of in checks:
-        if problem := problem_of(path):
-            return path, problem
-    return None
+    return next(((path, problem) for path, problem_of in checks if (problem := problem_of(path))), None)
 
 
 def json_problem(path: Path) -> str | None:

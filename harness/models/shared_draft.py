@@ -33,10 +33,8 @@ class SubsetHead(nn.Module):
         self.rows_to: tuple[int, ...] | None = None  # harness.models.cpu_linear's plan where W @ x.T is the faster product
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V]
-        if self.rows_to:
-            subset_logits = cpu_linear.transposed_linear(hidden, self.weight, None, self.rows_to)  # [B, T, S]
-        else:
-            subset_logits = hidden @ self.weight.T  # [B, T, S]
+        w, rows_to = self.weight, self.rows_to  # [S, H]
+        subset_logits = cpu_linear.transposed_linear(hidden, w, None, rows_to) if rows_to else hidden @ w.T  # [B, T, S]
         logits = subset_logits.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., self.token_ids] = subset_logits
         return logits
@@ -53,10 +51,9 @@ def build_shared_draft(
     unless `layer_types` says), the target's embedding table (shared) and a subset head."""
     init_layers = init_layers if init_layers is not None else list(range(num_layers))
     settings = {**target.config.to_dict(), "num_hidden_layers": num_layers}
-    if layer_types is not None or settings.get("layer_types"):  # Qwen2/3, Mistral-style configs: one type per layer
-        settings["layer_types"] = (
-            list(layer_types) if layer_types is not None else [settings["layer_types"][i] for i in init_layers]
-        )
+    types = settings.get("layer_types")  # Qwen2/3, Mistral-style configs: one type per layer
+    if layer_types is not None or types:
+        settings["layer_types"] = list(layer_types) if layer_types is not None else [types[i] for i in init_layers]
     config = AutoConfig.for_model(**settings)
     config.quantization_config = None
     del config.quantization_config
@@ -138,13 +135,8 @@ def load_shared_draft(path: Path, target: PreTrainedModel, dtype: torch.dtype) -
             f"({str(target.dtype).removeprefix('torch.')}): drop pair.draft.dtype, or set the target's dtype instead"
         )
     state = load_file(path / "weights.safetensors")
-    head_token_ids = state.pop("head_token_ids")
-    draft = build_shared_draft(
-        target,
-        config.num_hidden_layers,
-        head_token_ids.to(next(target.parameters()).device),
-        layer_types=getattr(config, "layer_types", None),
-    )
+    head_token_ids = state.pop("head_token_ids").to(next(target.parameters()).device)
+    draft = build_shared_draft(target, config.num_hidden_layers, head_token_ids, layer_types=getattr(config, "layer_types", None))
     if not _sample_matches(meta.get("target_head_sample"), draft.lm_head.weight):  # an untied target's head: its own check
         raise HarnessError(
             f"draft '{path}' shares the weights of the target it was made for, and this target's LM head "
