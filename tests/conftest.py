@@ -30,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # CPU linear plans (harness.models.cpu_linear) stored per test process, never in the user's cache.
 os.environ.setdefault("SPECBENCH_PLANS", tempfile.mkdtemp(prefix="specbench-plans-"))
+os.environ.setdefault("SPECBENCH_BANDWIDTH", tempfile.mkdtemp(prefix="specbench-bandwidth-"))  # likewise harness.base.bandwidth
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"

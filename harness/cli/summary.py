@@ -32,7 +32,7 @@ def format_summary(s: dict) -> str:
     lean = ", lean forward" if c.get("forward") == "lean" else ""  # harness.models.lean (forward=auto's choice on the CPU)
     lo, hi = s["speedup_ci"]
     glo, ghi = s["speedup_geomean_ci"]
-    lines = [
+    head = [
         f"pair {s['pair']}: target {s['target']} | draft {s['draft']}",
         f"k={s['k']} temperature={s['temperature']} top_k={s['top_k']} top_p={s['top_p']} "
         f"max_new_tokens={s['max_new_tokens']} dataset={s.get('dataset', '?')} prompts={s['num_prompts']} "
@@ -40,6 +40,10 @@ def format_summary(s: dict) -> str:
         + (f" batch_size={c['batch']['size']} ({s['batches']} batches)" if c.get("batch") else ""),
         f"{c['device']} ({c['device_name']}), {c['dtype']}, {c['threads']} threads{linear}{lean}, torch {c['torch']}, transformers {c['transformers']}",
         "",
+    ]
+    if s.get("cost_only"):
+        return "\n".join(head + cost_only_lines(s) + ["", f"results: {s['cell_dir']}"])
+    lines = head + [
         f"{'metric':<34}{'value':>12}",
         f"{'acceptance rate (accepted/drafted)':<34}{fmt(s['acceptance_rate']):>12}",
         f"{'alpha (accepted/tested)':<34}{fmt(s['alpha']):>12}",
@@ -78,6 +82,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"{'peak RSS MB':<34}{fmt(s['peak_rss_mb'], '.0f'):>12}{growth}")
     if s.get("recompiles_after_warm_up") is not None:  # compile=true
         lines.append(f"{'recompiles after warm-up':<34}{s['recompiles_after_warm_up']:>12}")
+    lines += limit_lines(s)
     cats = s.get("categories") or {}
     if cats:
         lines += ["", f"{'category':<16}{'prompts':>8}{'accept':>9}{'tok/cycle':>11}{'speedup':>9}"]
@@ -87,3 +92,44 @@ def format_summary(s: dict) -> str:
             )
     lines += ["", f"results: {s['cell_dir']}"]
     return "\n".join(lines)
+
+
+def limit_lines(s: dict) -> list[str]:
+    """The steps against the memory-bandwidth limit (harness.base.bandwidth), where measured."""
+    limit = (s.get("costs") or {}).get("limit")
+    if not limit:
+        return []
+    bandwidth = f"{limit['bandwidth_gb_s']:.1f} GB/s copy, spread {limit['bandwidth_spread']:.2f}, {limit['bandwidth_source']}"
+    lines = [
+        f"{'target step / bandwidth limit':<34}{fmt(limit['target_limit_ratio'], '.2f'):>12}  "
+        f"({limit['target_bytes_per_step'] / 1e6:.0f} MB a step at {bandwidth})"
+    ]
+    if "draft_limit_ratio" in limit:
+        lines.append(
+            f"{'draft step / bandwidth limit':<34}{fmt(limit['draft_limit_ratio'], '.2f'):>12}  ({limit['draft_bytes_per_step'] / 1e6:.0f} MB a step)"
+        )
+    return lines
+
+
+def cost_only_lines(s: dict) -> list[str]:
+    """A cost-only cell (random weights): its measured costs and the speedup they predict per acceptance rate and k."""
+    costs, grid = s["costs"], s["predicted_grid"]
+    verify = " ".join(f"{n + 1}:{v:.3f}" for n, v in enumerate(costs["verify_cost"]))
+    lines = [
+        f"COST-ONLY: {s['cost_only']}",
+        f"{'target step ms':<34}{fmt(_ms(s.get('target_step_s')), '.2f'):>12}{_interval(s.get('target_step_s_ci'), 1e3, '.2f')}",
+        f"{'draft step ms':<34}{fmt(_ms(costs.get('draft_step_s')), '.2f'):>12}{_interval(costs.get('draft_step_s_ci'), 1e3, '.2f')}",
+        f"{'cost ratio c (draft/target step)':<34}{fmt(s['cost_ratio']):>12}{_interval(s.get('cost_ratio_ci'))}",
+        f"{'verify cost v(n) (target steps)':<34}  {verify}",
+        *limit_lines(s),
+    ]
+    if s.get("peak_rss_mb") is not None:
+        lines.append(f"{'peak RSS MB':<34}{fmt(s['peak_rss_mb'], '.0f'):>12}")
+    lines += [
+        "",
+        "predicted speedup by acceptance rate (rows) and k (columns):",
+        f"{'alpha':<8}" + "".join(f"{k:>8}" for k in grid["k"]) + "  best k",
+    ]
+    for alpha, row, best in zip(grid["alpha"], grid["speedup"], grid["best_k"]):
+        lines.append(f"{alpha:<8.2f}" + "".join(f"{x:>8.3f}" for x in row) + f"  {best:>6}")
+    return lines

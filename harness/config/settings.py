@@ -188,6 +188,25 @@ class ChatHubPair(HubPair):
     chat_template: str | None = MISSING  # replaces the tokenizer's
 
 
+@dataclass
+class ShapesModel(Model):  # an architecture with random weights (shapes:NAME: harness.models.shapes)
+    seed: int = MISSING  # the weights' seed
+    config: Any = MISSING  # fields over the architecture's config (null: none)
+
+
+@dataclass
+class ShapesDraft(ModelDraft):
+    seed: int = MISSING
+    config: Any = MISSING
+
+
+@dataclass
+class ShapesPair:
+    name: str = MISSING
+    target: ShapesModel = MISSING
+    draft: ShapesDraft = MISSING
+
+
 # Registered as /schema/<name> in Hydra's ConfigStore (harness.config.checks).
 SCHEMAS = {
     "settings": Settings,
@@ -199,4 +218,5 @@ SCHEMAS = {
     "pair/lookup": LookupPair,
     "pair/hub": HubPair,
     "pair/hub_chat": ChatHubPair,
+    "pair/shapes": ShapesPair,
 }

@@ -69,6 +69,18 @@ def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: floa
     return expected_tokens_per_cycle(alpha, k) / (k * cost_ratio + verify_cost)
 
 
+GRID_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9)  # the acceptance rates a cost-only cell predicts at
+
+
+def predicted_grid(costs: dict, alphas: Sequence[float] = GRID_ALPHAS) -> dict:
+    """Predicted speedup at each acceptance rate and each k the measured v(n) covers (v(k + 1) known), and the
+    best k per rate: what a draft of these costs would give (a cost-only cell's answer)."""
+    c, v = costs["cost_ratio"], costs["verify_cost"]
+    ks = list(range(1, len(v)))
+    speedup = [[predicted_speedup(alpha, k, c, v[k]) for k in ks] for alpha in alphas]
+    return {"alpha": list(alphas), "k": ks, "speedup": speedup, "best_k": [ks[row.index(max(row))] for row in speedup]}
+
+
 def _bootstrap(columns: Sequence[np.ndarray], statistic, seed: int) -> tuple[float, float]:
     if len(columns[0]) < 2:
         return float("nan"), float("nan")

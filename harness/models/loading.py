@@ -2,7 +2,8 @@
 
 A model spec names an HF hub id or a local folder (`id`), with `revision`, `dtype` and optionally a
 `gguf_file`. Special ids: `embedded:<name>` (harness.models.embedded), and a folder holding
-`harness_draft.json` (a draft sharing its target's weights: harness.models.shared_draft).
+`harness_draft.json` (a draft sharing its target's weights: harness.models.shared_draft), and
+`shapes:<name>` (an architecture with random weights, `seed` and `config` overrides: harness.models.shapes).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from harness.base.hub import hub_reachable
 from harness.errors import HarnessError
 from harness.models.integrity import unreadable
+from harness.models.shapes import ShapesTokenizer, is_shapes, random_model, shapes_config
 
 # Models load as their own modules: transformers 5.25 swaps in hub kernels by default, which makes what is
 # measured depend on the network and the hub's state that day (False: 5.24's default).
@@ -33,10 +36,16 @@ class ModelSpec:
     gguf_file: str | None = None
     trust_remote_code: bool = False
     device_map: str | None = None  # "auto": shard over the visible GPUs with accelerate
+    seed: int = 0  # shapes: the random weights' seed
+    config: Any = None  # shapes: fields over the architecture's config
 
     @classmethod
     def from_config(cls, cfg) -> ModelSpec:
+        from omegaconf import OmegaConf
+
         fields = {f: cfg[f] for f in cls.__dataclass_fields__ if f in cfg and cfg[f] is not None}
+        if "config" in fields:
+            fields["config"] = OmegaConf.to_container(fields["config"], resolve=True)
         return cls(**fields)
 
 
@@ -144,6 +153,8 @@ def _hub_cache_folder(spec: ModelSpec, gguf_file: str | None) -> Path | None:
 
 
 def load_tokenizer(spec: ModelSpec, role: str = "target"):
+    if is_shapes(spec.id):  # the embedded SmolLM2 tokenizer, its ids wrapped into the model's vocabulary
+        return ShapesTokenizer(load_tokenizer(ModelSpec("embedded:smollm2")), shapes_config(spec.id, spec.config).vocab_size)
     source, gguf_file = resolve_source(spec, role)
     kwargs = _hub_kwargs(spec, source)
     if gguf_file:
@@ -165,8 +176,10 @@ def load_tokenizer(spec: ModelSpec, role: str = "target"):
 
 def load_model(spec: ModelSpec, device: torch.device, role: str = "target", target: PreTrainedModel | None = None):
     """A causal LM in eval mode on `device`. A shared-weights draft needs its target."""
-    source, gguf_file = resolve_source(spec, role)
     dtype = resolve_dtype(spec.dtype, device)
+    if is_shapes(spec.id):
+        return random_model(spec.id, device, dtype, spec.seed, spec.config)
+    source, gguf_file = resolve_source(spec, role)
     if (Path(source) / "harness_draft.json").exists():
         from harness.models.shared_draft import load_shared_draft
 

@@ -23,7 +23,7 @@ import harness.tracking.tracker as tracking
 from harness.base.device import gpu_clocks
 from harness.base.files import write_json_atomic
 from harness.config.checks import validate, with_default_pair
-from harness.config.settings import PROMPT_SEED_STRIDE
+from harness.config.settings import COMPILED_MAX_TOKENS, PROMPT_SEED_STRIDE
 from harness.core import metrics
 from harness.core.loop import autoregressive_decode_rows, speculative_decode_rows
 from harness.core.sampling import Sampling
@@ -33,7 +33,7 @@ from harness.errors import HarnessError
 from harness.models.batched import rows_of
 from harness.models.captured import compiles
 from harness.models.loading import resolve_device
-from harness.runner.costs import Clock, measure_costs, timed
+from harness.runner.costs import Clock, limits, measure_costs, timed
 from harness.runner.pair import Pair, draft_size, load_pair
 from harness.runner.provenance import (
     conditions,
@@ -127,6 +127,8 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             peak_rss_over=peak_over,  # "cell": since this cell started; "process": since the process did
             max_memory_allocated_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
             **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
+            limit_ratio=costs["limit"]["target_limit_ratio"],
+            **({"cost_only": pair.cost_only, "predicted_grid": metrics.predicted_grid(costs)} if pair.cost_only else {}),
             recompiles_after_warm_up=compiles() - pair.compiled_at_warm_up if cfg.compile else None,
             gpu_clocks={"start": clocks_at_start, "end": gpu_clocks(device)} if clocks_at_start else None,
             cell=cell_dir.name,
@@ -151,14 +153,24 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
 def _warmed_up(pair: Pair, encoded: list, cfg: DictConfig, sampling: Sampling) -> dict:
     """Size and warm the pair for the cell (compiled steps compile; nothing timed), then measure its costs at its batch size."""
     B = cfg.get("batch_size", 1)
-    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cfg.k, B)
-    pair.warm_up(cfg.k, B)
+    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cost_k(pair, cfg), B)
+    pair.warm_up(cost_k(pair, cfg), B)
     pair.compiled_at_warm_up = compiles()  # compile=true: any graph compiled from here on is a recompile, counted
     warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
     run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
-    costs = measure_costs(pair, [ids for _, ids in encoded[:B]], cfg.k, sampling)
+    prompts = [ids for _, ids in encoded[:B]]
+    costs = measure_costs(pair, prompts, cost_k(pair, cfg), sampling)
+    costs["limit"] = limits(pair, costs, prompts)
     pair.use_costs(costs)
     return costs
+
+
+def cost_k(pair: Pair, cfg: DictConfig) -> int:
+    """The k whose costs a cell measures: its own; a cost-only cell v(n) up to 2k + 2 (for its predicted grid),
+    within the widths compile=true captures."""
+    if not pair.cost_only:
+        return cfg.k
+    return min(2 * cfg.k + 1, COMPILED_MAX_TOKENS - 1) if cfg.compile else 2 * cfg.k + 1
 
 
 def _record(result: dict, started: str, here: dict, versions: str, pair: Pair) -> dict:

@@ -189,3 +189,43 @@ def verify_cost_dips(intervals: list[tuple[float, float]]) -> list[int]:
         if any(intervals[n][1] < intervals[m][0] for m in range(n)):
             dips.append(n + 1)  # intervals[i] is v(i + 1)
     return dips
+
+
+def step_bytes(model, positions: int, rows: int) -> int:
+    """Bytes a decode step of `rows` rows reads at `positions` cached positions: every weight but the input
+    embedding table (a row a token; read whole where it is also the LM head), and the keys and values."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embed)
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * positions * rows * embed.element_size()
+    return weights + kv
+
+
+def limits(pair: Pair, costs: dict, prompts: list[torch.Tensor]) -> dict:
+    """How far the target's step (and the draft's) is from reading its bytes once at the device's memory
+    bandwidth (harness.base.bandwidth): limit_ratio = step time / (bytes a step reads / bandwidth), at the
+    rows and contexts measure_costs timed. A feature head's bytes are its own weights (the KV of its one
+    layer left out); prompt lookup reads no weights."""
+    from harness.base.bandwidth import limit_ratio, measured
+    from harness.base.device import device_identity
+
+    bandwidth = measured(pair.device, device_identity(pair.device))
+    rows, positions = len(prompts), round(statistics.mean(ids.shape[0] for ids in prompts))
+    drafts = pair.drafter.models()
+    out = {
+        "bandwidth_gb_s": bandwidth["gb_per_s"],
+        "bandwidth_spread": bandwidth["spread"],
+        "bandwidth_source": bandwidth["source"],
+        "rows": rows,
+        "positions": positions,
+        "target_bytes_per_step": step_bytes(pair.target.model, positions, rows),
+    }
+    out["target_limit_ratio"] = limit_ratio(costs["target_step_s"], out["target_bytes_per_step"], bandwidth["gb_per_s"])
+    draft_bytes = step_bytes(drafts[0], positions, rows) if drafts else pair.drafter.size(pair.target.model)["draft_bytes"]
+    if draft_bytes and pair.drafter.forwards:
+        out["draft_bytes_per_step"] = draft_bytes
+        out["draft_limit_ratio"] = limit_ratio(costs["draft_step_s"], draft_bytes, bandwidth["gb_per_s"])
+    return out

@@ -24,6 +24,7 @@ from harness.models.batched import rows_of
 from harness.models.cached import CachedLM
 from harness.models.eagle import LAYOUTS, load_head
 from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_dtype
+from harness.models.shapes import COST_ONLY, is_shapes, random_head
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Pair:
     device: torch.device
     linear: dict = field(default_factory=dict)  # harness.models.cpu_linear.choose: the products the linear layers use, and why
     linear_at_load: dict = field(default_factory=dict)  # what choose() gave at load, before any resumed cell followed another
+    cost_only: str | None = None  # why acceptance and speedup are not results (random weights), else None
     compiled_at_warm_up: int = 0  # harness.models.captured.compiles() after the last warm_up: later ones are recompiles
 
     @property
@@ -141,6 +143,8 @@ def load_pair(
         eos_ids,
         device,
     )
+    if is_shapes(pair_cfg.target.id) or is_shapes(pair_cfg.draft.get("id")):
+        pair.cost_only = COST_ONLY
     pair.linear = pair.linear_at_load = cpu_linear.choose(
         linear, pair.models(), device, device_identity(device)
     )  # before the first forward compiles
@@ -169,7 +173,11 @@ def make_drafter(
         return ModelDrafter(CachedLM(draft_model, vocab_size, cache, compile=compile, forward=forward)), vocab_size
     if draft_cfg.kind in LAYOUTS:
         draft_dtype = resolve_dtype(draft_cfg.get("dtype") or "auto", device)
-        head = load_head(draft_cfg.id, draft_cfg.kind, target_model, draft_dtype, draft_cfg.get("revision"))
+        if is_shapes(draft_cfg.id):
+            spec = ModelSpec.from_config(draft_cfg)
+            head = random_head(spec.id, draft_cfg.kind, target_model, draft_dtype, spec.seed, spec.config)
+        else:
+            head = load_head(draft_cfg.id, draft_cfg.kind, target_model, draft_dtype, draft_cfg.get("revision"))
         return FeatureDrafter(head, compile=compile), vocab_size
     raise HarnessError(f"pair.draft.kind={draft_cfg.kind} is not a drafter: use {', '.join(DRAFT_KINDS)}")
 

@@ -1,0 +1,93 @@
+"""Models of a named architecture with random weights (`shapes:NAME`): real costs without a download.
+
+A step's cost depends on the shapes of the weights, not their values, so a target of Llama-3.1-8B's shapes
+built with random weights costs per step what the trained one costs. `shapes:NAME` takes the architecture
+from harness/assets/shapes/NAME.json (published configs' numbers) or from an HF config by id or folder,
+`pair.<role>.config` overrides fields, and `pair.<role>.seed` seeds the weights, built directly on the
+device in the run's dtype. Token ids come from the embedded SmolLM2 tokenizer, wrapped to the model's
+vocabulary (`ShapesTokenizer`). Acceptance between random models means nothing: a run of such a pair is
+cost-only (harness.core.metrics.cost_only_figures).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from harness.errors import HarnessError
+
+PREFIX = "shapes:"
+SHIPPED = Path(__file__).parents[1] / "assets" / "shapes"
+COST_ONLY = "random weights (shapes:): acceptance, tokens per cycle and speedup are not results; the costs are"
+
+
+def is_shapes(model_id: str | None) -> bool:
+    return bool(model_id) and str(model_id).startswith(PREFIX)
+
+
+def shapes_config(model_id: str, overrides: dict | None = None):
+    """The config of `shapes:NAME`: a shipped architecture, else an HF config by id or folder; `overrides` on top."""
+    name = model_id.removeprefix(PREFIX)
+    shipped = SHIPPED / f"{name}.json"
+    try:  # fields derived at init (head_dim) follow the overrides
+        fields = json.loads(shipped.read_text()) if shipped.exists() else AutoConfig.from_pretrained(name).to_dict()
+        return AutoConfig.for_model(**{**fields, **dict(overrides or {})})
+    except (OSError, ValueError) as err:
+        known = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.json")))
+        raise HarnessError(
+            f"{model_id}: no such architecture ({str(err).splitlines()[0]}): use one of {known}, an HF id or a folder with a config.json"
+        ) from None
+
+
+def _seeded(seed: int, device: torch.device):
+    """A random state of its own for building weights: the run's global generator is left as it was."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def random_model(model_id: str, device: torch.device, dtype: torch.dtype, seed: int = 0, overrides: dict | None = None):
+    """A causal LM of these shapes with random weights (the model class's own init, seeded), built on `device`."""
+    config = shapes_config(model_id, overrides)
+    with _seeded(seed, device), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = None  # a cost-only run decodes every token it is asked for
+    return model.eval().requires_grad_(False)
+
+
+def random_head(model_id: str, layout: str, target, dtype: torch.dtype, seed: int = 0, overrides: dict | None = None):
+    """A feature head of these shapes for `target`, random weights (seeded); an eagle3 head's draft vocabulary
+    maps to the target's first tokens."""
+    from harness.models.eagle import FeatureHead
+
+    config = LlamaConfig(**shapes_config(model_id, overrides).to_dict())
+    device = next(target.parameters()).device
+    target_hidden = target.config.get_text_config(decoder=True).hidden_size
+    with _seeded(seed, device), torch.device(device):
+        torch.manual_seed(seed)
+        head = FeatureHead(layout, config, target, target_hidden)
+    if layout == "eagle3":
+        head.t2d[: head.draft_vocab] = True  # d2t stays 0: draft token j is target token j
+    return head.to(dtype=dtype).eval().requires_grad_(False)
+
+
+class ShapesTokenizer:
+    """A tokenizer serving a random-weight model: the base's text handling, ids wrapped into the model's
+    vocabulary (id mod V), and no end-of-sequence token, so that every prompt decodes all it is asked for."""
+
+    eos_token_id = None
+
+    def __init__(self, base, vocab: int):
+        self.base, self.vocab = base, vocab
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def __len__(self) -> int:
+        return min(len(self.base), self.vocab)
+
+    def __call__(self, text, **kwargs):
+        ids = self.base(text, **kwargs)["input_ids"]
+        return {"input_ids": [i % self.vocab for i in ids]}
