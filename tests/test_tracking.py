@@ -717,6 +717,13 @@ def test_the_histogram_chart_shows_cycles_without_a_draft_apart():
     assert chart.table.data == [["0", 5], ["1", 1], ["2", 2]]
 
 
+def test_a_cost_only_cell_charts_its_predicted_grid_not_its_acceptance():
+    grid = {"alpha": [0.5, 0.9], "k": [1, 2], "speedup": [[1.1, 1.0], [1.4, 1.6]], "best_k": [1, 2]}
+    logged = tracking.media({"accept_hist": [5, 0], "cost_only": "random weights", "predicted_grid": grid}, [])
+    assert "charts/accept_hist" not in logged and "charts/predicted_grid" in logged
+    assert logged["tables/predicted_grid"].data == [[0.5, 1, 1.1], [0.5, 2, 1.0], [0.9, 1, 1.4], [0.9, 2, 1.6]]
+
+
 @pytest.mark.parametrize(
     "tags, expected", [("baseline", ["baseline"]), (["ci", "tiny"], ["ci", "tiny"]), (7, ["7"]), (None, None), ([], None)]
 )

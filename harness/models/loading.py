@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from harness.base.hub import hub_reachable
 from harness.errors import HarnessError
 from harness.models.integrity import unreadable
-from harness.models.shapes import ShapesTokenizer, is_shapes, random_model, shapes_config
+from harness.models.shapes import TOKENIZER, ShapesTokenizer, is_shapes, random_model, shapes_config
 
 # Models load as their own modules: transformers 5.25 swaps in hub kernels by default, which makes what is
 # measured depend on the network and the hub's state that day (False: 5.24's default).
@@ -153,8 +153,8 @@ def _hub_cache_folder(spec: ModelSpec, gguf_file: str | None) -> Path | None:
 
 
 def load_tokenizer(spec: ModelSpec, role: str = "target"):
-    if is_shapes(spec.id):  # the embedded SmolLM2 tokenizer, its ids wrapped into the model's vocabulary
-        return ShapesTokenizer(load_tokenizer(ModelSpec("embedded:smollm2")), shapes_config(spec.id, spec.config).vocab_size)
+    if is_shapes(spec.id):  # SmolLM2's tokenizer (shipped alone: no GGUF), its ids wrapped into the model's vocabulary
+        return ShapesTokenizer(AutoTokenizer.from_pretrained(TOKENIZER), shapes_config(spec.id, spec.config).vocab_size)
     source, gguf_file = resolve_source(spec, role)
     kwargs = _hub_kwargs(spec, source)
     if gguf_file:

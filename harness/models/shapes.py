@@ -4,8 +4,8 @@ A step's cost depends on the shapes of the weights, not their values, so a targe
 built with random weights costs per step what the trained one costs. `shapes:NAME` takes the architecture
 from harness/assets/shapes/NAME.json (published configs' numbers) or from an HF config by id or folder,
 `pair.<role>.config` overrides fields, and `pair.<role>.seed` seeds the weights, built directly on the
-device in the run's dtype. Token ids come from the embedded SmolLM2 tokenizer, wrapped to the model's
-vocabulary (`ShapesTokenizer`). Acceptance between random models means nothing: a run of such a pair is
+device in the run's dtype. Token ids come from SmolLM2's tokenizer (shipped on its own, harness/assets/
+smollm2_tokenizer: no GGUF needed), wrapped to the model's vocabulary (`ShapesTokenizer`). Acceptance between random models means nothing: a run of such a pair is
 cost-only (harness.core.metrics.cost_only_figures).
 """
 
@@ -21,6 +21,7 @@ from harness.errors import HarnessError
 
 PREFIX = "shapes:"
 SHIPPED = Path(__file__).parents[1] / "assets" / "shapes"
+TOKENIZER = Path(__file__).parents[1] / "assets" / "smollm2_tokenizer"  # SmolLM2-135M-Instruct's (Apache-2.0)
 COST_ONLY = "random weights (shapes:): acceptance, tokens per cycle and speedup are not results; the costs are"
 
 

@@ -58,6 +58,7 @@ METRICS = (
     "cost_ratio",
     "cost_ratio_ci_low",
     "cost_ratio_ci_high",
+    "limit_ratio",
     "verify_cost",
     "verify_cost_ci_low",
     "verify_cost_ci_high",
@@ -387,7 +388,17 @@ def media(summary: dict, records: list[dict]) -> dict:
         logged["charts/position_acceptance"] = wandb.plot.line(
             positions, "position", "acceptance", title="P(draft position accepted | earlier ones accepted)"
         )
-    if "accept_hist" in summary:
+    if grid := summary.get("predicted_grid"):  # a cost-only cell: the speedup its costs predict, one line per k
+        points = [[a, k, x] for a, row in zip(grid["alpha"], grid["speedup"]) for k, x in zip(grid["k"], row)]
+        logged["tables/predicted_grid"] = wandb.Table(columns=["alpha", "k", "predicted_speedup"], data=points)
+        logged["charts/predicted_grid"] = wandb.plot.line_series(
+            xs=grid["alpha"],
+            ys=[list(column) for column in zip(*grid["speedup"])],
+            keys=[f"k={k}" for k in grid["k"]],
+            title="predicted speedup by acceptance rate (cost-only: random weights)",
+            xname="alpha",
+        )
+    if "accept_hist" in summary and not summary.get("cost_only"):
         # Cycles that drafted nothing (lookup without a match, the budget's last token) get their own bar:
         # in bin 0 they would read as rejections that alpha does not count.
         none = int(summary.get("cycles_without_draft") or 0)
