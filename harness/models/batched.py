@@ -140,14 +140,9 @@ class HFBatch(BatchedLM):
         last = [(row, t) for row, (f, n) in enumerate(zip(feeds, num_logits)) for t in range(f.shape[0] - n, f.shape[0])]
         last = torch.tensor(last, dtype=torch.long, device=self.device).reshape(-1, 2)
         kept, where = last[:, 1].unique(return_inverse=True)  # the positions any row wants logits of: those only
+        options = {self.lm.cache_kwarg: self.cache, "use_cache": True, "logits_to_keep": kept if kept.numel() else 1}
         out = self.lm.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            **{self.lm.cache_kwarg: self.cache},
-            use_cache=True,
-            logits_to_keep=kept if kept.numel() else 1,
-            output_hidden_states=bool(layers),
+            input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=bool(layers), **options
         )
         self.held = torch.cat([self.held, real], dim=1)
         self.lengths = [n + f.shape[0] for n, f in zip(self.lengths, feeds)]

@@ -69,13 +69,8 @@ class HFBackend(Backend):
     def _step(self, input_ids: torch.Tensor, num_logits: int, hidden: bool = False):
         step_not_prompt = self.length > 0 and input_ids.shape[0] <= COMPILED_MAX_TOKENS
         step = self.compiled if self.compiled is not None and step_not_prompt else self.model
-        out = step(
-            input_ids=input_ids.unsqueeze(0),
-            **{self.cache_kwarg: self.cache},
-            use_cache=True,
-            logits_to_keep=num_logits,
-            output_hidden_states=hidden,
-        )
+        cache = {self.cache_kwarg: self.cache}
+        out = step(input_ids=input_ids[None], **cache, use_cache=True, logits_to_keep=num_logits, output_hidden_states=hidden)
         if not self.cache_checked:  # once per model (until it passes): reading the cache's length is a host sync on CUDA
             if self.cache.get_seq_length() != input_ids.shape[0]:
                 raise HarnessError(
