@@ -102,8 +102,7 @@ class ModelDrafter(DrafterBase):
 
     def propose(self, rows, budgets, sampling):
         K, B, device = max(budgets, default=0), len(budgets), self.lm.device
-        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        q = None
+        tokens, q = torch.zeros(B, K, dtype=torch.long, device=device), None
         feeds = [ids[n:] if b else ids[:0] for ids, n, b in zip(rows.ids, self.rows.lengths, budgets)]
         for step in range(K):
             drafting = [i for i, b in enumerate(budgets) if b > step]
@@ -194,12 +193,10 @@ class FeatureDrafter(DrafterBase):
         if not any(drafting):
             return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None)
         counts = [b if d else 0 for b, d in zip(budgets, drafting)]
-        K = max(counts)
-        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        q = None
+        tokens, q = torch.zeros(B, max(counts), dtype=torch.long, device=device), None  # [B, K]
         logits, last = self._read_target(rows.ids, lengths, drafting)  # [B, V], [B, H]
         self.pairs = [n - 1 if d else p for n, d, p in zip(lengths, drafting, self.pairs)]
-        for j in range(K):
+        for j in range(tokens.shape[1]):
             live = [i for i, c in enumerate(counts) if c > j]
             at = slice(None) if len(live) == B else live  # every row: a slice, no index tensor made
             q = draw_into(tokens, q, at, j, logits[at], sampling, [rows.generators[i] for i in live])
