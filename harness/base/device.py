@@ -18,12 +18,8 @@ def cpuinfo() -> list[dict[str, str]]:
         text = CPUINFO.read_text()
     except OSError:
         return []
-    blocks = []
-    for block in text.split("\n\n"):
-        fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip())
-        if fields:
-            blocks.append(fields)
-    return blocks
+    blocks = [(line.partition(":") for line in block.splitlines()) for block in text.split("\n\n")]
+    return [fields for fields in ({k.strip(): v.strip() for k, _, v in lines if k.strip()} for lines in blocks) if fields]
 
 
 def cpu_name() -> str:
@@ -34,9 +30,7 @@ def cpu_name() -> str:
 
 def device_name(device: torch.device) -> str:
     """The model of a GPU (e.g. "NVIDIA H200") or of the CPU (e.g. "AMD EPYC")."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def device_identity(device: torch.device) -> dict:

@@ -48,13 +48,9 @@ def _caller() -> str:
 def _reads_index(index) -> bool:
     """An index that needs values on the host: a mask (its count of True), or a tensor scalar or bound."""
     items = index if isinstance(index, tuple) else (index,)
-    for item in items:
-        if isinstance(item, slice):
-            if any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
-                return True
-        elif isinstance(item, torch.Tensor) and (item.dtype in (torch.bool, torch.uint8) or item.dim() == 0):
-            return True
-    return False
+    bounds = [b for item in items if isinstance(item, slice) for b in (item.start, item.stop, item.step)]
+    masks = [t for t in items if isinstance(t, torch.Tensor) and (t.dtype in (torch.bool, torch.uint8) or t.dim() == 0)]
+    return bool(masks) or any(isinstance(b, torch.Tensor) for b in bounds)
 
 
 def _to_host(args, kwargs) -> bool:
@@ -115,19 +111,18 @@ def unwatched(fn, *args, **kwargs):
     """fn(*args, **kwargs) with any active HostReads set aside (other modes stay, in order): for a compiled step,
     which dynamo would compile anew under a mode it was not compiled with."""
     stack = _get_current_function_mode_stack() if _get_current_function_mode_stack else []
-    if not any(isinstance(mode, HostReads) for mode in stack):
+    others = [mode for mode in stack if not isinstance(mode, HostReads)]
+    if len(others) == len(stack):
         return fn(*args, **kwargs)
     for _ in stack:
         _pop_mode()
-    for mode in stack:
-        if not isinstance(mode, HostReads):
-            _push_mode(mode)
+    for mode in others:
+        _push_mode(mode)
     try:
         return fn(*args, **kwargs)
     finally:
-        for mode in stack:
-            if not isinstance(mode, HostReads):
-                _pop_mode()
+        for _ in others:
+            _pop_mode()
         for mode in stack:
             _push_mode(mode)
 
