@@ -43,12 +43,11 @@ def machine() -> dict:
     else:
         cores = len(usable)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    names = sorted({torch.cuda.get_device_name(n) for n in range(gpus)})
+    gpu = ", ".join(sorted({torch.cuda.get_device_name(n) for n in range(gpus)})) or None
     try:
         memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (OSError, ValueError):
         memory_gb = None
-    gpu = ", ".join(names) or None
     return {"cpu": cpu_name(), "cores": cores, "threads": len(usable), "gpu": gpu, "gpus": gpus, "memory_gb": memory_gb}
 
 
@@ -78,6 +77,8 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
     """What a run's figures depend on beyond its config: device, dtype, threads, versions, machine, linear plan."""
     import transformers
 
+    on_gpu = pair.device.type == "cuda"
+    capability = ".".join(map(str, torch.cuda.get_device_capability(pair.device))) if on_gpu else None
     return {
         "device": str(pair.device),
         "device_name": device_name(pair.device),
@@ -94,11 +95,7 @@ def conditions(cfg: DictConfig, pair: Pair) -> dict:
         **({"draft_forward": "lean" if pair.drafter.lm.lean is not None else "hf"} if hasattr(pair.drafter, "lm") else {}),
         **({"linear": pair.linear} if pair.linear else {}),
         **({"batch": batch_conditions(cfg, pair)} if cfg.get("batch_size", 1) > 1 else {}),
-        **(
-            {"cuda": torch.version.cuda, "capability": ".".join(map(str, torch.cuda.get_device_capability(pair.device)))}
-            if pair.device.type == "cuda"
-            else {}
-        ),
+        **({"cuda": torch.version.cuda, "capability": capability} if on_gpu else {}),
     }
 
 
@@ -106,12 +103,11 @@ def batch_conditions(cfg: DictConfig, pair: Pair) -> dict:
     """How a batch_size > 1 cell batches its prompts (harness.core.loop, harness.models.batched)."""
     from harness.models.batched import rows_of
 
-    target, drafter = rows_of(pair.target, cfg.batch_size), pair.drafter
     return {
         "size": cfg.batch_size,
         "rows": "consecutive prompts of the selection, the last batch possibly smaller",
-        "layout": target.layout,
-        "draft": type(drafter).__name__,
+        "layout": rows_of(pair.target, cfg.batch_size).layout,
+        "draft": type(pair.drafter).__name__,
         "finished_rows": "leave the batch at the end of their cycle (or step): later passes run the rows still decoding",
         "speedup": "per batch, spec tokens/s over baseline tokens/s on the same rows; the interval bootstraps batches",
     }
@@ -123,11 +119,10 @@ def batch_conditions(cfg: DictConfig, pair: Pair) -> dict:
 def reset_peak_rss() -> bool:
     """Start the peak resident memory afresh for this cell (Linux: 5 to clear_refs resets VmHWM); False where
     that cannot be done."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
         return True
-    except OSError:
-        return False
+    return False
 
 
 def peak_rss_mb(since_reset: bool) -> tuple[float, str]:
@@ -160,8 +155,5 @@ def memory_growth(records: list[dict]) -> dict:
         return {}
     from scipy import stats
 
-    return {
-        "rss_first_mb": rss[0],
-        "rss_last_mb": rss[-1],
-        "rss_growth_mb_per_prompt": float(stats.linregress(range(len(rss)), rss).slope),
-    }
+    slope = float(stats.linregress(range(len(rss)), rss).slope)
+    return {"rss_first_mb": rss[0], "rss_last_mb": rss[-1], "rss_growth_mb_per_prompt": slope}
