@@ -721,12 +721,12 @@ def test_directory_that_is_not_a_model_and_bad_dataset_files(tiny_pair, tmp_path
 OOM_CLI = """
 import torch
 import harness.runner.cell as run
-real = run.run_prompt
-def run_prompt(pair, prompt, ids, index, cfg, sampling):
-    if cfg.k == 2 and index == 1:  # this cell runs out of memory on its second prompt
+real = run.run_batch
+def run_batch(pair, rows, batch, cfg, sampling):
+    if cfg.k == 2 and rows[0][2] == 1:  # this cell runs out of memory on its second prompt
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
-    return real(pair, prompt, ids, index, cfg, sampling)
-run.run_prompt = run_prompt
+    return real(pair, rows, batch, cfg, sampling)
+run.run_batch = run_batch
 import runpy
 runpy.run_module("harness", run_name="__main__", alter_sys=True)  # as `python -m harness`
 """
