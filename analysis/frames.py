@@ -103,6 +103,9 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
     notes = list(notes or [])
     kept, seen = [], {}  # (cell, device) -> the first raw cell of it
     for raw in raws:
+        if raw.summary.get("cost_only"):  # random weights: costs and a predicted grid, no acceptance to decide on
+            notes.append(f"{raw.origin} is a cost-only cell ({raw.summary['cost_only']}): left out of the decision")
+            continue
         row = cell_row(raw)
         key = (row["cell"], row["device_name"])
         if key in seen:

@@ -1613,3 +1613,12 @@ def test_a_wandb_run_of_another_schema_is_refused(sweep):
         f"\\(schema None, this reads {SCHEMA_VERSION}\\): re-run the cell with force=true$",
     ):
         load_wandb("me/specbench/abc123", api=FakeApi(runs))
+
+
+def test_a_cost_only_cell_is_left_out_of_the_decision_with_a_note():
+    from analysis.frames import RawCell, frames
+
+    results = frames([RawCell({}, {"cost_only": "random weights (shapes:)"}, None, "results/shapes-cell")], "local", "local")
+    assert results.cells.empty and results.notes == [
+        "results/shapes-cell is a cost-only cell (random weights (shapes:)): left out of the decision"
+    ]
