@@ -100,12 +100,11 @@ def test_bandwidth_is_measured_once_and_a_noisy_probe_not_kept(tmp_path, monkeyp
 def test_a_shape_pair_runs_cost_only(tmp_path, draft):
     """A tiny shape pair end to end: costs, v(n) up to 2k + 2, the limit and the grid are in the summary; the
     table prints no acceptance or speedup as a result."""
+    head = {"draft_vocab_size": 100} if draft == "eagle3" else {}  # a head's own field
     overrides = [
         "+pair=shapes_llama31_8b_eagle3" if draft == "eagle3" else "+pair=shapes_llama2_7b_68m",
         f"+pair.target.config={json.dumps({**TINY, 'num_hidden_layers': 6, 'vocab_size': 400})}".replace('"', ""),
-        f"+pair.draft.config={json.dumps({**TINY, 'num_hidden_layers': 1, 'vocab_size': 400, 'draft_vocab_size': 100})}".replace(
-            '"', ""
-        ),
+        f"+pair.draft.config={json.dumps({**TINY, 'num_hidden_layers': 1, 'vocab_size': 400, **head})}".replace('"', ""),
         "dataset.num_prompts=2",
         "max_new_tokens=6",
         "k=2",
@@ -129,3 +128,18 @@ def test_a_shape_pair_runs_cost_only(tmp_path, draft):
         and "predicted speedup by acceptance rate" in table
         and "acceptance rate" not in table.lower().split("cost-only")[1].split("predicted")[0]
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_hidden_layers": 0}, r"sizes that build no model \(num_hidden_layers=0\)"),
+        ({"vocab_size": -5}, r"sizes that build no model \(vocab_size=-5\)"),
+        ({"num_key_value_heads": 2}, r"num_attention_heads=9 not a multiple of num_key_value_heads=2"),
+        ({"num_hidden_layer": 4}, r"no field num_hidden_layer in its config"),  # a typo
+        ({"hidden_size": 63}, r"transformers refuses its config \(.*RoPE"),
+    ],
+)
+def test_a_config_that_builds_no_model_is_one_line(overrides, message):
+    with pytest.raises(HarnessError, match=message):
+        random_model("shapes:smollm2_135m", CPU, torch.float32, overrides=overrides)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from harness.base.hub import hub_reachable
 from harness.errors import HarnessError
 
 PREFIX = "shapes:"
@@ -29,18 +30,44 @@ def is_shapes(model_id: str | None) -> bool:
     return bool(model_id) and str(model_id).startswith(PREFIX)
 
 
+SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
 def shapes_config(model_id: str, overrides: dict | None = None):
-    """The config of `shapes:NAME`: a shipped architecture, else an HF config by id or folder; `overrides` on top."""
+    """The config of `shapes:NAME`: a shipped architecture, else an HF config by id or folder; `overrides` on top
+    (fields the architecture does not have, and sizes that cannot build a model, are one line)."""
     name = model_id.removeprefix(PREFIX)
     shipped = SHIPPED / f"{name}.json"
     try:  # fields derived at init (head_dim) follow the overrides
-        fields = json.loads(shipped.read_text()) if shipped.exists() else AutoConfig.from_pretrained(name).to_dict()
-        return AutoConfig.for_model(**{**fields, **dict(overrides or {})})
-    except (OSError, ValueError) as err:
+        if shipped.exists():
+            fields = json.loads(shipped.read_text())
+        else:
+            fields = AutoConfig.from_pretrained(name, local_files_only=not hub_reachable()).to_dict()
+        defaults = AutoConfig.for_model(fields["model_type"]).to_dict()
+    except (OSError, ValueError, KeyError) as err:
         known = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.json")))
         raise HarnessError(
             f"{model_id}: no such architecture ({str(err).splitlines()[0]}): use one of {known}, an HF id or a folder with a config.json"
         ) from None
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(fields) - set(defaults))
+    try:
+        config = AutoConfig.for_model(**{**fields, **overrides})
+    except Exception as err:  # transformers validates a config as it is made (an odd head_dim for RoPE, say)
+        reason = next((line.strip() for line in str(err).splitlines()[::-1] if line.strip()), type(err).__name__)
+        raise HarnessError(f"{model_id}: transformers refuses its config ({reason}): fix pair.<role>.config") from None
+    bad = [
+        f"{key}={getattr(config, key)}"
+        for key in SIZES
+        if not (isinstance(getattr(config, key, 1), int) and getattr(config, key, 1) >= 1)
+    ]
+    heads, kv = getattr(config, "num_attention_heads", 1), getattr(config, "num_key_value_heads", 1)
+    if not bad and heads % kv:
+        bad.append(f"num_attention_heads={heads} not a multiple of num_key_value_heads={kv}")
+    if unknown or bad:
+        what = f"no field {', '.join(unknown)} in its config" if unknown else f"sizes that build no model ({'; '.join(bad)})"
+        raise HarnessError(f"{model_id}: {what}: fix pair.<role>.config (whole numbers of at least 1)")
+    return config
 
 
 def _seeded(seed: int, device: torch.device):
@@ -51,9 +78,14 @@ def _seeded(seed: int, device: torch.device):
 def random_model(model_id: str, device: torch.device, dtype: torch.dtype, seed: int = 0, overrides: dict | None = None):
     """A causal LM of these shapes with random weights (the model class's own init, seeded), built on `device`."""
     config = shapes_config(model_id, overrides)
-    with _seeded(seed, device), torch.device(device):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with _seeded(seed, device), torch.device(device):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, RuntimeError, TypeError) as err:  # transformers' own checks of a config (an odd head_dim, say)
+        raise HarnessError(
+            f"{model_id}: its config builds no model ({str(err).strip().splitlines()[0]}): fix pair.<role>.config"
+        ) from None
     model.generation_config.eos_token_id = None  # a cost-only run decodes every token it is asked for
     return model.eval().requires_grad_(False)
 
