@@ -69,9 +69,10 @@ from hydra import compose, initialize_config_dir
 from transformers.utils import logging as hf_logging
 
 from harness.base.files import write_json_atomic
+from harness.bench.audit import cycle_profile, sync_audit
 from harness.bench.contenders import lookup_room
 from harness.bench.goals import goals
-from harness.bench.parts import SPREAD_NOTE, batched_baselines, cycle_profile, limit, memory, sync_audit, throughput
+from harness.bench.parts import SPREAD_NOTE, batched_baselines, limit, memory, throughput
 from harness.config.checks import CONF_DIR, check_choices, compiled_k_message, unmakeable, validate, with_default_pair
 from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode_within, select
