@@ -62,9 +62,10 @@ def transposed_linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plans: Plans | None) -> torch.Tensor:
-    """F.linear by the plan `plans` gives weight's shape (for a product that is no module's: the lean forward's fused ones)."""
-    rows_to = rows_for(plans, weight)
+def planned_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_to: tuple[int, ...] | None
+) -> torch.Tensor:
+    """F.linear by the plan rows_to (None: torch's product), for a product that is no module's (the lean forward's fused ones)."""
     return transposed_linear(x, weight, bias, rows_to) if rows_to else F.linear(x, weight, bias)
 
 
@@ -243,7 +244,8 @@ def describe(plans: Plans | dict | tuple | list | None) -> str:
 
 
 def apply(models: list[nn.Module], plans: Plans | dict | None) -> None:
-    """Give each linear layer its shape's plan, and the models the plans (`cpu_linear_plans`: their fused products')."""
+    """Give each linear layer its shape's plan, and each model its fused products' plans, in the order of its
+    `fused_linear_weights` (`fused_linear_plans`: looked up here, not at every step)."""
     plans = {shape: tuple(rows_to) if rows_to else None for shape, rows_to in (plans or {}).items()}
     for layer in _linears(models):
         rows_to = rows_for(plans, layer.weight)
@@ -251,7 +253,7 @@ def apply(models: list[nn.Module], plans: Plans | dict | None) -> None:
             layer.__class__ = TransposedLinear if rows_to else nn.Linear
         layer.rows_to = rows_to
     for model in models:
-        model.cpu_linear_plans = plans
+        model.fused_linear_plans = [rows_for(plans, w) for w in getattr(model, "fused_linear_weights", [])]
 
 
 def machine_key(identity: dict) -> dict:

@@ -202,14 +202,14 @@ class LeanLlama:
         cos, sin = self.inner.rotary_emb(x, step.positions)  # [B, T, D] each
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         split = (self.heads, self.kv_heads, self.kv_heads)
-        plans = getattr(self.model, "cpu_linear_plans", None)  # the fused products' plans (harness.models.cpu_linear)
+        plans = getattr(self.model, "fused_linear_plans", None) or [None] * 2 * len(self.layers)  # [qkv, gate/up] a layer
         taken: dict[int, torch.Tensor] = {}  # layer index -> its input [B, T, hidden]
         for index, (layer, ((qkv_w, qkv_b), (gu_w, gu_b))) in enumerate(zip(self.layers, self.fused)):
             if index in capture:
                 taken[index] = x
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
-            qkv = planned_linear(h, qkv_w, qkv_b, plans)  # [B, T, (heads + 2 kv_heads) D]
+            qkv = planned_linear(h, qkv_w, qkv_b, plans[2 * index])  # [B, T, (heads + 2 kv_heads) D]
             q, k, v = qkv.view(B, T, -1, self.head_dim).transpose(1, 2).split(split, dim=1)  # [B, heads|kv_heads, T, D]
             read_keys, read_values = self.store.write(index, rotate(k, cos, sin), v, step)
             out = F.scaled_dot_product_attention(
@@ -217,7 +217,7 @@ class LeanLlama:
             )  # [B, heads, T, D]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             h = _rms_norm(x, layer.post_attention_layernorm)
-            gate, up = planned_linear(h, gu_w, gu_b, plans).chunk(2, dim=-1)  # [B, T, intermediate] each
+            gate, up = planned_linear(h, gu_w, gu_b, plans[2 * index + 1]).chunk(2, dim=-1)  # [B, T, intermediate] each
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         return x, taken
 
