@@ -201,8 +201,7 @@ class ShapesDraft(ModelDraft):
 
 
 @dataclass
-class ShapesPair:
-    name: str = MISSING
+class ShapesPair(EmbeddedPair):
     target: ShapesModel = MISSING
     draft: ShapesDraft = MISSING
 

@@ -153,13 +153,14 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
 def _warmed_up(pair: Pair, encoded: list, cfg: DictConfig, sampling: Sampling) -> dict:
     """Size and warm the pair for the cell (compiled steps compile; nothing timed), then measure its costs at its batch size."""
     B = cfg.get("batch_size", 1)
-    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, cost_k(pair, cfg), B)
-    pair.warm_up(cost_k(pair, cfg), B)
+    k = cost_k(pair, cfg)
+    pair.reserve(max(ids.shape[0] for _, ids in encoded), cfg.max_new_tokens, k, B)
+    pair.warm_up(k, B)
     pair.compiled_at_warm_up = compiles()  # compile=true: any graph compiled from here on is a recompile, counted
     warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
     run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
     prompts = [ids for _, ids in encoded[:B]]
-    costs = measure_costs(pair, prompts, cost_k(pair, cfg), sampling)
+    costs = measure_costs(pair, prompts, k, sampling)
     costs["limit"] = limits(pair, costs, prompts)
     pair.use_costs(costs)
     return costs
