@@ -381,3 +381,18 @@ def fitted_model(cells: pd.DataFrame, fits: pd.DataFrame, curves: pd.DataFrame, 
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     _legend_outside(fig, [left, right])
     return save_figure(fig, path)
+
+
+def predicted_at_scale(curves: pd.DataFrame, path: Path) -> Path | None:
+    """Cost-only cells (analysis.shapes.curves): predicted speedup at the best k against the acceptance rate,
+    one line per shape pair and setting. None without such cells."""
+    if curves.empty:
+        return None
+    sns.set_theme(style="whitegrid", context="notebook", font_scale=0.9)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    sns.lineplot(data=curves, x="alpha", y="predicted", hue="pair", style="setting", markers=True, ax=ax)
+    ax.axhline(1, color="black", linewidth=0.8)
+    ax.set(xlabel="acceptance rate α (per drafted position)", ylabel="predicted speedup at the best k (×)")
+    _legend_outside(fig, [ax])
+    fig.suptitle("Shape pairs: predicted speedup from measured costs", y=1.02)
+    return save_figure(fig, path)

@@ -179,6 +179,8 @@ def fit(
         measured = group.loc[group["speedup"].idxmax()] if group["speedup"].notna().any() else None
         row.update(
             draft_kind=group["draft_kind"].iloc[0],
+            target_arch=group["target_arch"].iloc[0] if "target_arch" in group else None,
+            draft_arch=group["draft_arch"].iloc[0] if "draft_arch" in group else None,
             batch_size=int(group["batch_size"].iloc[0]) if "batch_size" in group else 1,
             temperature=float(group["temperature"].iloc[0]),
             cells=len(group),

@@ -40,6 +40,7 @@ from analysis.names import (
     text_settings,
     variant,
 )
+from analysis.shapes import shape_row
 
 # Summary scalars copied into the cells frame as they are.
 SUMMARY_SCALARS = (
@@ -93,6 +94,7 @@ class Results:
     source: str
     kind: str  # "local" or "wandb"
     notes: list[str] = field(default_factory=list)  # cells left out, and why
+    shapes: pd.DataFrame = field(default_factory=pd.DataFrame)  # cost-only cells (analysis.shapes.shape_row)
 
 
 def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | None = None) -> Results:
@@ -101,10 +103,10 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
     One cell key under several device labels keeps a row per label, its `cell` qualified by the
     device name so that every row's `cell` is unique."""
     notes = list(notes or [])
-    kept, seen = [], {}  # (cell, device) -> the first raw cell of it
+    kept, seen, shape_rows = [], {}, []  # (cell, device) -> the first raw cell of it
     for raw in raws:
         if raw.summary.get("cost_only"):  # random weights: costs and a predicted grid, no acceptance to decide on
-            notes.append(f"{raw.origin} is a cost-only cell ({raw.summary['cost_only']}): left out of the decision")
+            shape_rows.append(shape_row(raw.summary, raw.config, raw.origin))
             continue
         row = cell_row(raw)
         key = (row["cell"], row["device_name"])
@@ -127,16 +129,16 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
         cell_rows.append(row)
         for r in records or []:
             prompt_rows.append(prompt_row(row["cell"], r, row["dataset"]))
-    cells = pd.DataFrame(cell_rows)
+    cells, shapes = pd.DataFrame(cell_rows), pd.DataFrame(shape_rows)
     if cells.empty:
-        return Results(cells, pd.DataFrame(), source, kind, notes)
+        return Results(cells, pd.DataFrame(), source, kind, notes, shapes)
     cells["label"] = draft_labels(cells)
     cells = cells.sort_values(["target", "setup", "label", "dataset", "sampling", "k"], kind="stable").reset_index(drop=True)
     prompts = pd.DataFrame(prompt_rows)
     if not prompts.empty:
         keys = cells[["cell", "target", "setup", "label", "draft_kind", "dataset", "sampling", "temperature", "k"]]
         prompts = prompts.merge(keys, on="cell", how="left")
-    return Results(cells, prompts, source, kind, notes)
+    return Results(cells, prompts, source, kind, notes, shapes)
 
 
 def cell_row(raw: RawCell) -> dict:
@@ -206,6 +208,9 @@ def cell_row(raw: RawCell) -> dict:
         # The draft's own weights as they sat in memory (harness.runner.pair.draft_size): 0 for prompt lookup.
         "draft_params": _num(s["draft_params"]),
         "draft_bytes": _num(s["draft_bytes"]),
+        # The models' shapes (harness.runner.pair.architectures): cost-only cells of the same shapes join on them.
+        "target_arch": (s.get("architectures") or {}).get("target"),
+        "draft_arch": (s.get("architectures") or {}).get("draft"),
     }
     if raw.records:  # exact counts
         row["accepted_total"] = float(sum(r["spec"]["accepted"] for r in raw.records))

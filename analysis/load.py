@@ -91,7 +91,7 @@ def load_local(root: Path) -> Results:
         config = OmegaConf.to_container(OmegaConf.load(config_path))
         raws.append(RawCell(config, summary, read_records(cell_dir / "prompts.jsonl"), str(cell_dir)))
     results = frames(raws, str(root), "local", notes)
-    if results.cells.empty:
+    if results.cells.empty and results.shapes.empty:
         raise HarnessError(f"no finished cell under {root} (a cell is a directory with summary.json, written when it finishes)")
     return results
 
@@ -232,7 +232,7 @@ def load_wandb(path: str, api: Any = None) -> Results:
     # A run is named by its cell key (harness.tracking.tracker): an unfinished run whose cell another run finished is not a gap.
     loaded = {str(cell).split("@")[0] for cell in results.cells.get("cell", [])}
     results.notes = [note for name, note in unfinished if name not in loaded] + results.notes
-    if results.cells.empty:
+    if results.cells.empty and results.shapes.empty:
         raise HarnessError(f"no finished benchmark run in W&B {path}")
     return results
 

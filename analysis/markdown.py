@@ -35,6 +35,8 @@ CAPTIONS = {
     "faster on it).",
     "speedup_vs_batch_size": "Measured speedup (ratio of throughputs over the same batches) against batch size, per "
     "draft and k; bars: each cell's 95% bootstrap interval over batches.",
+    "predicted_at_scale": "Shape pairs (random weights of real architectures, costs only): the speedup their measured "
+    "c and v(n) predict at the best k, against the acceptance rate a draft of real weights would have.",
     "fitted_model": "Left: predicted speedup for k = 1..{max_k} from the fitted α (band: α's interval), c and v; ★ best "
     "k, ● measured after the first token. Right: the verify cost v(n) measured (dots) and fitted (lines).",
 }
@@ -75,6 +77,7 @@ def markdown(
     figures: dict[str, Path],
     cfg: dict,
     batch_scaling: list[dict] | None = None,
+    joined: pd.DataFrame | None = None,
 ) -> str:
     cells = results.cells
     pct = f"{100 * cfg['confidence']:g}%"
@@ -98,6 +101,7 @@ def markdown(
     out += _fits_section(_named(fits, where), pct, cfg["max_k"])
     out += _whatif_section(_named(whatif, where), pct, cfg)
     out += _batch_section(batch_scaling)
+    out += shapes_section(results.shapes, pd.DataFrame() if joined is None else joined, pct)
     out += _cells_section(_named(cells, where))
     out += ["## Figures", ""]
     for name, path in figures.items():
@@ -415,3 +419,63 @@ def _methods_section(pct: str) -> list[str]:
         "lookup time (it runs on the host) when only a target step time is given.",
         "",
     ]
+
+
+def shapes_section(shapes: pd.DataFrame, joined: pd.DataFrame, pct: str, alphas=(0.5, 0.7, 0.9)) -> list[str]:
+    """Cost-only cells: their measured costs and predicted best k, and the fits of real weights joined to them."""
+    from analysis.shapes import best, setting
+
+    if shapes.empty:
+        return []
+    out = [
+        "## At real scale: shape pairs (costs only)",
+        "",
+        "Random weights of real architectures: acceptance means nothing there, the costs are measured. Limit: target "
+        "step / (bytes a step reads / the machine's copy bandwidth).",
+        "",
+        "| pair | measured on | target step ms | limit | draft step ms | c | v(2) | v(n) up to | "
+        + " | ".join(f"best k, speedup at α={a:g}" for a in alphas)
+        + " |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(alphas),
+    ]
+    for _, s in shapes.sort_values(["pair", "device_name", "batch_size", "compile"]).iterrows():
+        v = s["verify_costs"]
+        picks = [best(a, s["cost_ratio"], v) for a in alphas]
+        out.append(
+            f"| {s['pair']} | {setting(s)} | {_f(s['target_step_ms'], '.2f')} | {_f(s['limit_ratio'], '.2f')} | "
+            f"{_f(s['draft_step_ms'], '.2f')} | {_f(s['cost_ratio'])} | {_f(v[1] if len(v) > 1 else None)} | n={len(v)} | "
+            + " | ".join(f"{k}: {_f(p)}" for k, p in picks)
+            + " |"
+        )
+    out.append("")
+    if not joined.empty:
+        out += [
+            "Drafts of real weights with the same shapes as a shape pair: their measured α priced at that pair's costs "
+            f"({pct} intervals from α's).",
+            "",
+            "| draft | dataset | sampling | α | measured on | costs of | best k | predicted speedup |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for _, j in joined.iterrows():
+            out.append(
+                f"| {j['label']} | {j['dataset']} | {j['sampling']} | {_f(j['alpha'])} [{_f(j['alpha_low'])}, {_f(j['alpha_high'])}] | "
+                f"{j['measured_on']} | {j['costs_of']} ({j['costs_on']}) | {j['best_k']} | "
+                f"{_f(j['predicted'])} [{_f(j['predicted_low'])}, {_f(j['predicted_high'])}] |"
+            )
+        out.append("")
+    return out
+
+
+def shapes_only(results: Results, figures: dict[str, Path], pct: str) -> str:
+    """report.md of results that hold cost-only cells alone: nothing to decide, their costs and curves."""
+    out = [
+        "# Costs at real scale",
+        "",
+        f"Source: `{results.source}`: {len(results.shapes)} cost-only cells and no cell of real weights, so no draft "
+        f"to decide on. Generated {dt.datetime.now():%Y-%m-%d %H:%M} by `python -m analysis.report`.",
+        "",
+    ]
+    out += shapes_section(results.shapes, pd.DataFrame(), pct)
+    for name, path in figures.items():
+        out += [f"![{name}](figures/{path.name})", "", CAPTIONS.get(name, ""), ""]
+    return "\n".join(out)

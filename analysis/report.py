@@ -33,10 +33,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis import decide as decide_mod
 from analysis import fit as fit_mod
+from analysis import shapes as shapes_mod
 from analysis.batch import batch_frame, pays_up_to, statement
-from analysis.figures import make_figures
+from analysis.figures import make_figures, predicted_at_scale
 from analysis.load import WANDB_PATH, load
-from analysis.markdown import markdown
+from analysis.markdown import markdown, shapes_only
 from harness.errors import HarnessError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "report.yaml"
@@ -232,19 +233,33 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise HarnessError(f"cannot write the report to {out}: {err.strerror}; give --out a folder that can be made") from None
+    (out / "figures").mkdir(exist_ok=True)
+    shape_curves = shapes_mod.curves(results.shapes)
+    at_scale = {"predicted_at_scale": predicted_at_scale(shape_curves, out / "figures" / "predicted_at_scale.png")}
+    at_scale = {name: path for name, path in at_scale.items() if path is not None}
+    if not results.shapes.empty:
+        _csv(results.shapes, out / "shapes.csv")
+    if results.cells.empty:  # cost-only cells alone: their costs and curves, nothing to decide
+        document = {"source": str(source), "kind": results.kind, "report_dir": str(out), "decisions": [], "notes": results.notes}
+        (out / "decision.json").write_text(json.dumps(_jsonable(document), indent=2, allow_nan=False) + "\n")
+        (out / "report.md").write_text(shapes_only(results, at_scale, f"{100 * cfg['confidence']:g}%"))
+        return document
     fits, curves = fit_mod.fit(results.cells, results.prompts, cfg["confidence"], cfg["n_resamples"], cfg["seed"], cfg["max_k"])
     decisions = decide_mod.decide(
         results.cells, results.prompts, fits, cfg["weights"], cfg["confidence"], cfg["n_resamples"], cfg["seed"]
     )
     whatif_spec = fit_mod.WhatIf(**{k: v for k, v in cfg["whatif"].items() if k in fit_mod.WhatIf.__dataclass_fields__})
     whatif = fit_mod.whatif(fits, whatif_spec, cfg["max_k"]) if whatif_spec.given() else pd.DataFrame()
-    figures = make_figures(results.cells, results.prompts, fits, curves, out / "figures")
+    figures = make_figures(results.cells, results.prompts, fits, curves, out / "figures") | at_scale
+    joined = shapes_mod.joined(fits, results.shapes)
     scaling = pays_up_to(batch_frame(results.cells))
 
     _csv(results.cells, out / "cells.csv")
     _csv(fits, out / "fits.csv")
     if not whatif.empty:
         _csv(whatif, out / "whatif.csv")
+    if not joined.empty:
+        _csv(joined, out / "shapes_joined.csv")
     document = {
         "source": str(source),
         "kind": results.kind,
@@ -256,7 +271,7 @@ def build(source: str, out: Path | None = None, cfg: dict | None = None, api: An
         "notes": results.notes,
     }
     (out / "decision.json").write_text(json.dumps(_jsonable(document), indent=2, allow_nan=False) + "\n")
-    (out / "report.md").write_text(markdown(results, fits, decisions, whatif, figures, cfg, scaling))
+    (out / "report.md").write_text(markdown(results, fits, decisions, whatif, figures, cfg, scaling, joined))
     if results.kind == "wandb" and cfg.get("wandb_log", True):
         log_to_wandb(source, out, figures, decisions, fits)
     return document

@@ -1615,10 +1615,19 @@ def test_a_wandb_run_of_another_schema_is_refused(sweep):
         load_wandb("me/specbench/abc123", api=FakeApi(runs))
 
 
-def test_a_cost_only_cell_is_left_out_of_the_decision_with_a_note():
+def test_a_cost_only_cell_is_no_cell_to_decide_on_but_a_shape_row():
     from analysis.frames import RawCell, frames
 
-    results = frames([RawCell({}, {"cost_only": "random weights (shapes:)"}, None, "results/shapes-cell")], "local", "local")
-    assert results.cells.empty and results.notes == [
-        "results/shapes-cell is a cost-only cell (random weights (shapes:)): left out of the decision"
-    ]
+    summary = {
+        "cost_only": "random weights (shapes:)",
+        "cell": "shapes-cell",
+        "pair": "shapes_x",
+        "target": "shapes:a",
+        "draft": "shapes:b",
+        "conditions": {"device": "cpu", "device_name": "some CPU", "threads": 2, "dtype": "float32"},
+        "costs": {"target_step_s": 0.02, "draft_step_s": 0.002, "cost_ratio": 0.1, "verify_cost": [1.0, 1.1, 1.2]},
+    }
+    results = frames([RawCell({"batch_size": 8, "compile": True}, summary, None, "results/shapes-cell")], "local", "local")
+    assert results.cells.empty and results.notes == []
+    (row,) = results.shapes.to_dict("records")
+    assert row["target_step_ms"] == pytest.approx(20.0) and row["batch_size"] == 8 and row["verify_costs"] == [1.0, 1.1, 1.2]

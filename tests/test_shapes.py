@@ -143,3 +143,50 @@ def test_a_shape_pair_runs_cost_only(tmp_path, draft):
 def test_a_config_that_builds_no_model_is_one_line(overrides, message):
     with pytest.raises(HarnessError, match=message):
         random_model("shapes:smollm2_135m", CPU, torch.float32, overrides=overrides)
+
+
+def _cell(overrides: list[str], out) -> dict:
+    loaded_pairs.clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = run.with_default_pair(compose(config_name="config", overrides=overrides))
+    try:
+        return run.run_cell(cfg, out_dir=out, quiet=True)
+    finally:
+        loaded_pairs.clear()
+
+
+def test_a_cost_only_cell_joins_the_real_weights_of_its_shapes(tmp_path, tiny_pair):
+    """The report prices a real-weights draft's measured alpha at the costs of a cost-only cell of the same
+    shapes (shapes:<its folder>), and of no cell of other shapes; the multirun table prints none of a
+    cost-only cell's acceptance or speedup."""
+    from analysis.report import DEFAULTS, build
+    from harness.cli.callbacks import _row, to_markdown
+
+    common = ["dataset.num_prompts=3", "max_new_tokens=8", "k=2", "cpu_linear=torch", "temperature=0"]
+    real = _cell(
+        ["+pair=smollm2", f"pair.target.id={tiny_pair['target']}", f"pair.draft.id={tiny_pair['draft']}", "pair.name=tiny"]
+        + common,
+        tmp_path / "out",
+    )
+    shaped = [
+        "+pair=shapes_llama2_7b_68m",
+        f"pair.target.id=shapes:{tiny_pair['target']}",
+        f"pair.draft.id=shapes:{tiny_pair['draft']}",
+    ]
+    same = _cell(shaped + common, tmp_path / "out")
+    other = _cell(shaped + ["+pair.target.config={num_hidden_layers:1}", "seed=1"] + common, tmp_path / "out")
+    assert same["architectures"] == real["architectures"] != other["architectures"]
+
+    document = build(tmp_path / "out", tmp_path / "report", {**DEFAULTS, "wandb_log": False, "n_resamples": 100})
+    assert document["decisions"]  # the real cell is decided on; the cost-only ones are not in it
+    joined = __import__("pandas").read_csv(tmp_path / "report" / "shapes_joined.csv")
+    assert len(joined) == 1 and joined["costs_of"][0] == same["cell"]
+    assert joined["cost_ratio"][0] == pytest.approx(same["cost_ratio"])
+    assert joined["alpha"][0] == pytest.approx(real["alpha"], abs=1e-9)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "At real scale" in report and "predicted_at_scale.png" in report
+
+    rows = [_row({"status": "finished", "cell": s["cell"], "cell_dir": s["cell_dir"]}) for s in (real, same)]
+    table = to_markdown(rows).splitlines()
+    assert "cost-only" not in table[2] and f"{real['speedup']:.3f}" in table[2]
+    assert "cost-only" in table[3] and f"{same['speedup']:.3f}" not in table[3]

@@ -29,8 +29,8 @@ def hf_generate(model, ids: torch.Tensor, max_new: int, eos: list[int], **kwargs
                 attention_mask=torch.ones_like(ids[None]),
                 max_new_tokens=max_new,
                 do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
+                eos_token_id=eos or None,
+                pad_token_id=eos[0] if eos else 0,  # no EOS (a shapes: model): every token is decoded, none padded
                 **kwargs,
             )
     except ValueError as err:

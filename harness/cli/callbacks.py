@@ -40,6 +40,8 @@ COLUMNS = [
     ("job", "job", ""),
     ("pair", "pair", ""),
     ("k", "k", ""),
+    ("batch_size", "B", ""),
+    ("compile", "compile", ""),
     ("temperature", "T", ""),
     ("dataset", "dataset", ""),
     ("num_prompts", "prompts", ""),
@@ -52,9 +54,12 @@ COLUMNS = [
     ("predicted_speedup", "predicted", ".3f"),
     ("efficiency", "efficiency", ".2f"),
     ("cost_ratio", "c ↓", ".3f"),
+    ("target_step_ms", "target ms", ".2f"),
+    ("limit_ratio", "limit", ".2f"),
     ("spec_tpot_ms", "TPOT ms ↓", ".2f"),
     ("base_tpot_ms", "base TPOT ms", ".2f"),
     ("status", "status", ""),
+    ("cost_only", None, ""),
     ("cell", None, ""),
     ("cell_dir", None, ""),
     ("overrides", None, ""),
@@ -147,13 +152,29 @@ def _row(pointer: dict) -> dict[str, Any]:
         "predicted_speedup",
         "efficiency",
         "cost_ratio",
+        "limit_ratio",
     ):
         row[key] = s.get(key)
     row["speedup_ci_low"], row["speedup_ci_high"] = s["speedup_ci"]
     row["spec_tpot_ms"], row["base_tpot_ms"] = 1e3 * s["spec_tpot_s"], 1e3 * s["base_tpot_s"]
-    row["dataset"] = s.get("dataset")
-    if row["dataset"] is None and (cell_dir / "config.yaml").exists():
-        row["dataset"] = OmegaConf.select(OmegaConf.load(cell_dir / "config.yaml"), "dataset.name", default=None)
+    row["target_step_ms"] = 1e3 * s["target_step_s"] if s.get("target_step_s") is not None else None
+    config = OmegaConf.load(cell_dir / "config.yaml") if (cell_dir / "config.yaml").exists() else OmegaConf.create()
+    row["dataset"] = s.get("dataset") or OmegaConf.select(config, "dataset.name", default=None)
+    row["batch_size"] = OmegaConf.select(config, "batch_size", default=1)
+    row["compile"] = OmegaConf.select(config, "compile", default=None)
+    if s.get("cost_only"):  # random weights: what depends on acceptance is no result, the costs are
+        for key in (
+            "acceptance_rate",
+            "tokens_per_cycle",
+            "speedup",
+            "speedup_ci_low",
+            "speedup_ci_high",
+            "predicted_speedup",
+            "efficiency",
+        ):
+            row[key] = None
+        row["spec_tpot_ms"] = None
+        row["cost_only"] = True
     return row
 
 
@@ -167,6 +188,8 @@ def to_markdown(rows: list[dict]) -> str:
             if name == "speedup_ci":
                 low, high = row["speedup_ci_low"], row["speedup_ci_high"]
                 cells.append(f"[{fmt(low, missing='')}, {fmt(high, missing='')}]" if low is not None else "")
+            elif name == "speedup" and row.get("cost_only"):
+                cells.append("cost-only")
             elif name == "status" and row["status"] != "finished":  # which cell: a failed one has no pair or k
                 own = [o for o in (row.get("overrides") or "").split() if o not in shared]  # what tells this job apart
                 cells.append(f"{row['status']} ({' '.join(own)})" if own else row["status"])

@@ -70,6 +70,16 @@ def shapes_config(model_id: str, overrides: dict | None = None):
     return config
 
 
+def architecture(config) -> str:
+    """A model's shapes in one line (type, hidden, MLP, layers, heads, KV heads, vocabulary; a head's draft
+    vocabulary): equal for a real model and the `shapes:` model of its config, so their cells can be joined."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    fields = [getattr(config, "model_type", "?")] + [f"{key}={getattr(config, key, None)}" for key in SIZES]
+    if getattr(config, "draft_vocab_size", None):
+        fields.append(f"draft_vocab_size={config.draft_vocab_size}")
+    return " ".join(fields)
+
+
 def _seeded(seed: int, device: torch.device):
     """A random state of its own for building weights: the run's global generator is left as it was."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])

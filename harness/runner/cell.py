@@ -34,7 +34,7 @@ from harness.models.batched import rows_of
 from harness.models.captured import compiles
 from harness.models.loading import resolve_device
 from harness.runner.costs import Clock, limits, measure_costs, timed
-from harness.runner.pair import Pair, draft_size, load_pair
+from harness.runner.pair import Pair, architectures, draft_size, load_pair
 from harness.runner.provenance import (
     conditions,
     current_rss_mb,
@@ -209,6 +209,7 @@ def _cell_figures(cfg: DictConfig, pair: Pair, encoded: list, records: list, cos
         prompt_ids=[p["id"] for p, _ in encoded],
         categories=metrics.by_category(records, cfg.k, costs, cfg.seed),
         costs=costs,
+        architectures=architectures(pair),
         **draft_size(pair),
     )
 

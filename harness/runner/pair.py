@@ -24,7 +24,7 @@ from harness.models.batched import rows_of
 from harness.models.cached import CachedLM
 from harness.models.eagle import LAYOUTS, load_head
 from harness.models.loading import ModelSpec, check_same_vocabulary, load_model, load_tokenizer, resolve_dtype
-from harness.models.shapes import COST_ONLY, is_shapes, random_head
+from harness.models.shapes import COST_ONLY, architecture, is_shapes, random_head
 
 
 @dataclass
@@ -195,6 +195,13 @@ def _say_linear_plan(linear: dict, mode: str) -> None:
         if warning := cpu_linear.noisy(found):
             print(f"warning: {warning}", file=sys.stderr)
             break
+
+
+def architectures(pair: Pair) -> dict:
+    """The shapes of the target and of the draft (None for prompt lookup): a cost-only cell and a cell with
+    real weights of the same shapes share them (analysis.shapes joins the two)."""
+    draft = pair.drafter.models()[:1] or [getattr(pair.drafter, "head", None)]
+    return {"target": architecture(pair.target.model.config), "draft": architecture(draft[0].config) if draft[0] else None}
 
 
 def draft_size(pair: Pair) -> dict:
