@@ -158,6 +158,10 @@ def cell_row(raw: RawCell) -> dict:
         dtype = _resolved_dtype(draft.get("dtype"), conditions)
         draft_variant = variant(draft) + (f"[{dtype}]" if dtype and dtype != conditions["dtype"] else "")
         draft_id += draft_variant  # a draft in another dtype than its target is another draft
+    policy = (cfg.get("draft_length") or {}).get("policy", "constant")
+    if policy != "constant":  # a draft-length policy other than k every cycle: another contender (harness.core.lengths)
+        draft_id += f"~{policy}"
+        draft_variant += f"~{policy}"
     temperature = float(s["temperature"])
     top_k, top_p = int(s["top_k"] or 0), float(s["top_p"] or 1.0)
     hist = list(s["accept_hist"])

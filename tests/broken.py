@@ -137,6 +137,28 @@ class NextRowDrafter(ModelDrafter):
         return proposal
 
 
+class PeekingDrafter(ModelDrafter):
+    """A draft-length policy that peeks at the target's row (a trigram MarkovLM's table): the proposal stops
+    before the first drafted token the target gives less probability than the draft did, one the rule might
+    reject. Its length then depends on the target's row, and the committed tokens lose the target's law."""
+
+    def __init__(self, lm, target):
+        super().__init__(lm)
+        self.target = target
+
+    def propose(self, rows, budgets, sampling):
+        proposal = super().propose(rows, budgets, sampling)
+        (count,), context, V = proposal.counts, rows.ids[0].tolist(), self.target.vocab_size
+        for j in range(count):
+            before, last = context[-2] if len(context) > 1 else V, context[-1]
+            p = shape_probs(self.target.table[before, last], sampling)  # the target's row: the peek
+            x = int(proposal.tokens[0, j])
+            if proposal.q is not None and p[x] < proposal.q[0, j, x]:
+                return Proposal.cut(proposal.tokens, [j], proposal.q)
+            context.append(x)
+        return proposal
+
+
 class NoRollback:
     """A target whose cache keeps rejected tokens: rollback only updates the
     length the loop is told, the cached entries stay (stale keys and shifted
@@ -245,6 +267,12 @@ VARIANTS = [
     ),
     Variant("target_row_off_by_one", False, "x_i tested against the target row after it", lambda t, d: (t, d, _off_by_one)),
     Variant("no_rollback", False, "target cache not rolled back after a rejection", lambda t, d: (NoRollback(t), d, None)),
+    Variant(
+        "peeking_length",
+        False,
+        "draft length chosen by peeking at the target's row",
+        lambda t, d: (t, PeekingDrafter(d.lm, t), None),
+    ),
     Variant("no_bonus", True, "lossless: never commit a bonus token", lambda t, d: (t, d, rule_with(bonus=None))),
     Variant(
         "draft_is_target", True, "lossless: the draft is the target itself", lambda t, d: (t, ModelDrafter(copy.copy(t)), None)

@@ -316,3 +316,29 @@ def test_compile_refuses_a_k_whose_verify_would_run_eagerly():
         ),
     ):
         validate(with_default_pair(composed(["cache=static", "compile=true", f"k={top + 1}"])))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["draft_length=confidence", "draft_length.threshold=1.5"],
+            r"draft_length.threshold=1.5 must be a number in \(0, 1\) or auto",
+        ),
+        (["draft_length=confidence", "+pair=smollm2_ngram"], "draft_length=confidence needs the draft's probabilities"),
+        (
+            ["draft_length=by_batch", "draft_length.table={1: -2}"],
+            r"draft_length.table=\{1: -2, 8: 2, 32: 0\} must map batch sizes",
+        ),
+        (["draft_length=constant", "draft_length.policy=longest"], "draft_length=longest must be one of constant, heuristic"),
+    ],
+)
+def test_a_draft_length_that_cannot_apply_is_one_line(overrides, message):
+    cfg = with_default_pair(composed(overrides))
+    with pytest.raises(HarnessError, match=message):
+        validate(cfg)
+
+
+def test_a_draft_length_policy_is_its_own_cell_and_constant_the_old_one():
+    constant, cost = (cell_key(with_default_pair(composed([f"draft_length={p}"]))) for p in ("constant", "cost"))
+    assert cell_key(with_default_pair(composed([]))) == constant and "-cost-" in cost and constant != cost

@@ -50,7 +50,8 @@ import harness.core.drafters
 import harness.core.rule
 from harness.config.checks import CONF_DIR
 from harness.core.drafters import ModelDrafter, NgramDrafter
-from harness.core.loop import speculative_decode
+from harness.core.lengths import make_policy
+from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.rule import verify, verify_rows
 from harness.core.sampling import Sampling, shape_probs
 from harness.errors import HarnessError
@@ -397,6 +398,69 @@ def test_loop_law_catches_broken_variants(variant):
     assert tv < 1e-9 if variant.lossless else tv > 1e-2, f"{variant.name}: TV {tv:.3g}"
 
 
+POLICIES = {
+    "heuristic": lambda: make_policy("heuristic"),
+    "confidence": lambda: make_policy("confidence", threshold=0.4),
+    "confidence_auto": lambda: make_policy("confidence", threshold="auto"),
+    "cost": lambda: costed(make_policy("cost")),
+    "by_batch": lambda: make_policy("by_batch", table={1: 1}),
+}
+
+
+def costed(policy):
+    policy.use_costs({"cost_ratio": 0.1, "verify_cost": [1.0, 1.05, 1.1, 1.15]})
+    return policy
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_draft_length_policies_keep_the_target_law_exactly(name):
+    """Each policy (lengths chosen per cycle, or per position from the draft's own probabilities and the
+    run's past outcomes) keeps the target's law exactly at T=1; lengths vary."""
+    k, sampling, length = 2, Sampling(1.0), 4
+    target, draft = markov_pair(4, seed=0)
+    drafter, lengths = ModelDrafter(draft), set()
+    propose = drafter.propose
+
+    def counted(rows, budgets, sampling):
+        proposal = propose(rows, budgets, sampling)
+        lengths.add(proposal.counts[0])
+        return proposal
+
+    drafter.propose = counted
+    exact = target_law(TargetLaw(target, PROMPT, sampling, set(), length))
+    enum = Enumerator()
+    rule = per_row(enum.wrap(verify))
+
+    def run():  # a new policy for every replay of the enumeration: the law of one run from its start
+        drafter.draft_length = POLICIES[name]()
+        cycles = speculative_decode(target, drafter, PROMPT, k, sampling, length, set(), torch.Generator(), rule=rule)
+        return tuple(t for c in cycles for t in c.tokens)
+
+    got = enum.law(run)
+    assert total_variation(got, exact) < 1e-9
+    assert len(lengths) > 1 or name == "by_batch", lengths  # the policy changed the length (by_batch: k=1 throughout)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_draft_length_policies_keep_greedy_output(name):
+    target, draft = markov_pair(6, seed=3, draft_noise=2.0)
+    drafter = ModelDrafter(draft)
+    drafter.draft_length = POLICIES[name]()
+    for prompt in ([1, 2], [3, 0, 5], [4, 4]):
+        ids = torch.tensor(prompt)
+        alone = list(autoregressive_decode(target, ids, Sampling(0.0), 12, set(), None))
+        cycles = list(speculative_decode(target, drafter, ids, 3, Sampling(0.0), 12, set(), None))
+        assert [t for c in cycles for t in c.tokens] == alone
+
+
+def test_a_policy_that_peeks_at_the_target_is_caught_exactly():
+    k, sampling, length = 2, Sampling(1.0), 4
+    target, draft = markov_pair(4, seed=0)
+    exact = target_law(TargetLaw(target, PROMPT, sampling, set(), length))
+    got = loop_law(target, broken.PeekingDrafter(draft, target), PROMPT, k, sampling, length)
+    assert total_variation(got, exact) > 1e-2
+
+
 def cost_aware_lookup(vocab_size: int) -> NgramDrafter:
     # Lengths that follow earlier outcomes: two tokens at the prior a = 1/2, one after a
     # rejection (a = 1/3), none (a plain target step) after two (a = 1/4).
@@ -637,6 +701,7 @@ CAUGHT_BY = {
     "bonus_wrong_row": {"joint", "bonus"},
     "target_row_off_by_one": {"joint", "first"},
     "no_rollback": {"joint"},
+    "peeking_length": {"joint", "first"},
 }
 
 

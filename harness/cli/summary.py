@@ -75,6 +75,7 @@ def format_summary(s: dict) -> str:
         + " ".join(str(n) for n in s["accept_hist"])
         + (f"  (0 includes {s['cycles_without_draft']} cycles that drafted nothing)" if s.get("cycles_without_draft") else ""),
     ]
+    lines += draft_length_lines(s)
     if s.get("max_memory_allocated_mb") is not None:
         lines.append(f"{'peak CUDA memory allocated MB':<34}{fmt(s['max_memory_allocated_mb'], '.0f'):>12}")
     if "peak_rss_mb" in s:
@@ -132,4 +133,25 @@ def cost_only_lines(s: dict) -> list[str]:
     ]
     for alpha, row, best in zip(grid["alpha"], grid["speedup"], grid["best_k"]):
         lines.append(f"{alpha:<8.2f}" + "".join(f"{x:>8.3f}" for x in row) + f"  {best:>6}")
+    return lines
+
+
+def draft_length_lines(s: dict) -> list[str]:
+    """A draft-length policy other than constant: what it drafted, and how the draft's confidence matched outcomes."""
+    policy = s.get("draft_length") or {}
+    if policy.get("policy", "constant") == "constant":
+        return []
+    settings = ", ".join(f"{key} {fmt(policy[key], '.3f')}" for key in ("threshold",) if policy.get(key) is not None)
+    lines = [
+        f"{'draft length':<34}  {policy['policy']}{f' ({settings})' if settings else ''}: mean {fmt(s.get('mean_drafted'), '.2f')} "
+        f"drafted a cycle, cycles by drafted 0..k: {' '.join(str(n) for n in s.get('drafted_hist', []))}"
+    ]
+    table = policy.get("calibration") or []
+    if table:
+        lines.append(
+            f"{'confidence: predicted / observed':<34}  "
+            + "  ".join(
+                f"[{b['bin'][0]:.1f},{b['bin'][1]:.1f}) {b['predicted']:.2f}/{b['observed']:.2f} n={b['tested']}" for b in table
+            )
+        )
     return lines

@@ -394,6 +394,33 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise HarnessError(message)
     check_pair(cfg.pair)
+    check_draft_length(cfg.get("draft_length"), cfg.pair.draft.kind)
+
+
+def check_draft_length(setting: DictConfig | None, draft_kind: str) -> None:
+    """draft_length (conf/draft_length/): a known policy with settings it can use, for a draft it applies to."""
+    from harness.core.lengths import POLICIES
+
+    if setting is None:
+        return
+    policy, threshold, table = setting.get("policy"), setting.get("threshold", 0.4), setting.get("table") or {}
+    if policy not in POLICIES:
+        raise HarnessError(f"draft_length={policy} must be one of {', '.join(POLICIES)} (e.g. draft_length=cost)")
+    if policy == "confidence" and not (threshold == "auto" or (isinstance(threshold, (int, float)) and 0 < threshold < 1)):
+        raise HarnessError(f"draft_length.threshold={threshold} must be a number in (0, 1) or auto (fitted online)")
+    if policy == "confidence" and draft_kind == "ngram":
+        raise HarnessError(
+            "draft_length=confidence needs the draft's probabilities, and prompt lookup has none (its q is a point mass): "
+            "use draft_length=cost, heuristic, by_batch or constant"
+        )
+    if policy == "by_batch" and not (
+        table
+        and all(isinstance(b, int) and b >= 1 for b in table.keys())
+        and all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in table.values())
+    ):
+        raise HarnessError(
+            f"draft_length.table={table} must map batch sizes (integers >= 1) to k (integers >= 0), e.g. '{{1: 4, 8: 2, 32: 0}}'"
+        )
 
 
 def check_pair(pair: DictConfig) -> None:

@@ -81,6 +81,7 @@ class Settings:  # conf/config.yaml
     out_dir: str = MISSING
     force: bool = MISSING
     dataset: Any = MISSING  # a PromptSet (below): conf/dataset/
+    draft_length: Any = MISSING  # conf/draft_length/: policy, and threshold or table (harness.core.lengths)
     pair: Any = None  # a pair (below), chosen with +pair=NAME; None: conf/pair/<default_pair>.yaml
 
 

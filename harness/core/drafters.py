@@ -17,6 +17,7 @@ import torch
 
 from harness.base.host_reads import from_host
 from harness.config.settings import LOOKUP_LENGTHS
+from harness.core.lengths import DraftLength
 from harness.core.sampling import Sampling, sample_rows, shape_probs
 from harness.models.batched import resized, rows_of
 from harness.models.eagle import FeatureHead, HeadRows
@@ -34,6 +35,14 @@ class Proposal:
     counts: list[int]  # [B] tokens row i drafted (host ints: the drafter knows them without a read)
     q: torch.Tensor | None  # [B, K, V] the laws row i's drafts were drawn from; None when greedy or none drafted
 
+    @staticmethod
+    def cut(tokens: torch.Tensor, counts: list[int], q: torch.Tensor | None) -> Proposal:
+        """tokens [B, K] and q [B, K, V] cut to the longest row's count (a policy may stop every row early)."""
+        K = max(counts, default=0)
+        if K == tokens.shape[1]:
+            return Proposal(tokens, counts, q)
+        return Proposal(tokens[:, :K], counts, None if q is None else q[:, :K])
+
 
 def draw_into(tokens: torch.Tensor, q: torch.Tensor | None, at, j: int, logits: torch.Tensor, sampling: Sampling, generators):
     """Draft token j of the rows `at` from their logits [B', V] into tokens [B, K] (the argmax when greedy, else
@@ -48,10 +57,28 @@ def draw_into(tokens: torch.Tensor, q: torch.Tensor | None, at, j: int, logits: 
     return q
 
 
+def own_probabilities(tokens: torch.Tensor, q: torch.Tensor | None, at, j: int, logits: torch.Tensor, sampling: Sampling):
+    """The draft's probability of its token j in the rows `at` (under q when sampling, its softmax when greedy),
+    read to the host: what a stopping draft-length policy decides on. One host read."""
+    if sampling.greedy:
+        p = logits.float().softmax(-1).amax(-1)  # [B']
+    else:
+        p = q[at, j].gather(-1, tokens[at, j][:, None])[:, 0]  # [B']
+    return p.tolist()
+
+
+def stop_where_told(policy: DraftLength, live: list[int], budgets: list[int], j: int, probabilities: list[float]) -> None:
+    """Each live row that drafted token j and whose policy says stop gets budget j + 1 (in place)."""
+    for i, p in zip(live, probabilities):
+        if not policy.go_on(i, p):
+            budgets[i] = j + 1
+
+
 class Drafter(Protocol):
     kind: str
     reads_target: tuple[int, ...]
     forwards: bool
+    draft_length: DraftLength  # how many tokens a row drafts (harness.core.lengths), consulted by propose
 
     def start(self, prompts: list[torch.Tensor]) -> None: ...
     def propose(self, rows: Rows, budgets: list[int], sampling: Sampling) -> Proposal: ...
@@ -88,7 +115,7 @@ class ModelDrafter(DrafterBase):
     kind = "model"
 
     def __init__(self, lm: CachedLM):
-        self.lm = lm
+        self.lm, self.draft_length = lm, DraftLength()
         self.rows = None  # the lm as the rows of the current batch (harness.models.batched.rows_of)
 
     @property
@@ -101,17 +128,23 @@ class ModelDrafter(DrafterBase):
         self.rows.forward([p[:-1] for p in prompts], [0] * len(prompts))
 
     def propose(self, rows, budgets, sampling):
-        K, B, device = max(budgets, default=0), len(budgets), self.lm.device
+        K, B, device, budgets = max(budgets, default=0), len(budgets), self.lm.device, list(budgets)
         tokens, q = torch.zeros(B, K, dtype=torch.long, device=device), None
         feeds = [ids[n:] if b else ids[:0] for ids, n, b in zip(rows.ids, self.rows.lengths, budgets)]
         for step in range(K):
             drafting = [i for i, b in enumerate(budgets) if b > step]
+            if not drafting:  # every row stopped early (a stopping draft-length policy)
+                break
             at = slice(None) if len(drafting) == B else drafting  # every row: a slice, no index tensor made
             logits = self.rows.forward(feeds, [int(b > step) for b in budgets])  # per row [1 or 0, V]
             scored = logits[0] if B == 1 else torch.cat([logits[i] for i in drafting])  # [B', V]
             q = draw_into(tokens, q, at, step, scored, sampling, [rows.generators[i] for i in drafting])
+            if self.draft_length.stops:  # every drafted token's probability: the policy calibrates on them all
+                stop_where_told(
+                    self.draft_length, drafting, budgets, step, own_probabilities(tokens, q, at, step, scored, sampling)
+                )
             feeds = [tokens[i, step : step + 1] if b > step + 1 else rows.ids[i][:0] for i, b in enumerate(budgets)]
-        return Proposal(tokens, list(budgets), q)
+        return Proposal.cut(tokens, budgets, q)
 
     def rollback(self, lengths) -> None:
         self.rows.rollback(lengths)
@@ -147,7 +180,7 @@ class FeatureDrafter(DrafterBase):
     kind = "feature head"
 
     def __init__(self, head: FeatureHead, store=None, compile: bool = False):
-        self.head, self.compile = head, compile
+        self.head, self.compile, self.draft_length = head, compile, DraftLength()
         self.reads_target = tuple(head.reads)  # the target layers whose features it reads
         self.capacity = 0
         self.store = store if store is not None else HeadRows(head, 1, compile=compile)  # its KV storage, for a batch's rows
@@ -198,13 +231,17 @@ class FeatureDrafter(DrafterBase):
         self.pairs = [n - 1 if d else p for n, d, p in zip(lengths, drafting, self.pairs)]
         for j in range(tokens.shape[1]):
             live = [i for i, c in enumerate(counts) if c > j]
+            if not live:  # every row stopped early (a stopping draft-length policy)
+                break
             at = slice(None) if len(live) == B else live  # every row: a slice, no index tensor made
             q = draw_into(tokens, q, at, j, logits[at], sampling, [rows.generators[i] for i in live])
+            if self.draft_length.stops:  # every drafted token's probability: the policy calibrates on them all
+                stop_where_told(self.draft_length, live, counts, j, own_probabilities(tokens, q, at, j, logits[at], sampling))
             going = [int(c > j + 1) for c in counts]
             if any(going):
                 logits, out = self.store.step(tokens[:, j : j + 1], last[:, None], going, from_target=False)
                 last = out[:, 0]
-        return Proposal(tokens, counts, q)
+        return Proposal.cut(tokens, counts, q)
 
     def _read_target(self, ids, lengths, drafting):
         """Feed each drafting row the pairs it has not seen, built on the target's features: the logits
@@ -254,6 +291,7 @@ class NgramDrafter(DrafterBase):
             raise ValueError(f"length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
         self.vocab_size, self.max_ngram, self.min_ngram, self.length = vocab_size, max_ngram, min_ngram, length
         self.verify_cost: list[float] | None = None  # [>= 2] v(1..); cost_aware proposes whole matches until it is set
+        self.draft_length = DraftLength()
         self.start([None])
 
     def start(self, prompts) -> None:

@@ -6,7 +6,8 @@ cache holds every committed token but the last. A cycle feeds the target, per ro
 x_1..x_k'] (the first: the whole prompt, prefill and verify in one pass) and scores k' + 1 rows, the last the
 bonus row; a rollback crops both caches to the committed length minus one. A row that hits EOS or its budget
 leaves the batch after its cycle. Every random draw of a row's cycle comes from its own generator, so its law
-is the one-sequence law. Host reads: ONE per cycle for the whole batch (tests/test_host_syncs.py).
+is the one-sequence law. Host reads: ONE per cycle for the whole batch (tests/test_host_syncs.py), and one per
+drafted position under a draft-length policy that stops within a cycle (harness.core.lengths).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.core.lengths import DraftLength
 from harness.core.rule import Verdicts, greedy_rows, verify_rows
 from harness.core.sampling import Sampling, sample_rows, shape_probs
 from harness.models.batched import rows_of
@@ -82,10 +84,12 @@ def speculative_decode_rows(
     lm.start(B)  # the first cycle's verify pass is also the prompts' prefill
     drafter.start(list(prompts))
     reads = drafter.reads_target  # a feature head's target layers: only it costs a capture
+    policy = getattr(drafter, "draft_length", None) or DraftLength()  # harness.core.lengths: k is its cap
+    policy.start(B)
     rows = Rows(prompts, generators)
     while rows.ids:
         # A cycle commits at most k' + 1 tokens: draft no more than can be kept.
-        budgets = [min(k, max_new_tokens - g - 1) for g in rows.generated]
+        budgets = policy.budgets([min(k, max_new_tokens - g - 1) for g in rows.generated])
         proposal = drafter.propose(rows, budgets, sampling)
         counts = proposal.counts
         unseen = [ids[n:] for ids, n in zip(rows.ids, lm.lengths)]  # the whole prompt in the first cycle
@@ -99,6 +103,7 @@ def speculative_decode_rows(
         else:
             verdicts = rule(proposal.tokens, counts, proposal.q, shape_probs(scored, sampling), rows.generators)
         accepted, committed = read_verdicts(proposal.tokens, verdicts)  # the cycle's one host read
+        policy.outcome(counts, accepted)
         cycles, lengths, seen, finished = [], [], [], []
         for i, (n, c) in enumerate(zip(accepted, counts)):
             length = rows.ids[i].shape[0]
@@ -124,6 +129,7 @@ def speculative_decode_rows(
             lm.keep(going)
             drafter.keep(going)
             rows.keep(going)
+            policy.keep(going)
 
 
 def read_verdicts(drafts: torch.Tensor, verdicts: Verdicts) -> tuple[list[int], list[list[int]]]:

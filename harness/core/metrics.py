@@ -141,6 +141,9 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "position_acceptance": [ratio(a, b) for a, b in zip(kept.tolist(), reached.tolist())],
         "accept_hist": hist,
         "cycles_without_draft": sum((r["spec"].get("drafted_hist") or [0])[0] for r in records),  # in accept_hist[0] too
+        # [k + 1] cycles that drafted 0..k tokens (a batch: its widest row), and the mean: a draft-length policy's choice
+        "drafted_hist": np.sum([r["spec"]["drafted_hist"] for r in records], axis=0).tolist() if records else [0] * (k + 1),
+        "mean_drafted": ratio(total("drafted"), total("cycles")),
         "tokens_per_cycle": ratio(total("committed"), total("cycles")),
         "accepted_per_cycle": ratio(total("accepted"), total("cycles")),
         "theoretical_tokens_per_cycle": expected_tokens_per_cycle(alpha, k) if not math.isnan(alpha) else float("nan"),

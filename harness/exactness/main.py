@@ -326,6 +326,7 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
             pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k, rows)
         except HarnessError:  # a pair that decodes one sequence at a time (static cache, compiled steps, sliding windows)
             rows = 1
+    pair.follow_draft_length(cfg.get("draft_length"))  # the draft-length policy a run would use
     pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))  # as run_cell does: the proposals a run makes
 
     started = time.perf_counter()

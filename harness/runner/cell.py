@@ -93,6 +93,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             path.unlink(missing_ok=True)
     records = read_records(lines_path, trim=True)
     pair.follow_linear(records)
+    pair.follow_draft_length(cfg.get("draft_length"))
     costs = _warmed_up(pair, encoded, cfg, sampling)
     clocks_at_start = gpu_clocks(device)  # None on a CPU
 
@@ -129,6 +130,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             **memory_growth(records[resumed:]),  # a resumed run's earlier process had its own memory
             limit_ratio=costs["limit"]["target_limit_ratio"],
             **({"cost_only": pair.cost_only, "predicted_grid": metrics.predicted_grid(costs)} if pair.cost_only else {}),
+            draft_length=pair.drafter.draft_length.describe(),  # the policy, its calibration and fitted settings
             recompiles_after_warm_up=compiles() - pair.compiled_at_warm_up if cfg.compile else None,
             gpu_clocks={"start": clocks_at_start, "end": gpu_clocks(device)} if clocks_at_start else None,
             cell=cell_dir.name,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness.core.lengths import drafting_whole
 from harness.core.metrics import median_ci
 from harness.core.sampling import Sampling
 from harness.models.batched import rows_of
@@ -137,7 +138,8 @@ def measure_costs(pair: Pair, prompts: torch.Tensor | list[torch.Tensor], k: int
         rows = Rows(prompts, generators)
         return seconds(device, lambda: drafter.propose(rows, [k] * B, sampling)) / k
 
-    costs = cost_rounds(score, draft, k, rounds)
+    with drafting_whole(drafter, B):  # k drafts every round, whatever the cell's draft-length policy
+        costs = cost_rounds(score, draft, k, rounds)
     return {**costs, "batch_size": B} if B > 1 else costs
 
 

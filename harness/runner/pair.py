@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.base.device import device_identity
 from harness.config.settings import DRAFT_KINDS
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
+from harness.core.lengths import make_policy
 from harness.data.prompts import set_pair_template
 from harness.errors import HarnessError
 from harness.models import cpu_linear
@@ -90,8 +91,14 @@ class Pair:
         self.linear = linear
 
     def use_costs(self, costs: dict) -> None:
-        """measure_costs' figures to the drafter (prompt lookup with length=cost_aware weighs by v(n))."""
+        """measure_costs' figures to the drafter (prompt lookup with length=cost_aware weighs by v(n)) and its
+        draft-length policy (cost weighs by c and v(n))."""
         self.drafter.use_costs(costs)
+        self.drafter.draft_length.use_costs(costs)
+
+    def follow_draft_length(self, setting) -> None:
+        """The cell's draft-length policy (conf/draft_length/), fresh: a pair loaded once serves every cell."""
+        self.drafter.draft_length = make_policy(**dict(setting or {"policy": "constant"}))
 
 
 loaded_pairs: dict[str, Pair] = {}  # one pair per process, reused by every cell of a multirun

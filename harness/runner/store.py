@@ -59,9 +59,13 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
         del keyed["dataset"]["revision"]
     if (sha256 := dataset_sha256(cfg)) is not None:  # an edited file is another prompt set
         keyed["dataset"]["file_sha256"] = sha256
+    policy = (keyed.get("draft_length") or {}).get("policy", "constant")
+    if policy == "constant":
+        keyed.pop("draft_length", None)  # k every cycle, as before the setting existed: the same cells
     digest = json_digest(keyed, 10)
     batch = f"-b{cfg.batch_size}" if cfg.get("batch_size", 1) > 1 else ""
-    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}{batch}-{digest}"
+    length = "" if policy == "constant" else f"-{policy}"
+    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}{batch}{length}-{digest}"
 
 
 def cell_path(cfg: DictConfig, out_dir: str | Path | None = None, device: torch.device | None = None) -> Path:
