@@ -4,6 +4,8 @@ one-sequence loop (harness.core.loop.speculative_decode) likewise.
 
     python scripts/batch_greedy_check.py --pairs smollm2_eagle smollm2 smollm2_ngram --batch-sizes 2 4 8 \
         --ks 2 --max-new-tokens 32 --out results/batch_greedy.json
+    python scripts/batch_greedy_check.py --pairs smollm2_eagle smollm2 --batch-sizes 1 --ks 4 \
+        --draft-lengths heuristic confidence cost by_batch   # each draft-length policy
 
 The reference is the target alone at batch size 1 (harness.core.loop.autoregressive_decode). A row
 that parts from it is explained only by a numerical tie (harness.core.ties.same_greedy_output:
@@ -31,13 +33,16 @@ from harness.data.datasets import load_prompts
 from harness.data.prompts import as_tensor, encode, select
 from harness.errors import HarnessError
 from harness.models.loading import resolve_device
+from harness.runner.costs import measure_costs
 from harness.runner.pair import load_pair
 from harness.runner.provenance import harness_commit, machine
 
 
-def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens: int, num_prompts: int | None) -> dict:
+def check(
+    pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens: int, num_prompts: int | None, policy: str = "constant"
+) -> dict:
     with hydra_on_conf():
-        cfg = with_default_pair(compose(config_name="config", overrides=[f"+pair={pair_name}"]))
+        cfg = with_default_pair(compose(config_name="config", overrides=[f"+pair={pair_name}", f"draft_length={policy}"]))
     validate(cfg)
     device = resolve_device(cfg.device)
     prompts = select(load_prompts(cfg.dataset), num_prompts, cfg.seed, cfg.prompts.shuffle)
@@ -49,8 +54,10 @@ def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens:
         pair.reserve(longest, max_new_tokens, max(ks), B)
     alone = [list(autoregressive_decode(pair.target, ids, greedy, max_new_tokens, pair.eos_ids, none)) for _, ids in encoded]
     target, drafter = pair.target, pair.drafter
-    out = {"pair": pair_name, "prompts": len(encoded), "by_k_and_batch_size": {}}
+    out = {"pair": pair_name, "draft_length": policy, "prompts": len(encoded), "by_k_and_batch_size": {}}
     for k, B in ((k, B) for k in ks for B in batch_sizes):
+        pair.follow_draft_length(cfg.draft_length)  # a fresh policy, with this machine's costs (cost weighs by them)
+        pair.use_costs(measure_costs(pair, [ids for _, ids in encoded[:B]], k, greedy))
         started, outputs = time.perf_counter(), []  # (prompt index, what decoded it, its tokens)
         for i, (_, ids) in enumerate(encoded if B == 1 else []):  # the one-sequence loop
             cycles = speculative_decode(pair.target, pair.drafter, ids, k, greedy, max_new_tokens, pair.eos_ids, none)
@@ -80,7 +87,9 @@ def check(pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens:
             "ties": ties,
             "seconds": round(time.perf_counter() - started, 1),
         }
-        print(f"{pair_name} k={k} B={B}: {rows} rows, {differ} differ (all by a tie)", flush=True)
+        drafted = drafter.draft_length.describe()
+        out["by_k_and_batch_size"][f"k{k}-b{B}"]["draft_length"] = drafted
+        print(f"{pair_name} draft_length={policy} k={k} B={B}: {rows} rows, {differ} differ (all by a tie)", flush=True)
     return out
 
 
@@ -90,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--ks", type=int, nargs="+", default=[2])
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--draft-lengths", nargs="+", default=["constant"], help="draft-length policies (conf/draft_length/)")
     parser.add_argument("--num-prompts", type=int, default=None, help="builtin prompts (default: all 60)")
     parser.add_argument("--out", type=Path, default=Path("results/batch_greedy.json"))
     args = parser.parse_args(argv)
@@ -104,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         for name in args.pairs:
-            result["pairs"].append(check(name, args.batch_sizes, args.ks, args.max_new_tokens, args.num_prompts))
+            for policy in args.draft_lengths:
+                result["pairs"].append(check(name, args.batch_sizes, args.ks, args.max_new_tokens, args.num_prompts, policy))
     except HarnessError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

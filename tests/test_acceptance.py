@@ -143,20 +143,22 @@ def test_a_shared_weights_draft_reports_its_own_acceptance(models, k):
         assert result.kind == "model (shared weights): one teacher-forced draft pass" and result.positions
 
 
-@pytest.mark.parametrize("length", ["match", "cost_aware"])
+@pytest.mark.parametrize("policy", ["constant", "cost"])
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_prompt_lookup_reports_its_own_acceptance(models, k, length):
+def test_prompt_lookup_reports_its_own_acceptance(models, k, policy):
+    from harness.core.lengths import make_policy
+
     target, _ = models
     drafted = 0
     for text in PROMPTS:
         prompt = ids_of(text)
-        drafter = NgramDrafter(VOCAB, length=length)
-        if length == "cost_aware":
-            drafter.verify_cost = [1.0, 1.3, 1.6, 1.9, 2.2]  # v(1..5): long proposals must pay
+        drafter = NgramDrafter(VOCAB)
+        drafter.draft_length = make_policy(policy)
+        drafter.draft_length.use_costs({"cost_ratio": 0.0, "verify_cost": [1.0, 1.3, 1.6, 1.9, 2.2]})  # long proposals must pay
         _, cycles = run(target, drafter, prompt, k)
         result = teacher_forced_agreement(drafter, prompt, cycles, k, MAX_NEW)
         assert result.ok, result.describe()
-        assert result.kind.startswith(f"prompt lookup (length={length})")
+        assert result.kind.startswith(f"prompt lookup (draft_length={policy})")
         assert result.reported == result.teacher_forced
         drafted += sum(c.num_drafted for c in cycles)
     assert drafted  # lookups found matches

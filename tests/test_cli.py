@@ -137,8 +137,8 @@ def test_cli_resumes_and_skips_finished_cells(tiny_pair, tmp_path):
         ("max_new_tokens=0", "must be a positive integer"),
         ("device=cuda", "CUDA is not available"),
         ("cpu_linear=fast", f"cpu_linear=fast must be one of {', '.join(CPU_LINEAR_MODES)}"),
-        ("+pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
-        ("+pair.draft.length=cost_aware", "pair.draft.length is a prompt-lookup setting and this pair's draft is a model"),
+        ("+pair.draft.length=longest", "pair.draft.length=longest must be match"),
+        ("+pair.draft.length=cost_aware", "pair.draft.length=cost_aware is draft_length=cost now"),
         ("dataset.max_rows=all", "dataset.max_rows=all must be a positive integer or null"),
     ],
 )

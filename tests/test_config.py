@@ -231,7 +231,8 @@ def test_prompt_selection_is_balanced_and_seeded():
         ("device=0", "device=0 must be auto, cpu, cuda or cuda:N"),  # resolve_device crashed on a number
         ("device=null", "device=None must be auto, cpu, cuda or cuda:N"),
         ("force=maybe", "force=maybe must be true or false"),
-        ("pair.draft.length=longest", "pair.draft.length=longest must be match or cost_aware"),
+        ("pair.draft.length=longest", "pair.draft.length=longest must be match"),
+        ("pair.draft.length=cost_aware", "pair.draft.length=cost_aware is draft_length=cost now"),
     ],
 )
 def test_bools_and_overflowing_seeds_are_refused_before_loading(override, message):
@@ -282,13 +283,6 @@ def test_the_default_pair_is_typed_as_a_chosen_one():
     assert OmegaConf.get_type(composed(["+pair=smollm2_ngram"]).pair) is LookupPair
     with pytest.raises(HarnessError, match="default_pair=nope has no conf/pair/nope.yaml"):
         with_default_pair(composed(["default_pair=nope"]))
-
-
-def test_prompt_lookup_refuses_a_length_it_does_not_know():
-    from harness.core.drafters import NgramDrafter
-
-    with pytest.raises(ValueError, match="length=longest must be match or cost_aware"):
-        NgramDrafter(100, length="longest")
 
 
 def test_the_largest_seed_seeds_every_prompt():

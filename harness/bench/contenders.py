@@ -10,6 +10,7 @@ from transformers import CompileConfig
 from transformers import __version__ as transformers_version
 
 from harness.core.drafters import NgramDrafter
+from harness.core.lengths import make_policy
 from harness.core.loop import autoregressive_decode, speculative_decode
 from harness.core.sampling import Sampling
 from harness.errors import HarnessError, one_line
@@ -77,15 +78,16 @@ def contenders(pair, ks: list[int], max_new: int, verify_cost: list[float]) -> t
 
     ours_base / hf_base decode with the target alone; ours_spec_kK / hf_assisted_kK with the
     pair's draft model (when it has one); ours_ngram_kK / hf_lookup_kK by prompt lookup; and
-    ours_ngram_cost_aware_kK, a lookup proposing only what pays for its verification (`verify_cost`,
+    ours_ngram_cost_aware_kK, a lookup proposing only what pays for its verification (draft_length=cost,
     v(n) measured), against the same HF lookup; ours_head_kK, the pair's feature head, against our
     target alone (HF's generate() has no EAGLE path). Compiled (compile=true), HF gets generate()'s own
     compiled path (hf_compiled)."""
     target, eos, n = pair.target, sorted(pair.eos_ids), max_new
     draft_model = next(iter(pair.drafter.models()), None)  # a draft model, where the pair has one
     ngram = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)
-    ngram_cost_aware = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1, length="cost_aware")
-    ngram_cost_aware.verify_cost = verify_cost
+    ngram_cost_aware = NgramDrafter(target.vocab_size, max_ngram=3, min_ngram=1)
+    ngram_cost_aware.draft_length = make_policy("cost")  # lookup runs on the host: c taken as 0, v(n) measured
+    ngram_cost_aware.draft_length.use_costs({"cost_ratio": 0.0, "verify_cost": verify_cost})
 
     def ours_base(ids):
         return list(autoregressive_decode(target, ids, GREEDY, n, pair.eos_ids, None))

@@ -15,7 +15,7 @@ Greedy decoding on one pair (default: the embedded default pair). Five parts (ru
                                           from the assistant, not from generate's kwargs);
        ours_ngram_kK  vs hf_lookup_kK     prompt lookup, `prompt_lookup_num_tokens=K`;
        ours_ngram_cost_aware_kK           our lookup proposing only what pays for its
-                                          verification (pair.draft.length=cost_aware,
+                                          verification (draft_length=cost on lookup,
                                           v(n) measured first), against the same HF run:
                                           not like for like, so outside the lookup goal.
      With cache=static compile=true, HF's contenders get generate()'s own compiled

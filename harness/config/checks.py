@@ -61,7 +61,7 @@ MUST = {
     "device": "must be auto, cpu, cuda or cuda:N (a GPU by index: device=cuda:0)",
     "dataset.num_prompts": "must be a positive integer or null (all)",
     "dataset.max_rows": "must be a positive integer or null (every row)",
-    "pair.draft.length": f"must be {' or '.join(settings.LOOKUP_LENGTHS)} (prompt lookup's proposal length)",
+    "pair.draft.length": "must be match (prompt lookup proposes its match; how much of it: draft_length=cost, heuristic, ...)",
     "pair.target.id": "must be an HF id or a local directory",
     "pair.draft.id": "must be an HF id or a local directory",
     "cache": "must be dynamic or static",
@@ -444,6 +444,11 @@ def check_pair(pair: DictConfig) -> None:
     low, high = draft.get("min_ngram", 1), draft.get("max_ngram", 3)
     if draft.kind == "ngram" and not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
         raise HarnessError(f"pair.draft.min_ngram={low} and max_ngram={high} must be integers with 1 <= min_ngram <= max_ngram")
+    if draft.get("length") == "cost_aware":
+        raise HarnessError(
+            "pair.draft.length=cost_aware is draft_length=cost now, one policy for every draft: "
+            "use +pair=smollm2_ngram draft_length=cost (docs/metrics.md, Draft length)"
+        )
     if draft.get("length", "match") not in settings.LOOKUP_LENGTHS:
         raise HarnessError(f"pair.draft.length={draft.length} {MUST['pair.draft.length']}")
     lookup_only = [key for key in ("length", "max_ngram", "min_ngram") if draft.kind != "ngram" and key in draft]

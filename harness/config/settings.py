@@ -29,7 +29,7 @@ BATCH_ONE_ONLY = (
     "(Llama models), or batch_size=1"
 )
 WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
-LOOKUP_LENGTHS = ("match", "cost_aware")  # how much of a prompt-lookup match to propose (harness.core.drafters.NgramDrafter)
+LOOKUP_LENGTHS = ("match",)  # prompt lookup proposes its match; how much of it: draft_length (harness.core.lengths)
 COMPILED_MAX_TOKENS = (
     16  # harness.models.cached.CachedLM compiles steps of up to this many positions: k + 1 for any k a sweep uses
 )

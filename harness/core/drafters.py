@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from harness.base.host_reads import from_host
-from harness.config.settings import LOOKUP_LENGTHS
 from harness.core.lengths import DraftLength
 from harness.core.sampling import Sampling, sample_rows, shape_probs
 from harness.models.batched import resized, rows_of
@@ -279,34 +278,30 @@ class FeatureDrafter(DrafterBase):
 
 class NgramDrafter(DrafterBase):
     """Model-free prompt lookup, per row (`lookup`), on the host's copy of the committed tokens. Its q is a
-    point mass on each proposal, so the rule stays exact. length="match" proposes the whole match, up to k
-    tokens (as HF's prompt_lookup_num_tokens); "cost_aware", once `verify_cost` (v(1..k+1)) is set, the
-    j <= k maximising (1 + a + ... + a^j) / v(j + 1), a the row's acceptance so far at that n-gram length."""
+    point mass on each proposal, so the rule stays exact. It proposes the whole match, up to the row's
+    budget (as HF's prompt_lookup_num_tokens), cut where a stopping draft-length policy says so (`cost`:
+    harness.core.lengths), which it asks at each position with the row's acceptance so far at that n-gram
+    length (`LookupRow`) as its probability."""
 
     kind = "prompt lookup"
     forwards = False
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, length: str = "match"):
-        if length not in LOOKUP_LENGTHS:
-            raise ValueError(f"length={length} must be {' or '.join(LOOKUP_LENGTHS)} (prompt lookup's proposal length)")
-        self.vocab_size, self.max_ngram, self.min_ngram, self.length = vocab_size, max_ngram, min_ngram, length
-        self.verify_cost: list[float] | None = None  # [>= 2] v(1..); cost_aware proposes whole matches until it is set
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
         self.draft_length = DraftLength()
         self.start([None])
 
     def start(self, prompts) -> None:
         self.state = [LookupRow(self.max_ngram) for _ in prompts]
 
-    def use_costs(self, costs: dict) -> None:
-        self.verify_cost = costs["verify_cost"]
-
     def propose(self, rows, budgets, sampling):
         proposed = []
-        for state, tokens, budget in zip(self.state, rows.tokens, budgets):
+        for i, (state, tokens, budget) in enumerate(zip(self.state, rows.tokens, budgets)):
             n, found = lookup(tokens, budget, self.max_ngram, self.min_ngram)
-            if self.length == "cost_aware" and self.verify_cost is not None and found:
-                found = found[: state.worth_proposing(n, len(found), self.verify_cost)]
-                state.pending = (n, len(tokens), len(found)) if found else None
+            if found and self.draft_length.stops:
+                a = state.acceptance(n)
+                found = found[: next((j + 1 for j in range(len(found)) if not self.draft_length.go_on(i, a)), len(found))]
+            state.pending = (n, len(tokens), len(found)) if found else None
             proposed.append(found)
         counts = [len(found) for found in proposed]
         K, device = max(counts, default=0), rows.ids[0].device
@@ -327,19 +322,15 @@ class NgramDrafter(DrafterBase):
 
 
 class LookupRow:
-    """One row's prompt-lookup acceptance so far, per n-gram length (cost_aware's estimate)."""
+    """One row's prompt-lookup acceptance so far, per n-gram length: what a stopping policy weighs a match by."""
 
     def __init__(self, max_ngram: int):
         self.accepted = [1.0] * (max_ngram + 1)  # pseudo-counts of a 1/2 prior
         self.tested = [2.0] * (max_ngram + 1)
         self.pending: tuple[int, int, int] | None = None  # (n, committed length, proposed) of the last proposal
 
-    def worth_proposing(self, n: int, longest: int, verify_cost: list[float]) -> int:
-        """The proposal length j <= longest with the most expected tokens per unit of verify cost."""
-        a = self.accepted[n] / self.tested[n]
-        longest = min(longest, len(verify_cost) - 1)
-        per_cost = [sum(a**i for i in range(j + 1)) / verify_cost[j] for j in range(longest + 1)]
-        return max(range(longest + 1), key=per_cost.__getitem__)  # the shortest among equals
+    def acceptance(self, n: int) -> float:
+        return self.accepted[n] / self.tested[n]
 
     def outcome(self, length: int) -> None:
         """The last proposal's outcome: length - committed of it were accepted."""

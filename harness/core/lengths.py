@@ -11,10 +11,10 @@ target's law (docs/metrics.md, "Draft length").
   heuristic   HF's schedule: +2 after a cycle whose drafts were all accepted, -1 otherwise, within 1..k.
   confidence  stop at the first drafted token the draft gives probability below `threshold` (a number,
               or auto: refitted after each cycle from the run's accepted/rejected tokens, ROC as HF does).
-  cost        draft one more position while its expected tokens per unit of cost are at least the cycle's
-              so far: P(it and every earlier draft accepted) / (c + v(n+1) - v(n)) >= E[tokens] / cost,
-              with the draft's probabilities calibrated online against the run's outcomes and c, v(n)
-              measured on this machine. 0 drafts (a plain target step) when even the first does not pay.
+  cost        draft on while a longer draft has expected tokens per unit of cost at least the cycle's so far:
+              E[tokens] counts P(a draft and every earlier one accepted), from the draft's probabilities
+              calibrated online against the run's outcomes; cost is n c + v(n + 1), c and v(n) measured on
+              this machine. 0 drafts (a plain target step) when no draft pays.
   by_batch    k per batch size from a table (vLLM's num_speculative_tokens per batch size), 0 allowed.
 """
 
@@ -178,14 +178,19 @@ class Cost(DraftLength):
         self.tokens = [1.0] * rows  # per row, E[tokens] of the cycle so far (the bonus or recovered one counted)
 
     def _pays(self, row: int, n: int) -> bool:
-        """Whether drafting position n + 1 pays, n drafted: its expected tokens per cost >= the cycle's so far."""
+        """Whether to draft on, n drafted: whether some longer draft m > n (within the measured v) has expected
+        tokens per cost at least the cycle's now, later positions priced at the mean acceptance (v need not be
+        convex: a CPU's verify cost jumps at some widths, so the next position alone may not pay while two do)."""
         if self.v is None:
             return True
-        if n + 2 > len(self.v):  # no v(n + 2) measured: the cap it was measured up to
-            return False
-        gain = self.reach[row] * self.calibration.mean()  # the next draft's probability is not known yet
-        price = self.c + self.v[n + 1] - self.v[n]
-        return gain * (n * self.c + self.v[n]) >= self.tokens[row] * max(price, 1e-9)
+        now = self.tokens[row] / (n * self.c + self.v[n])
+        expected, reach, mean = self.tokens[row], self.reach[row], self.calibration.mean()
+        for m in range(n + 1, len(self.v)):
+            reach *= mean  # the next draft's own probability is not known before it is drafted
+            expected += reach
+            if expected / (m * self.c + self.v[m]) >= now:
+                return True
+        return False
 
     def budgets(self, caps):
         self.reach, self.tokens = [1.0] * len(caps), [1.0] * len(caps)
@@ -197,6 +202,10 @@ class Cost(DraftLength):
         self.reach[row] *= self.calibration(p)
         self.tokens[row] += self.reach[row]
         return self._pays(row, n)
+
+    def outcome(self, drafted, accepted):
+        super().outcome(drafted, accepted)
+        self.reach, self.tokens = [1.0] * len(drafted), [1.0] * len(drafted)  # the next cycle starts afresh
 
     def keep(self, rows):
         super().keep(rows)

@@ -28,14 +28,14 @@ tested one more.
   rounding (harness.core.ties.TIE_LOGIT_GAP) is a tie, counted apart, not a
   failure.
 
-  prompt lookup (NgramDrafter, length=match or cost_aware): a proposal is one
-  match found at the cycle start, so the replay is per cycle: a fresh
-  NgramDrafter with the same settings (and verify_cost) proposes after the
-  committed prefix at each cycle start, with the k the loop allowed it, and
-  its proposal's agreement with the committed tokens must be what the loop
-  reported, its length the number the loop drafted. cost_aware's choice also
-  depends on the acceptance the sequence has had so far: the fresh drafter
-  is told the teacher-forced outcome of each of its own proposals.
+  prompt lookup (NgramDrafter): a proposal is one match found at the cycle
+  start, so the replay is per cycle: a fresh NgramDrafter with the same
+  settings proposes after the committed prefix at each cycle start, with the
+  k the loop allowed it, and its proposal's agreement with the committed
+  tokens must be what the loop reported, its length the number the loop
+  drafted. Under a stopping draft-length policy (draft_length=cost), whose
+  choice depends on the run's past, the replay proposes the length the loop
+  drafted and only its tokens are compared.
 
   feature head (FeatureDrafter): ONE forward of the target, through a copy
   of its CachedLM, over prompt + committed tokens gives the features of every
@@ -58,6 +58,7 @@ from typing import NamedTuple
 import torch
 
 from harness.core.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
+from harness.core.lengths import DraftLength
 from harness.core.loop import Cycle, Rows
 from harness.core.sampling import Sampling
 from harness.core.ties import TIE_LOGIT_GAP
@@ -245,13 +246,15 @@ def _feature_check(drafter: FeatureDrafter, target, prompt_ids, cycles, k, max_n
 
 def _lookup_check(drafter: NgramDrafter, prompt_ids, cycles, k, max_new_tokens) -> Agreement:
     fresh = copy.copy(drafter)  # the same settings, a state of its own (start)
-    fresh.verify_cost = None if drafter.verify_cost is None else list(drafter.verify_cost)
-    agreement = Agreement(f"prompt lookup (length={drafter.length}): a fresh lookup replayed on each committed prefix")
+    fresh.draft_length, stopping = DraftLength(), drafter.draft_length.stops  # a stopping policy's lengths: the loop's
+    agreement = Agreement(
+        f"prompt lookup (draft_length={drafter.draft_length.name}): a fresh lookup replayed on each committed prefix"
+    )
     fresh.start([prompt_ids])
     ids = prompt_ids  # [L] committed so far
     accepted = tested = 0
     for i, c, _, most in _cycle_spans(cycles, k, max_new_tokens):
-        drafted = fresh.propose(Rows([ids], [None]), [most], GREEDY)
+        drafted = fresh.propose(Rows([ids], [None]), [c.num_drafted if stopping else most], GREEDY)
         proposal = drafted.tokens[0, : drafted.counts[0]].tolist()  # [k'']
         if len(proposal) != c.num_drafted:
             agreement.drafted.append((i, c.num_drafted, len(proposal)))
@@ -261,7 +264,7 @@ def _lookup_check(drafter: NgramDrafter, prompt_ids, cycles, k, max_new_tokens) 
             fresh_token = proposal[j] if j < len(proposal) else None
             agrees = fresh_token == c.tokens[j]
             agreement.positions.append(Tested(i, j, c.tokens[j], j < c.num_accepted, agrees, proposal=fresh_token))
-        fresh.rollback([ids.shape[0] + a])  # cost_aware learns the teacher-forced outcome, never the loop's
+        fresh.rollback([ids.shape[0] + a])
         ids = torch.cat([ids, ids.new_tensor(c.tokens)])
     agreement.reported = (sum(c.num_accepted for c in cycles), sum(len(c.expected_acceptance) for c in cycles))
     agreement.teacher_forced = (accepted, tested)

@@ -91,8 +91,7 @@ class Pair:
         self.linear = linear
 
     def use_costs(self, costs: dict) -> None:
-        """measure_costs' figures to the drafter (prompt lookup with length=cost_aware weighs by v(n)) and its
-        draft-length policy (cost weighs by c and v(n))."""
+        """measure_costs' figures to the drafter and its draft-length policy (`cost` weighs by c and v(n))."""
         self.drafter.use_costs(costs)
         self.drafter.draft_length.use_costs(costs)
 
@@ -167,9 +166,7 @@ def make_drafter(
     """The one factory of drafters: the drafter `draft_cfg` names for this target, and the vocabulary
     the rule compares (a draft model with a smaller one narrows it)."""
     if draft_cfg.kind == "ngram":
-        lookup = NgramDrafter(
-            vocab_size, draft_cfg.get("max_ngram", 3), draft_cfg.get("min_ngram", 1), draft_cfg.get("length", "match")
-        )
+        lookup = NgramDrafter(vocab_size, draft_cfg.get("max_ngram", 3), draft_cfg.get("min_ngram", 1))
         return lookup, vocab_size
     if draft_cfg.kind == "model":
         draft_spec = ModelSpec.from_config(draft_cfg)
