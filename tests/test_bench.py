@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import statistics
@@ -13,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from scipy import stats
 
@@ -24,7 +22,6 @@ import harness.bench.parts as parts
 import harness.core.ties as ties
 import harness.runner.costs as runner_costs
 import harness.runner.provenance as provenance
-from harness.config.checks import CONF_DIR, check_command_line, validate, with_default_pair
 from harness.core import metrics
 from harness.core.loop import autoregressive_decode
 from harness.core.sampling import Sampling
@@ -343,88 +340,6 @@ def test_gpu_scripts_parse():
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
 
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
-
-# A stand-in for the interpreter the GPU scripts run (they take it from $PYTHON): it records each
-# command line, with the commit the environment names, in $CALLS; answers the two questions the
-# payload script asks; and makes a wheel where pip would download or build one.
-FAKE_PYTHON = """#!{python}
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["CALLS"], "a") as calls:
-    calls.write(json.dumps({{"argv": args, "commit": os.environ.get("SPECBENCH_COMMIT")}}) + "\\n")
-if args[:1] == ["-c"] and "importlib.metadata" in args[1]:
-    print("transformers==5.25.0 huggingface-hub==2.4.0")
-elif args[:1] == ["-c"] and "find_gguf" in args[1]:
-    print(os.environ["FAKE_GGUF"])
-elif args[:3] in (["-m", "pip", "download"], ["-m", "pip", "wheel"]):
-    folder = args[args.index("-d" if "-d" in args else "-w") + 1]
-    os.makedirs(folder, exist_ok=True)
-    open(os.path.join(folder, args[2] + "-0-py3-none-any.whl"), "w").write("wheel")
-"""
-
-
-def run_script(script: Path, tmp_path: Path, *args: str, **env: str) -> list[dict]:
-    """Run a GPU script with the recording interpreter; every interpreter call it made, in order."""
-    import os
-    import sys
-
-    fake = tmp_path / "fake-python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
-    fake.chmod(0o755)
-    calls = tmp_path / "calls.jsonl"
-    calls.unlink(missing_ok=True)
-    environ = {
-        **os.environ,
-        "PYTHON": str(fake),
-        "CALLS": str(calls),
-        "OUT": str(tmp_path / "out"),
-        "SPECBENCH_PAYLOAD": str(tmp_path / "stash"),
-        "SPECBENCH_CACHE": str(tmp_path / "cache"),
-        **env,
-    }
-    environ.pop("SPECBENCH_COMMIT", None)
-    done = subprocess.run(["bash", str(script), *args], env=environ, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return [json.loads(line) for line in calls.read_text().splitlines()]
-
-
-def bench_calls(calls: list[dict]) -> list[list[str]]:
-    return [c["argv"][2:] for c in calls if c["argv"][:2] == ["-m", "harness.bench"]]
-
-
-class Parsed(Exception):
-    pass
-
-
-def test_the_gpu_check_gives_the_bench_sizes_it_accepts(tmp_path, monkeypatch):
-    """Every bench command scripts/gpu_check.sh runs (on the GPU and in its rehearsal) passes the bench's
-    own checks, and its batch sweep composes and validates as python -m harness would: a refused one
-    would stop that part on the GPU machine, where it cannot be rerun."""
-    gpu_calls = run_script(SCRIPTS / "gpu_check.sh", tmp_path)
-    rehearsal_calls = run_script(SCRIPTS / "gpu_check.sh", tmp_path, "--rehearse")
-    gpu, rehearsal = bench_calls(gpu_calls), bench_calls(rehearsal_calls)
-    assert len(gpu) == len(rehearsal) == 3  # the head, the model draft eager, compiled
-    assert ["+pair=smollm2_eagle" in args for args in gpu] == [True, False, False]
-    assert all("device=cuda" in args for args in gpu) and all("device=cpu" in args for args in rehearsal)
-    monkeypatch.setattr(bench, "check_choices", lambda *a, **k: (_ for _ in ()).throw(Parsed()))
-    for args in gpu + rehearsal:
-        with pytest.raises(Parsed):
-            bench.main(args)
-    sweeps = [c["argv"][3:] for c in gpu_calls + rehearsal_calls if c["argv"][:3] == ["-m", "harness", "-m"]]
-    assert len(sweeps) == 2 and "batch_size=1,8" in sweeps[0] and "device=cuda" in sweeps[0]
-    for args in sweeps:
-        overrides = [a for a in args if not a.startswith("hydra.")]
-        lists = [a.split("=", 1) for a in overrides if "," in a]
-        assert {key for key, _ in lists} == {"batch_size", "+pair"}
-        single = [a for a in overrides if "," not in a]
-        for values in itertools.product(*[v.split(",") for _, v in lists]):
-            overrides = single + [f"{key}={value}" for (key, _), value in zip(lists, values)]
-            check_command_line(overrides)
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                validate(with_default_pair(compose(config_name="config", overrides=overrides)))
-
-
 def test_outputs_may_part_only_at_a_numerical_tie(tiny_pair, monkeypatch):
     """A contender whose greedy output differs from the target's is an error, unless the
     target's logits for the two tokens at the first difference are within the dtype's tie gap."""
@@ -593,50 +508,3 @@ def test_the_memory_part_reports_its_own_peak_not_the_loading(monkeypatch):
     assert out["peak_rss_over"] == "cell"
     assert out["peak_rss_mb"] < before - 300
     assert out["peak_rss_mb"] == pytest.approx(out["rss_max_mb"], abs=50)
-
-
-def test_a_tree_without_git_names_its_commit_from_the_payload(tmp_path, monkeypatch):
-    """The GPU machine gets the working tree without .git: the payload carries the commit it was packed
-    at, gpu_check.sh exports it to every bench part, and harness_commit reads it from there."""
-    from harness.runner.provenance import harness_commit
-
-    monkeypatch.delenv("SPECBENCH_COMMIT", raising=False)
-    assert harness_commit(tmp_path) is None
-    monkeypatch.setenv("SPECBENCH_COMMIT", "0123456789ab")
-    harness_commit.cache_clear()  # memoised: the environment is read once per process
-    assert harness_commit(tmp_path) == "0123456789ab"
-
-    tree, machine = tmp_path / "tree", tmp_path / "machine"
-    for root in (tree, machine):
-        (root / "scripts").mkdir(parents=True)
-        for script in ("gpu_check.sh", "gpu_payload.sh"):
-            (root / "scripts" / script).write_text((SCRIPTS / script).read_text())
-    git = ["git", "-C", str(tree), "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "tree"]):
-        subprocess.run(git + command, check=True, capture_output=True)
-    commit = subprocess.run(
-        git + ["describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True
-    ).stdout.strip()
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(bytes(range(256)) * 40)
-    run_script(tree / "scripts" / "gpu_payload.sh", tmp_path, FAKE_GGUF=str(gguf))
-    (last,) = (tree / ".gpu").iterdir()  # a small payload: one part
-    calls = run_script(machine / "scripts" / "gpu_check.sh", tmp_path, "--stash", str(last), "--run", "--rehearse")
-    runs = [c["commit"] for c in calls if c["argv"][:2] in (["-m", "harness.bench"], ["-m", "harness"])]
-    assert len(commit) == 12 and runs == [commit] * 4  # three bench parts and the batch sweep
-    assert (tmp_path / "cache" / "gguf" / "model.gguf").read_bytes() == gguf.read_bytes()  # the parts assembled, checked
-
-
-def test_the_gpu_check_distil_part_gives_the_distillation_command_it_accepts(tmp_path):
-    """scripts/gpu_check.sh --distill runs python -m harness.distill alone (no bench part), with options that parse
-    and pass its checks, on the GPU and in the rehearsal."""
-    from harness.distill.main import parse_args
-
-    for extra, device in (((), "cuda"), (("--rehearse",), "cpu")):
-        calls = run_script(SCRIPTS / "gpu_check.sh", tmp_path, "--distill", *extra)
-        assert bench_calls(calls) == []
-        distils = [c["argv"][2:] for c in calls if c["argv"][:2] == ["-m", "harness.distill"]]
-        assert len(distils) == 1
-        args = parse_args(distils[0])
-        assert args.kind == "eagle3" and args.one_pass and args.device == device
-        assert args.out == Path(tmp_path / "out" / "smollm2_eagle")
