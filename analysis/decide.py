@@ -318,7 +318,61 @@ def decide_context(
         "notes": notes + table_notes + weight_notes,
     }
     decision["mix"]["what_would_change"] = what_would_change(decision, table, names, w_vec, fits, cells)
+    decision["draft_length"] = draft_length_choices(candidates, mix, per_cat, names, confidence, mix_known, small)
     return decision
+
+
+def draft_length_choices(
+    candidates: list[dict],
+    mix: np.ndarray,
+    per_cat: np.ndarray,
+    names: list[str],
+    confidence: float,
+    mix_known: bool,
+    small: list,
+) -> list[dict]:
+    """Per draft measured under a draft-length policy (label `draft~policy`, harness.core.lengths) and with
+    constant k: its best policy candidate against its best constant-k one, for the mix and per category, as
+    a paired ratio of speedups with its bootstrap interval (the same resamples for both), and what to ship."""
+    by_draft: dict[str, list[tuple[int, str]]] = {}
+    for i, c in enumerate(candidates):
+        draft, _, policy = c["label"].partition("~")
+        by_draft.setdefault(draft, []).append((i, policy or "constant"))
+    out = []
+    for draft, entries in sorted(by_draft.items()):
+        constant = [i for i, policy in entries if policy == "constant"]
+        policies = [i for i, policy in entries if policy != "constant"]
+        if not constant or not policies:
+            continue
+        scopes = [("mix", mix, mix_known)] + [(g, per_cat[:, :, j], g not in small) for j, g in enumerate(names)]
+        for scope, values, known in scopes:
+            best_policy, best_constant = (max(idx, key=lambda i: values[i, 0]) for idx in (policies, constant))
+            ratio = values[best_policy, 0] / values[best_constant, 0]
+            low, high = (
+                interval(values[best_policy, 1:] / values[best_constant, 1:], confidence) if known else (math.nan, math.nan)
+            )
+            p, c = candidates[best_policy], candidates[best_constant]
+            policy = p["label"].partition("~")[2]
+            if low > 1:
+                ship = f"draft_length={policy}, k cap {p['k']}"
+            elif high < 1:
+                ship = f"constant k={c['k']}"
+            else:
+                ship = f"constant k={c['k']} (as good: draft_length={policy} not clearly better)"
+            out.append(
+                {
+                    "draft": draft,
+                    "scope": scope,
+                    "policy": policy,
+                    "policy_k": p["k"],
+                    "constant_k": c["k"],
+                    "ratio": float(ratio),
+                    "low": low,
+                    "high": high,
+                    "ship": ship,
+                }
+            )
+    return out
 
 
 def decisions_frame(decisions: list[dict]) -> pd.DataFrame:

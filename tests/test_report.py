@@ -1631,3 +1631,20 @@ def test_a_cost_only_cell_is_no_cell_to_decide_on_but_a_shape_row():
     assert results.cells.empty and results.notes == []
     (row,) = results.shapes.to_dict("records")
     assert row["target_step_ms"] == pytest.approx(20.0) and row["batch_size"] == 8 and row["verify_costs"] == [1.0, 1.1, 1.2]
+
+
+def test_a_draft_length_policy_ships_only_when_its_paired_interval_clears_the_best_constant_k():
+    from analysis.decide import draft_length_choices
+
+    rng = np.random.default_rng(0)
+    candidates = [{"label": "d", "k": 1}, {"label": "d", "k": 2}, {"label": "d~cost", "k": 4}, {"label": "e", "k": 1}]
+    base = 1.2 + 0.02 * rng.standard_normal(200)
+    mix = np.stack([np.r_[1.2, base], np.r_[1.1, base - 0.1], np.r_[1.3, base * 1.08], np.r_[2.0, base + 0.8]])  # [c, 1 + R]
+    per_cat = mix[:, :, None]
+    (entry, category) = draft_length_choices(candidates, mix, per_cat, ["qa"], 0.95, True, [])
+    assert entry["draft"] == "d" and entry["constant_k"] == 1 and entry["policy"] == "cost" and entry["policy_k"] == 4
+    assert entry["ratio"] == pytest.approx(1.3 / 1.2) and entry["low"] > 1 and entry["ship"] == "draft_length=cost, k cap 4"
+    assert category["scope"] == "qa"
+    mix[2, 1:] = base * rng.uniform(0.9, 1.1, 200)  # no better on the resamples: constant k is as good
+    (entry, _) = draft_length_choices(candidates, mix, per_cat, ["qa"], 0.95, True, [])
+    assert entry["low"] < 1 < entry["high"] and entry["ship"].startswith("constant k=1 (as good")

@@ -190,3 +190,26 @@ def test_a_cost_only_cell_joins_the_real_weights_of_its_shapes(tmp_path, tiny_pa
     table = to_markdown(rows).splitlines()
     assert "cost-only" not in table[2] and f"{real['speedup']:.3f}" in table[2]
     assert "cost-only" in table[3] and f"{same['speedup']:.3f}" not in table[3]
+
+
+@pytest.mark.parametrize(
+    "target, head, message",
+    [
+        (
+            {**TINY, "vocab_size": 400},
+            {**TINY, "num_hidden_layers": 1, "vocab_size": 400, "draft_vocab_size": 100},
+            "target has 2",
+        ),
+        (
+            {**TINY, "num_hidden_layers": 3, "vocab_size": 400},
+            {**TINY, "num_hidden_layers": 1, "vocab_size": 400},
+            "draft_vocab_size=32000",
+        ),
+    ],
+)
+def test_a_head_its_target_cannot_feed_is_one_line(target, head, message):
+    from harness.models.shapes import random_head
+
+    model = random_model("shapes:llama31_8b", CPU, torch.float32, overrides=target)
+    with pytest.raises(HarnessError, match=message):
+        random_head("shapes:eagle3_llama31_8b", "eagle3", model, torch.float32, overrides=head)

@@ -107,7 +107,18 @@ def random_head(model_id: str, layout: str, target, dtype: torch.dtype, seed: in
 
     config = LlamaConfig(**shapes_config(model_id, overrides).to_dict())
     device = next(target.parameters()).device
-    target_hidden = target.config.get_text_config(decoder=True).hidden_size
+    text = target.config.get_text_config(decoder=True)
+    target_hidden = text.hidden_size
+    if layout == "eagle3" and text.num_hidden_layers < 3:  # it reads the target's layers 2, L/2 and L-3
+        raise HarnessError(
+            f"{model_id}: an EAGLE-3 head reads three of the target's layers, and the target has "
+            f"{text.num_hidden_layers}: give pair.target.config num_hidden_layers of at least 3"
+        )
+    if getattr(config, "draft_vocab_size", 0) > text.vocab_size:
+        raise HarnessError(
+            f"{model_id}: draft_vocab_size={config.draft_vocab_size} is more than the target's vocab_size={text.vocab_size}: "
+            f"lower pair.draft.config.draft_vocab_size"
+        )
     with _seeded(seed, device), torch.device(device):
         torch.manual_seed(seed)
         head = FeatureHead(layout, config, target, target_hidden)
