@@ -1,0 +1,101 @@
+"""The accept / reject rule over a token tree, as a pure function beside harness.core.rule's chain rule.
+
+A tree of N drafted nodes hangs below the last committed token (the root): node i has token x_i and parent
+parents[i] (-1: the root), and the children of a node are tried in the order they appear. The target scored
+every node in one pass: p[0] is its law after the root, p[i + 1] its law after node i's path.
+
+At a node whose law is r (p of that node), its children are tried in order:
+  sampled   the siblings were drawn independently from the draft's law q at their parent (q[i]): child x is
+            accepted with probability min(1, r(x) / q(x)); on rejection r becomes norm(max(0, r - q)) for the
+            next sibling (SpecInfer's recursive rejection);
+  one-hot   the siblings were taken as the draft's top tokens (deterministic): child x is accepted with
+            probability r(x); on rejection r(x) becomes 0 and r is renormalised (EAGLE's rule).
+The first accepted child is committed and the walk goes on below it with its own p. When every child of the
+node reached is rejected, the next token is drawn from what remains of r; at a leaf, from the leaf's p (the
+bonus). Greedy follows the target's argmax through the tree.
+
+Why each committed token has the target's law: at one node, the chain rule's argument applies sibling by
+sibling. Sampled: P(commit x at sibling 1) = q(x) min(1, r(x)/q(x)) = min(r, q)(x), and given a rejection the
+rest of r is exactly norm(max(0, r - q)), the law the next sibling is tested against; by induction the
+committed token is r-distributed. One-hot: P(commit x_1) = r(x_1); given a rejection the token is
+r conditioned on not x_1, which is the renormalised r with r(x_1) = 0. The walk below the committed child
+uses the target's law after it, so every committed token follows the target given its prefix.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from harness.core.sampling import sample_rows
+
+
+class TreeVerdict(NamedTuple):
+    path: list[int]  # the accepted nodes, root to leaf (host ints)
+    next_token: torch.Tensor  # [] the recovered or bonus token
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """{node (-1: the root): its children in trial order}."""
+    out: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        out.setdefault(parent, []).append(i)
+    return out
+
+
+def without(r: torch.Tensor, q: torch.Tensor, x: int, one_hot: bool) -> torch.Tensor:
+    """[V] the law the next sibling is tested against once x was rejected from r [V]."""
+    rest = r.clone() if one_hot else (r - q).clamp_min(0)
+    if one_hot:
+        rest[x] = 0
+    total = rest.sum()
+    return rest / total if total > 0 else r  # no mass left: rejection had probability 0, r stays
+
+
+def uniforms(n: int, generator, device) -> torch.Tensor:
+    """[n] float64 uniforms, one per node (as the chain rule's, float64: a float32 u would accept tiny ratios)."""
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+
+
+def below(u: torch.Tensor, i: int, a: torch.Tensor) -> bool:
+    """Node i's test: its uniform below its acceptance probability a."""
+    return bool(u[i] < a)
+
+
+def verify_tree(
+    tokens: torch.Tensor,  # [N] drafted tokens
+    parents: list[int],  # [N] each node's parent (-1: the root), children after their parent
+    q: torch.Tensor | None,  # [N, V] the law each sampled node was drawn from (None: one-hot)
+    p: torch.Tensor,  # [N + 1, V] the target's law after the root (row 0) and after each node (row i + 1)
+    generator,
+) -> TreeVerdict:
+    """Walk the tree from the root, accepting a child per depth or stopping (module docstring)."""
+    one_hot, node, path = q is None, -1, []
+    children = children_of(parents)
+    u = uniforms(len(parents), generator, p.device)
+    while True:
+        r = p[node + 1]
+        chosen = None
+        for i in children.get(node, []):
+            x = int(tokens[i])
+            if below(u, i, r[x] if one_hot else (r[x] / q[i, x]).clamp(max=1)):
+                chosen = i
+                break
+            r = without(r, None if one_hot else q[i], x, one_hot)
+        if chosen is None:
+            return TreeVerdict(path, sample_rows(r[None], [generator])[0])
+        path.append(chosen)
+        node = chosen
+
+
+def greedy_tree(tokens: torch.Tensor, parents: list[int], argmax: torch.Tensor) -> TreeVerdict:
+    """Temperature 0: the child equal to the target's argmax (argmax [N + 1], per row of p), while there is one."""
+    children, node, path = children_of(parents), -1, []
+    while True:
+        best = int(argmax[node + 1])
+        chosen = next((i for i in children.get(node, []) if int(tokens[i]) == best), None)
+        if chosen is None:
+            return TreeVerdict(path, argmax[node + 1])
+        path.append(chosen)
+        node = chosen
