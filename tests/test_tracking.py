@@ -756,3 +756,12 @@ def test_a_multirun_without_benchmark_jobs_prints_no_table(tmp_path, capsys):
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
     AggregateCallback().on_multirun_end(config)
     assert "cells in" not in capsys.readouterr().out and not (sweep / "aggregate.md").exists()
+
+
+def test_a_draft_length_policy_charts_its_lengths_and_calibration():
+    calibration = [{"bin": [0.3, 0.4], "tested": 9, "predicted": 0.35, "observed": 0.2}]
+    summary = {"accept_hist": [5, 1], "drafted_hist": [2, 4], "draft_length": {"policy": "cost", "calibration": calibration}}
+    logged = tracking.media(summary, [])
+    assert logged["charts/drafted_hist"].table.data == [["0", 2], ["1", 4]]
+    assert logged["charts/calibration"].table.data == [[0.3, 0.35, 0.2, 9]]
+    assert "charts/drafted_hist" not in tracking.media({**summary, "draft_length": {"policy": "constant"}}, [])

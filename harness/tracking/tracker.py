@@ -76,6 +76,7 @@ METRICS = (
     "new_tokens",
     "cycles",
     "cycles_without_draft",
+    "mean_drafted",
     "target_passes",
     "draft_passes",
     "spec_time_s",
@@ -406,6 +407,18 @@ def media(summary: dict, records: list[dict]) -> dict:
         bars += [[str(n), c - (none if n == 0 else 0)] for n, c in enumerate(summary["accept_hist"])]
         hist = wandb.Table(columns=["accepted", "cycles"], data=bars)
         logged["charts/accept_hist"] = wandb.plot.bar(hist, "accepted", "cycles", title="cycles by accepted drafts (0..k)")
+    if (summary.get("draft_length") or {}).get("policy", "constant") != "constant" and "drafted_hist" in summary:
+        drafted = wandb.Table(columns=["drafted", "cycles"], data=[[str(n), c] for n, c in enumerate(summary["drafted_hist"])])
+        logged["charts/drafted_hist"] = wandb.plot.bar(drafted, "drafted", "cycles", title="cycles by drafted tokens (0..k)")
+        calibration = summary["draft_length"].get("calibration") or []
+        if calibration:
+            table = wandb.Table(
+                columns=["bin_low", "predicted", "observed", "tested"],
+                data=[[b["bin"][0], b["predicted"], b["observed"], b["tested"]] for b in calibration],
+            )
+            logged["charts/calibration"] = wandb.plot.scatter(
+                table, "predicted", "observed", title="draft confidence: predicted against observed acceptance"
+            )
     return logged
 
 
