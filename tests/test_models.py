@@ -259,7 +259,7 @@ def test_the_embedded_cache_is_readable_by_other_users(monkeypatch, tmp_path):
         (["+pair=smollm2_ngram", "pair.draft.min_ngram=0"], "1 <= min_ngram <= max_ngram"),
         (["+pair=smollm2_ngram", "pair.draft.max_ngram=0"], "1 <= min_ngram <= max_ngram"),
         (["+pair=smollm2_ngram", "pair.draft.min_ngram=3", "pair.draft.max_ngram=2"], "1 <= min_ngram <= max_ngram"),
-        (["+pair=smollm2_ngram", "pair.draft.length=longest"], "pair.draft.length=longest must be match or cost_aware"),
+        (["+pair=smollm2_ngram", "pair.draft.length=longest"], "pair.draft.length=longest must be match"),
     ],
 )
 def test_a_pair_that_cannot_run_is_one_line_before_loading(overrides, message):

@@ -399,13 +399,11 @@ def validate(cfg: DictConfig) -> None:
 
 def check_draft_length(setting: DictConfig | None, draft_kind: str) -> None:
     """draft_length (conf/draft_length/): a known policy with settings it can use, for a draft it applies to."""
-    from harness.core.lengths import POLICIES
-
     if setting is None:
         return
     policy, threshold, table = setting.get("policy"), setting.get("threshold", 0.4), setting.get("table") or {}
-    if policy not in POLICIES:
-        raise HarnessError(f"draft_length={policy} must be one of {', '.join(POLICIES)} (e.g. draft_length=cost)")
+    if policy not in settings.DRAFT_LENGTHS:
+        raise HarnessError(f"draft_length={policy} must be one of {', '.join(settings.DRAFT_LENGTHS)} (e.g. draft_length=cost)")
     if policy == "confidence" and not (threshold == "auto" or (isinstance(threshold, (int, float)) and 0 < threshold < 1)):
         raise HarnessError(f"draft_length.threshold={threshold} must be a number in (0, 1) or auto (fitted online)")
     if policy == "confidence" and draft_kind == "ngram":

@@ -29,6 +29,7 @@ BATCH_ONE_ONLY = (
     "(Llama models), or batch_size=1"
 )
 WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
+DRAFT_LENGTHS = ("constant", "heuristic", "confidence", "cost", "by_batch")  # draft_length policies (harness.core.lengths)
 LOOKUP_LENGTHS = ("match",)  # prompt lookup proposes its match; how much of it: draft_length (harness.core.lengths)
 COMPILED_MAX_TOKENS = (
     16  # harness.models.cached.CachedLM compiles steps of up to this many positions: k + 1 for any k a sweep uses

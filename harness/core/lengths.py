@@ -24,7 +24,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-POLICIES = ("constant", "heuristic", "confidence", "cost", "by_batch")
+from harness.config.settings import DRAFT_LENGTHS
+
+POLICIES = DRAFT_LENGTHS
 BINS = 10  # calibration bins of the draft's probability, equal widths over [0, 1]
 START_THRESHOLD = 0.4  # confidence=auto before any outcome (HF's default)
 
@@ -243,7 +245,10 @@ class Whole(DraftLength):
 @contextmanager
 def drafting_whole(drafter, rows: int):
     """`drafter` proposes whole budgets in the block (a draft step timed), its own policy left as it was."""
-    policy = drafter.draft_length
+    policy = getattr(drafter, "draft_length", None)
+    if policy is None:  # a drafter without a policy drafts its budgets
+        yield
+        return
     drafter.draft_length = Whole(policy.stops)
     drafter.draft_length.start(rows)
     try:
