@@ -29,6 +29,7 @@ from harness.config.settings import DRAFT_LENGTHS
 POLICIES = DRAFT_LENGTHS
 BINS = 10  # calibration bins of the draft's probability, equal widths over [0, 1]
 START_THRESHOLD = 0.4  # confidence=auto before any outcome (HF's default)
+EXPLORE = 8  # cost: a row that drafted nothing for this many cycles drafts one token, so the run keeps measuring the draft
 
 
 class Calibration:
@@ -178,6 +179,7 @@ class Cost(DraftLength):
         super().start(rows)
         self.reach = [1.0] * rows  # per row, P(every draft so far accepted), this cycle
         self.tokens = [1.0] * rows  # per row, E[tokens] of the cycle so far (the bonus or recovered one counted)
+        self.idle = [0] * rows  # per row, cycles since it last drafted
 
     def _pays(self, row: int, n: int) -> bool:
         """Whether to draft on, n drafted: whether some longer draft m > n (within the measured v) has expected
@@ -195,8 +197,10 @@ class Cost(DraftLength):
         return False
 
     def budgets(self, caps):
+        """The cap where a first draft pays; else none, but one token after EXPLORE idle cycles: without
+        drafts the calibration would learn nothing more, and a run that stopped drafting would never start again."""
         self.reach, self.tokens = [1.0] * len(caps), [1.0] * len(caps)
-        return [cap if cap and self._pays(i, 0) else 0 for i, cap in enumerate(caps)]
+        return [cap if cap and self._pays(i, 0) else min(cap, 1) if self.idle[i] >= EXPLORE else 0 for i, cap in enumerate(caps)]
 
     def go_on(self, row, p):
         super().go_on(row, p)
@@ -208,10 +212,11 @@ class Cost(DraftLength):
     def outcome(self, drafted, accepted):
         super().outcome(drafted, accepted)
         self.reach, self.tokens = [1.0] * len(drafted), [1.0] * len(drafted)  # the next cycle starts afresh
+        self.idle = [0 if d else n + 1 for d, n in zip(drafted, self.idle)]
 
     def keep(self, rows):
         super().keep(rows)
-        self.reach, self.tokens = [self.reach[i] for i in rows], [self.tokens[i] for i in rows]
+        self.reach, self.tokens, self.idle = ([values[i] for i in rows] for values in (self.reach, self.tokens, self.idle))
 
     def describe(self):
         return {**super().describe(), "cost_ratio": self.c, "verify_cost": self.v}
