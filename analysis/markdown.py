@@ -187,27 +187,14 @@ def _decision_section(d: dict) -> list[str]:
     ]
     if mix["what_would_change"]:
         out += ["What would change it:", ""] + [f"- {line}" for line in mix["what_would_change"]] + [""]
-    if d.get("draft_length"):
-        out += [
-            "Draft length: each draft's best policy against its best constant k (paired ratio of speedups):",
-            "",
-            _table(
-                ["draft", "scope", "ship", "policy (k cap)", "constant k", "ratio policy/constant", f"{pct} CI"],
-                [
-                    [
-                        e["draft"],
-                        e["scope"],
-                        e["ship"],
-                        f"{e['policy']} ({e['policy_k']})",
-                        e["constant_k"],
-                        _f(e["ratio"]),
-                        _ci(e["low"], e["high"]),
-                    ]
-                    for e in d["draft_length"]
-                ],
-            ),
-            "",
+    if d.get("draft_length"):  # each draft's best policy against its best constant k
+        header = ["draft", "scope", "ship", "policy (k cap)", "constant k", "ratio policy/constant", f"{pct} CI"]
+        cells = [
+            (e["draft"], e["scope"], e["ship"], f"{e['policy']} ({e['policy_k']})", e["constant_k"]) for e in d["draft_length"]
         ]
+        rows = [[*c, _f(e["ratio"]), _ci(e["low"], e["high"])] for c, e in zip(cells, d["draft_length"])]
+        out += ["Draft length: each draft's best policy against its best constant k (paired ratio of speedups):", ""]
+        out += [_table(header, rows), ""]
     categories = list(d["categories"])
     rows = [
         [c["label"], c["k"], _f(c["speedup"]), _ci(c["low"], c["high"]), *[_f(c["categories"][g]["speedup"]) for g in categories]]

@@ -399,6 +399,19 @@ def test_loop_law_catches_broken_variants(variant):
     assert tv < 1e-9 if variant.lossless else tv > 1e-2, f"{variant.name}: TV {tv:.3g}"
 
 
+def counting(drafter) -> set[int]:
+    """The set, filled as the drafter proposes, of the lengths it proposed."""
+    lengths, propose = set(), drafter.propose
+
+    def counted(rows, budgets, sampling):
+        proposal = propose(rows, budgets, sampling)
+        lengths.add(proposal.counts[0])
+        return proposal
+
+    drafter.propose = counted
+    return lengths
+
+
 POLICIES = {
     "heuristic": lambda: make_policy("heuristic"),
     "confidence": lambda: make_policy("confidence", threshold=0.4),
@@ -419,15 +432,8 @@ def test_draft_length_policies_keep_the_target_law_exactly(name):
     run's past outcomes) keeps the target's law exactly at T=1; lengths vary."""
     k, sampling, length = 2, Sampling(1.0), 4
     target, draft = markov_pair(4, seed=0)
-    drafter, lengths = ModelDrafter(draft), set()
-    propose = drafter.propose
-
-    def counted(rows, budgets, sampling):
-        proposal = propose(rows, budgets, sampling)
-        lengths.add(proposal.counts[0])
-        return proposal
-
-    drafter.propose = counted
+    drafter = ModelDrafter(draft)
+    lengths = counting(drafter)
     exact = target_law(TargetLaw(target, PROMPT, sampling, set(), length))
     enum = Enumerator()
     rule = per_row(enum.wrap(verify))
@@ -481,15 +487,8 @@ def test_cost_aware_lookup_law_is_target_law_exactly(variant):
     k, sampling, length = 2, Sampling(1.0), 5
     target, _ = markov_pair(4, seed=0)
     prompt = torch.tensor([1, 2, 3, 1, 2])  # matches from the first cycle on
-    drafter, lengths = cost_aware_lookup(4), set()
-    propose = drafter.propose
-
-    def counted(rows, budgets, sampling):
-        proposal = propose(rows, budgets, sampling)
-        lengths.add(proposal.counts[0])
-        return proposal
-
-    drafter.propose = counted
+    drafter = cost_aware_lookup(4)
+    lengths = counting(drafter)
     exact = target_law(TargetLaw(target, prompt, sampling, set(), length))
     plug = variant or broken.Variant("real_loop", True, "the real loop")
     policy, start = drafter.draft_length, drafter.start
