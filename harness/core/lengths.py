@@ -10,7 +10,7 @@ target's law (docs/metrics.md, "Draft length").
   constant    k every cycle (the default).
   heuristic   HF's schedule: +2 after a cycle whose drafts were all accepted, -1 otherwise, within 1..k.
   confidence  stop at the first drafted token the draft gives probability below `threshold` (a number,
-              or auto: refitted after each cycle from the run's accepted/rejected tokens, ROC as HF does).
+              or auto: refitted from the run's accepted/rejected tokens each time they grow by 1/16, ROC as HF does).
   cost        draft on while a longer draft has expected tokens per unit of cost at least the cycle's so far:
               E[tokens] counts P(a draft and every earlier one accepted), from the draft's probabilities
               calibrated online against the run's outcomes; cost is n c + v(n + 1), c and v(n) measured on
@@ -135,7 +135,7 @@ class Confidence(DraftLength):
 
     def __init__(self, threshold: float | str = START_THRESHOLD):
         super().__init__()
-        self.auto = threshold == "auto"
+        self.auto, self.fitted_at = threshold == "auto", 0  # fitted_at: the outcomes the threshold was fitted on
         self.threshold = START_THRESHOLD if self.auto else float(threshold)
 
     def go_on(self, row, p):
@@ -144,8 +144,9 @@ class Confidence(DraftLength):
 
     def outcome(self, drafted, accepted):
         super().outcome(drafted, accepted)
-        if self.auto:
-            self.threshold = roc_threshold(self.calibration.pairs, self.threshold)
+        n = len(self.calibration.pairs)
+        if self.auto and n - self.fitted_at >= max(1, n // 16):  # refitted as outcomes grow by 1/16: O(1) a cycle on average
+            self.threshold, self.fitted_at = roc_threshold(self.calibration.pairs, self.threshold), n
 
     def describe(self):
         return {**super().describe(), "threshold": self.threshold, "threshold_fitted": self.auto}
@@ -158,9 +159,9 @@ def roc_threshold(pairs: list[tuple[float, bool]], current: float) -> float:
     ok = np.array([a for _, a in pairs], dtype=bool)
     if ok.all() or not ok.any():
         return current
-    candidates = np.unique(p)
-    tpr = (p[ok][None, :] >= candidates[:, None]).mean(1)
-    fpr = (p[~ok][None, :] >= candidates[:, None]).mean(1)
+    candidates, accepted, rejected = np.unique(p), np.sort(p[ok]), np.sort(p[~ok])  # refitted every cycle: sorted, not n x n
+    tpr = 1 - np.searchsorted(accepted, candidates, side="left") / len(accepted)  # share of the accepted at or above
+    fpr = 1 - np.searchsorted(rejected, candidates, side="left") / len(rejected)
     return float(candidates[np.argmin(fpr**2 + (1 - tpr) ** 2)])
 
 
