@@ -6,6 +6,8 @@ one-sequence loop (harness.core.loop.speculative_decode) likewise.
         --ks 2 --max-new-tokens 32 --out results/batch_greedy.json
     python scripts/batch_greedy_check.py --pairs smollm2_eagle smollm2 --batch-sizes 1 --ks 4 \
         --draft-lengths heuristic confidence cost by_batch   # each draft-length policy
+    python scripts/batch_greedy_check.py --pairs smollm2_eagle smollm2 --batch-sizes 1 --trees 2,1 3,2,1 --dynamic 8 4
+        # token trees, each at k = its depth; a dynamic tree of 8 nodes, depth 4
 
 The reference is the target alone at batch size 1 (harness.core.loop.autoregressive_decode). A row
 that parts from it is explained only by a numerical tie (harness.core.ties.same_greedy_output:
@@ -39,7 +41,14 @@ from harness.runner.provenance import harness_commit, machine
 
 
 def check(
-    pair_name: str, batch_sizes: list[int], ks: list[int], max_new_tokens: int, num_prompts: int | None, policy: str = "constant"
+    pair_name: str,
+    batch_sizes: list[int],
+    ks: list[int],
+    max_new_tokens: int,
+    num_prompts: int | None,
+    policy: str = "constant",
+    tree: list[int] | str | None = None,
+    nodes: int = 8,
 ) -> dict:
     with hydra_on_conf():
         cfg = with_default_pair(compose(config_name="config", overrides=[f"+pair={pair_name}", f"draft_length={policy}"]))
@@ -54,9 +63,10 @@ def check(
         pair.reserve(longest, max_new_tokens, max(ks), B)
     alone = [list(autoregressive_decode(pair.target, ids, greedy, max_new_tokens, pair.eos_ids, none)) for _, ids in encoded]
     target, drafter = pair.target, pair.drafter
-    out = {"pair": pair_name, "draft_length": policy, "prompts": len(encoded), "by_k_and_batch_size": {}}
+    out = {"pair": pair_name, "draft_length": policy, "tree": tree, "prompts": len(encoded), "by_k_and_batch_size": {}}
     for k, B in ((k, B) for k in ks for B in batch_sizes):
         pair.follow_draft_length(cfg.draft_length)  # a fresh policy, with this machine's costs (cost weighs by them)
+        pair.follow_tree({"k": k, "tree": tree, "tree_nodes": nodes})
         pair.use_costs(measure_costs(pair, [ids for _, ids in encoded[:B]], k, greedy))
         started, outputs = time.perf_counter(), []  # (prompt index, what decoded it, its tokens)
         for i, (_, ids) in enumerate(encoded if B == 1 else []):  # the one-sequence loop
@@ -89,7 +99,8 @@ def check(
         }
         drafted = drafter.draft_length.describe()
         out["by_k_and_batch_size"][f"k{k}-b{B}"]["draft_length"] = drafted
-        print(f"{pair_name} draft_length={policy} k={k} B={B}: {rows} rows, {differ} differ (all by a tie)", flush=True)
+        shape = "" if tree is None else f" tree={tree}"
+        print(f"{pair_name} draft_length={policy}{shape} k={k} B={B}: {rows} rows, {differ} differ (all by a tie)", flush=True)
     return out
 
 
@@ -99,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--ks", type=int, nargs="+", default=[2])
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--draft-lengths", nargs="+", default=["constant"], help="draft-length policies (conf/draft_length/)")
+    parser.add_argument("--draft-lengths", nargs="*", default=["constant"], help="draft-length policies (conf/draft_length/)")
+    parser.add_argument("--trees", nargs="+", default=[], help="token trees, e.g. 2,1 3,2,1: each at k = its depth, B=1")
+    parser.add_argument("--dynamic", type=int, nargs=2, metavar=("NODES", "DEPTH"), help="a dynamic tree too (tree_topk=4)")
     parser.add_argument("--num-prompts", type=int, default=None, help="builtin prompts (default: all 60)")
     parser.add_argument("--out", type=Path, default=Path("results/batch_greedy.json"))
     args = parser.parse_args(argv)
@@ -116,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.pairs:
             for policy in args.draft_lengths:
                 result["pairs"].append(check(name, args.batch_sizes, args.ks, args.max_new_tokens, args.num_prompts, policy))
+            for tree in ([int(w) for w in shape.split(",")] for shape in args.trees):
+                result["pairs"].append(check(name, [1], [len(tree)], args.max_new_tokens, args.num_prompts, tree=tree))
+            if args.dynamic:
+                nodes, depth = args.dynamic
+                result["pairs"].append(
+                    check(name, [1], [depth], args.max_new_tokens, args.num_prompts, tree="dynamic", nodes=nodes)
+                )
     except HarnessError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

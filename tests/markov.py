@@ -32,19 +32,35 @@ class MarkovLM:
     def reset(self, rollback: bool = True) -> None:
         """Forget everything: a new sequence starts."""
         self.tokens: list[int] = []
+        self.before: list[int] = []  # per position, the position whose token its row reads (-1: none)
 
     @property
     def length(self) -> int:
         """Tokens fed so far (the cached positions)."""
         return len(self.tokens)
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
-        """Append input_ids [T]; logits [num_logits, V] after each of the last positions."""
+    def forward(self, input_ids: torch.Tensor, num_logits: int = 1, tree: list[int] | None = None) -> torch.Tensor:
+        """Append input_ids [T]; logits [num_logits, V] after each of the last positions. tree: the parents of
+        the last len(tree) positions (harness.models.kv_store.tree_layout), each reading its parent's token."""
         tokens, v = self.tokens, self.vocab_size
+        start = len(tokens)
         tokens.extend(input_ids.tolist())
         end = len(tokens)
-        rows = [self._rows[(tokens[i - 1] if i > 0 else v) * v + tokens[i]] for i in range(end - num_logits, end)]
+        base = end - len(tree) if tree is not None else 0
+        for i in range(start, end):  # the position each one reads before it: its parent's, or the one before
+            before = i - 1 if tree is None or tree[i - base] < 0 else base + tree[i - base]
+            self.before.append(before)
+        rows = [
+            self._rows[(tokens[self.before[i]] if self.before[i] >= 0 else v) * v + tokens[i]]
+            for i in range(end - num_logits, end)
+        ]
         return torch.stack(rows)  # a copy: callers may not write into the table
+
+    def compact(self, base: int, kept: list[int]) -> None:
+        """Positions base + kept[j] move to base + j (an accepted path), each then reading the one before."""
+        for j, node in enumerate(kept):
+            self.tokens[base + j] = self.tokens[base + node]
+            self.before[base + j] = base + j - 1
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Append input_ids [T]; the logits [V] after the last one, if any."""
@@ -53,6 +69,7 @@ class MarkovLM:
     def rollback(self, length: int) -> None:
         """Keep the first `length` tokens."""
         del self.tokens[length:]
+        del self.before[length:]
 
 
 def trigram_tables(vocab_size: int, seed: int, scale: float = 2.0, draft_noise: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from test_exactness import Branches
 
 import harness.core.tree as tree
+from harness.core.tree_shapes import static_parents
 
 V = 4
 GEN = torch.Generator().manual_seed(0)
@@ -20,19 +21,6 @@ P0 = torch.tensor([0.3, 0.5, 0.15, 0.05], dtype=torch.float64)
 Q0 = torch.tensor([0.5, 0.42, 0.03, 0.05], dtype=torch.float64)
 P = torch.softmax(2 * torch.randn(V, V, generator=GEN, dtype=torch.float64), -1)  # the target's after token a: P[a]
 Q = torch.softmax(torch.log(P) + torch.randn(V, V, generator=GEN, dtype=torch.float64), -1)  # the draft's
-
-
-def shape_parents(shape: list[int]) -> list[int]:
-    """Parents of a static tree, `shape[d]` children for every node at depth d, breadth first."""
-    parents, level = [], [-1]
-    for width in shape:
-        nxt = []
-        for node in level:
-            for _ in range(width):
-                parents.append(node)
-                nxt.append(len(parents) - 1)
-        level = nxt
-    return parents
 
 
 class TreeEnum:
@@ -73,7 +61,7 @@ class TreeEnum:
 def tree_law(shape: list[int], sampled: bool, rule=None) -> dict:
     """{first two committed tokens: probability} of a cycle of `rule` on a drafted tree, the second token
     drawn from the target after the first where the cycle committed only one (as the next cycle would)."""
-    enum, parents, law, stack = TreeEnum(), shape_parents(shape), defaultdict(float), [[]]
+    enum, parents, law, stack = TreeEnum(), static_parents(shape), defaultdict(float), [[]]
     rule = rule or tree.verify_tree
     with enum.installed():
         while stack:
@@ -175,7 +163,7 @@ def test_broken_tree_rules_are_caught_exactly(bug, sampled):
 
 
 def test_greedy_follows_the_target_argmax_through_the_tree():
-    parents = shape_parents([2, 2])  # nodes 0, 1 at depth 1; 2, 3 below 0; 4, 5 below 1
+    parents = static_parents([2, 2])  # nodes 0, 1 at depth 1; 2, 3 below 0; 4, 5 below 1
     tokens = torch.tensor([1, 3, 0, 2, 2, 1])
     argmax = torch.tensor([3, 9, 1, 9, 9, 9, 0])  # after the root 3 (node 1), after node 1: 1 (node 5), after 5: 0
     verdict = tree.greedy_tree(tokens, parents, argmax)

@@ -30,7 +30,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from harness.config import settings
@@ -395,6 +395,43 @@ def validate(cfg: DictConfig) -> None:
             raise HarnessError(message)
     check_pair(cfg.pair)
     check_draft_length(cfg.get("draft_length"), cfg.pair.draft.kind)
+    check_tree(cfg)
+
+
+def check_tree(cfg: DictConfig) -> None:
+    """tree: children per depth (integers >= 1), drafted by a model draft or a feature head, one row, eager steps."""
+    tree, candidates = cfg.get("tree"), cfg.get("tree_candidates", "top")
+    if candidates not in settings.TREE_CANDIDATES:
+        raise HarnessError(f"tree_candidates={candidates} must be top (the draft's top tokens) or sampled (drawn from it)")
+    if tree is None:
+        return
+    widths = list(tree) if isinstance(tree, ListConfig | list) else tree
+    if widths != "dynamic" and not (widths and all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths)):
+        raise HarnessError(
+            f"tree={tree} must be a list of children per depth, integers >= 1 (tree=[3,2,1]), dynamic, or null (a chain)"
+        )
+    nodes, topk = cfg.get("tree_nodes", 8), cfg.get("tree_topk", 4)
+    reasons = [
+        (
+            widths == "dynamic" and candidates == "sampled",
+            "a dynamic tree keeps the draft's best candidates: tree_candidates=top",
+        ),
+        (widths == "dynamic" and not (nodes >= 1 and topk >= 1), f"tree_nodes={nodes} and tree_topk={topk} must be >= 1"),
+        (cfg.pair.draft.kind == "ngram", "prompt lookup proposes one match, not a tree: use a model draft or a feature head"),
+        (cfg.get("batch_size", 1) > 1, "token trees run at batch_size=1 (a tree per row would pad every row to the widest tree)"),
+        (
+            cfg.get("compile", False),
+            "token trees run eager steps (their attention mask is not a captured shape): use compile=false",
+        ),
+        (cfg.get("cache") == "static", "token trees run on cache=dynamic"),
+        (
+            (cfg.get("draft_length") or {}).get("policy", "constant") != "constant",
+            "a tree's depth is k: draft_length policies shorten chains, use draft_length=constant",
+        ),
+    ]
+    for refused, why in reasons:
+        if refused:
+            raise HarnessError(f"tree={widths}: {why}")
 
 
 def check_draft_length(setting: DictConfig | None, draft_kind: str) -> None:

@@ -30,6 +30,7 @@ BATCH_ONE_ONLY = (
 )
 WANDB_MODES = ("auto", "online", "offline", "disabled")  # harness.tracking.tracker
 DRAFT_LENGTHS = ("constant", "heuristic", "confidence", "cost", "by_batch")  # draft_length policies (harness.core.lengths)
+TREE_CANDIDATES = ("top", "sampled")  # a tree's candidates: the draft's top tokens, or drawn from it (harness.core.tree_shapes)
 LOOKUP_LENGTHS = ("match",)  # prompt lookup proposes its match; how much of it: draft_length (harness.core.lengths)
 COMPILED_MAX_TOKENS = (
     16  # harness.models.cached.CachedLM compiles steps of up to this many positions: k + 1 for any k a sweep uses
@@ -83,6 +84,10 @@ class Settings:  # conf/config.yaml
     force: bool = MISSING
     dataset: Any = MISSING  # a PromptSet (below): conf/dataset/
     draft_length: Any = MISSING  # conf/draft_length/: policy, and threshold or table (harness.core.lengths)
+    tree: Any = MISSING  # null, or children per depth (harness.core.tree_shapes)
+    tree_candidates: str = MISSING  # TREE_CANDIDATES
+    tree_nodes: int = MISSING  # tree=dynamic
+    tree_topk: int = MISSING  # tree=dynamic
     pair: Any = None  # a pair (below), chosen with +pair=NAME; None: conf/pair/<default_pair>.yaml
 
 

@@ -18,6 +18,7 @@ import torch
 from harness.base.host_reads import from_host
 from harness.core.lengths import DraftLength
 from harness.core.sampling import Sampling, sample_rows, shape_probs
+from harness.core.tree_shapes import TreeShape, TreeSpec, grow
 from harness.models.batched import resized, rows_of
 from harness.models.eagle import FeatureHead, HeadRows
 
@@ -32,7 +33,8 @@ class Proposal:
 
     tokens: torch.Tensor  # [B, K] row i's first counts[i] real, the rest 0
     counts: list[int]  # [B] tokens row i drafted (host ints: the drafter knows them without a read)
-    q: torch.Tensor | None  # [B, K, V] the laws row i's drafts were drawn from; None when greedy or none drafted
+    q: torch.Tensor | None  # [B, K, V] the laws row i's drafts were drawn from; None when greedy, none drafted or one-hot
+    tree: TreeShape | None = None  # a token tree (one row): its K nodes' parents; None: a chain
 
     @staticmethod
     def cut(tokens: torch.Tensor, counts: list[int], q: torch.Tensor | None) -> Proposal:
@@ -82,6 +84,7 @@ class Drafter(Protocol):
     def start(self, prompts: list[torch.Tensor]) -> None: ...
     def propose(self, rows: Rows, budgets: list[int], sampling: Sampling) -> Proposal: ...
     def observe(self, seen: list[tuple[torch.Tensor, int]]) -> None: ...
+    def keep_paths(self, bases: list[int], paths: list[list[int]]) -> None: ...
     def rollback(self, lengths: list[int]) -> None: ...
     def keep(self, rows: list[int]) -> None: ...
 
@@ -94,7 +97,10 @@ class DrafterBase:
     forwards = True  # each drafted token costs a forward pass of the draft
     context: int | None = None  # the longest sequence the draft takes (None: no limit of its own)
 
+    tree: TreeSpec | None = None  # token trees (harness.core.tree_shapes), at batch size 1; None: chains
+
     def observe(self, seen) -> None: ...
+    def keep_paths(self, bases: list[int], paths: list[list[int]]) -> None: ...
     def reserve(self, positions: int, rows: int = 1) -> None: ...
     def warm_up(self, k: int, rows: int = 1) -> None: ...
     def use_costs(self, costs: dict) -> None: ...
@@ -127,6 +133,8 @@ class ModelDrafter(DrafterBase):
         self.rows.forward([p[:-1] for p in prompts], [0] * len(prompts))
 
     def propose(self, rows, budgets, sampling):
+        if self.tree is not None and budgets[0]:
+            return self._tree(rows, budgets[0], sampling)
         K, B, device, budgets = max(budgets, default=0), len(budgets), self.lm.device, list(budgets)
         tokens, q = torch.zeros(B, K, dtype=torch.long, device=device), None
         feeds = [ids[n:] if b else ids[:0] for ids, n, b in zip(rows.ids, self.rows.lengths, budgets)]
@@ -144,6 +152,24 @@ class ModelDrafter(DrafterBase):
                 )
             feeds = [tokens[i, step : step + 1] if b > step + 1 else rows.ids[i][:0] for i, b in enumerate(budgets)]
         return Proposal.cut(tokens, budgets, q)
+
+    def _tree(self, rows, depth: int, sampling) -> Proposal:
+        """One row's token tree of up to `depth` levels, each level one pass of the draft over its nodes."""
+        feed = rows.ids[0][self.rows.lengths[0] :]
+        root = self.rows.forward([feed], [1])[0]  # [1, V]
+
+        def expand(first, tokens, parents):  # the level's nodes, below their parents among the nodes fed so far
+            return self.rows.forward([tokens], [tokens.shape[0]], tree=[parents[: first + tokens.shape[0]]])[0]  # [n, V]
+
+        tokens, q, shape = grow(self.tree, depth, root, expand, sampling, rows.generators[0])
+        self.slots = shape.slots  # where this draft cached each node (-1: not fed)
+        return Proposal(tokens[None], [tokens.shape[0]], None if q is None else q[None], shape)
+
+    def keep_paths(self, bases, paths) -> None:
+        """After a tree: the accepted nodes it fed move next to the committed tokens; the rest is dropped."""
+        kept = [self.slots[node] for node in paths[0] if self.slots[node] >= 0]
+        self.rows.compact(bases, [kept])
+        self.rows.rollback([bases[0] + len(kept)])
 
     def rollback(self, lengths) -> None:
         self.rows.rollback(lengths)
@@ -224,6 +250,8 @@ class FeatureDrafter(DrafterBase):
         drafting = [b > 0 and n >= 2 and known >= n - 1 for b, n, known in zip(budgets, lengths, self.known)]
         if not any(drafting):
             return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None)
+        if self.tree is not None:
+            return self._tree(rows, lengths, budgets[0], sampling)
         counts = [b if d else 0 for b, d in zip(budgets, drafting)]
         tokens, q = torch.zeros(B, max(counts), dtype=torch.long, device=device), None  # [B, K]
         logits, last = self._read_target(rows.ids, lengths, drafting)  # [B, V], [B, H]
@@ -241,6 +269,25 @@ class FeatureDrafter(DrafterBase):
                 logits, out = self.store.step(tokens[:, j : j + 1], last[:, None], going, from_target=False)
                 last = out[:, 0]
         return Proposal.cut(tokens, counts, q)
+
+    def _tree(self, rows, lengths, depth: int, sampling) -> Proposal:
+        """One row's token tree of up to `depth` levels: each level's nodes one pass of the head, every node
+        reading its parent's output (the root's: the head's output at the last committed pair)."""
+        root, last = self._read_target(rows.ids, lengths, [True])  # [1, V], [1, H]
+        self.pairs = [lengths[0] - 1]
+        outputs = [last]  # row 0 the root's output, row i + 1 node i's (fed breadth first)
+
+        def expand(first, tokens, parents):
+            n = tokens.shape[0]
+            above = from_host([parents[i] + 1 for i in range(first, first + n)], tokens.device)  # [n] rows of `outputs`
+            logits, out = self.store.step(
+                tokens[None], torch.cat(outputs)[above][None], [n], from_target=False, tree=parents[: first + n]
+            )  # [n, V], [1, n, H]
+            outputs.append(out[0])
+            return logits
+
+        tokens, q, shape = grow(self.tree, depth, root, expand, sampling, rows.generators[0])
+        return Proposal(tokens[None], [tokens.shape[0]], None if q is None else q[None], shape)
 
     def _read_target(self, ids, lengths, drafting):
         """Feed each drafting row the pairs it has not seen, built on the target's features: the logits

@@ -20,6 +20,7 @@ import torch
 from harness.core.lengths import DraftLength
 from harness.core.rule import Verdicts, greedy_rows, verify_rows
 from harness.core.sampling import Sampling, sample_rows, shape_probs
+from harness.core.tree import verify_tree_cycle
 from harness.models.batched import rows_of
 
 
@@ -32,6 +33,8 @@ class Cycle:
     num_accepted: int  # leading drafted tokens accepted and kept, 0..k' (an EOS among them ends the cycle)
     expected_acceptance: torch.Tensor  # [tested positions] beta at each: up to the first rejection, or the EOS
     num_after_eos: int = 0  # drafted tokens after an accepted EOS: never to be kept, so neither accepted nor rejected
+    nodes: int = 0  # a token tree's nodes, all verified in its pass (num_drafted its depth); 0: a chain
+    ranks: tuple[int, ...] = ()  # a tree's accepted nodes' places among their siblings (0: tried first)
 
 
 class Rows:
@@ -77,6 +80,7 @@ def speculative_decode_rows(
     eos_ids: set[int],
     generators: Sequence,  # one per row (None when greedy)
     rule=verify_rows,  # tests swap in deliberately broken rules; users cannot
+    tree_rule=verify_tree_cycle,
 ) -> Iterator[list[tuple[int, Cycle]]]:
     """Per cycle, (row, its Cycle) for every row that took part in it."""
     B = len(prompts)
@@ -95,14 +99,28 @@ def speculative_decode_rows(
         unseen = [ids[n:] for ids, n in zip(rows.ids, lm.lengths)]  # the whole prompt in the first cycle
         feeds = [torch.cat([u, drafts[:c]]) for u, drafts, c in zip(unseen, proposal.tokens, counts)]
         wanted = [c + 1 for c in counts]
+        tree = proposal.tree  # a token tree (one row): the pass sees each node's own path only
+        shape = {} if tree is None else {"tree": [tree.with_prefix(unseen[0].shape[0])]}
         # per row [k'+1, V], and [u + k', F] where the drafter reads the target's features
-        logits, features = lm.forward_features(feeds, wanted, reads) if reads else (lm.forward(feeds, wanted), None)
+        logits, features = (
+            lm.forward_features(feeds, wanted, reads, **shape) if reads else (lm.forward(feeds, wanted, **shape), None)
+        )
         scored = logits[0][None] if B == 1 else torch.nn.utils.rnn.pad_sequence(logits, batch_first=True)  # [B, K+1, V]
-        if sampling.greedy:
-            verdicts: Verdicts = greedy_rows(proposal.tokens, counts, scored.argmax(-1))
+        drafts, path = proposal.tokens, None  # [B, K] the drafts a verdict counts from (a tree: its accepted path's)
+        if tree is not None:
+            q = None if proposal.q is None else proposal.q[0]
+            verdict = tree_rule(proposal.tokens[0], tree.parents, tree.widths, q, scored[0], sampling, rows.generators[0])
+            path, counts = verdict.path, [len(tree.widths)]  # a tree drafts len(widths) positions
+            drafts = proposal.tokens[0, path.clamp(min=0)][None]  # [1, D]
+            verdicts = Verdicts(verdict.accepted[None], verdict.next_token[None], (path >= 0).float()[None])
+        elif sampling.greedy:
+            verdicts = greedy_rows(proposal.tokens, counts, scored.argmax(-1))
         else:
             verdicts = rule(proposal.tokens, counts, proposal.q, shape_probs(scored, sampling), rows.generators)
-        accepted, committed = read_verdicts(proposal.tokens, verdicts)  # the cycle's one host read
+        accepted, committed, nodes = read_verdicts(drafts, verdicts, path)  # the cycle's one host read
+        if tree is not None:  # the caches keep the accepted path only, next to the committed tokens
+            lm.compact([rows.ids[0].shape[0]], [nodes])
+            drafter.keep_paths([rows.ids[0].shape[0]], [nodes])
         policy.outcome(counts, accepted)
         cycles, lengths, seen, finished = [], [], [], []
         for i, (n, c) in enumerate(zip(accepted, counts)):
@@ -111,11 +129,14 @@ def speculative_decode_rows(
             # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
             took, tested = (n, min(n + 1, c)) if len(kept) > n else (len(kept), len(kept))
             expected = verdicts.expected_acceptance[i, :tested]
-            cycles.append((rows.index[i], Cycle(kept, c, took, expected, c - took if len(kept) <= n else 0)))
+            shape = {} if tree is None else {"nodes": len(tree.parents), "ranks": tuple(tree.rank_of(j) for j in nodes[:took])}
+            cycles.append((rows.index[i], Cycle(kept, c, took, expected, c - took if len(kept) <= n else 0, **shape)))
             lengths.append(length + n)  # the committed ids and the n accepted drafts; the next token is fed next cycle
             if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
-                seen.append((features[i][: unseen[i].shape[0] + n], length - unseen[i].shape[0]))
-            tokens = torch.cat([proposal.tokens[i, :n], verdicts.next_token[i : i + 1]])  # the accepted drafts, the next token
+                u = unseen[i].shape[0]
+                read = features[i][: u + n] if tree is None else torch.cat([features[i][:u], features[i][u + path[:n]]])
+                seen.append((read, length - u))
+            tokens = torch.cat([drafts[i, :n], verdicts.next_token[i : i + 1]])  # the accepted drafts, the next token
             rows.commit(i, tokens[: len(kept)], kept)
             if stop:
                 finished.append(i)
@@ -132,10 +153,15 @@ def speculative_decode_rows(
             policy.keep(going)
 
 
-def read_verdicts(drafts: torch.Tensor, verdicts: Verdicts) -> tuple[list[int], list[list[int]]]:
-    """The host's one read of a cycle: per row its accepted count, and its accepted drafts then the next token."""
-    packed = torch.cat([verdicts.accepted[:, None], verdicts.next_token[:, None], drafts], dim=1).tolist()  # host read
-    return [row[0] for row in packed], [row[2 : 2 + row[0]] + row[1:2] for row in packed]
+def read_verdicts(
+    drafts: torch.Tensor, verdicts: Verdicts, path: torch.Tensor | None = None
+) -> tuple[list[int], list[list[int]], list[int]]:
+    """The host's one read of a cycle: per row its accepted count, and its accepted drafts then the next token;
+    with a tree's path [D] (one row), the accepted nodes too."""
+    parts = [verdicts.accepted[:, None], verdicts.next_token[:, None], drafts] + ([] if path is None else [path[None]])
+    packed = torch.cat(parts, dim=1).tolist()  # host read
+    nodes = [] if path is None else packed[0][2 + drafts.shape[1] : 2 + drafts.shape[1] + packed[0][0]]
+    return [row[0] for row in packed], [row[2 : 2 + row[0]] + row[1:2] for row in packed], nodes
 
 
 def autoregressive_decode_rows(
@@ -162,10 +188,12 @@ def autoregressive_decode_rows(
 
 
 def speculative_decode(
-    target, drafter, prompt_ids: torch.Tensor, k, sampling: Sampling, max_new_tokens, eos_ids, generator, rule=verify_rows
+    target, drafter, prompt_ids: torch.Tensor, k, sampling: Sampling, max_new_tokens, eos_ids, generator, **rules
 ) -> Iterator[Cycle]:
-    """One sequence (prompt_ids [T]): speculative_decode_rows with one row, its Cycles."""
-    for cycles in speculative_decode_rows(target, drafter, [prompt_ids], k, sampling, max_new_tokens, eos_ids, [generator], rule):
+    """One sequence (prompt_ids [T]): speculative_decode_rows with one row, its Cycles (rules: the tests' rule, tree_rule)."""
+    for cycles in speculative_decode_rows(
+        target, drafter, [prompt_ids], k, sampling, max_new_tokens, eos_ids, [generator], **rules
+    ):
         yield cycles[0][1]
 
 

@@ -31,7 +31,17 @@ def cycle_counts(cycles: Sequence[Cycle], k: int) -> dict:
             kept[i] += i < c.num_accepted
         expected_sum += sum(betas)
         tested += len(betas)
+    trees = {}
+    if any(c.nodes for c in cycles):  # token trees: each pass verifies a tree's nodes, priced at that width
+        widths = [c.nodes or c.num_drafted for c in cycles]
+        ranks = [r for c in cycles for r in c.ranks]
+        trees = {
+            "verified_hist": [widths.count(n) for n in range(max(max(widths), k) + 1)],  # cycles by nodes verified
+            "first_verified": widths[0],
+            "sibling_accepted": [ranks.count(r) for r in range(max(ranks, default=-1) + 1)],  # accepted nodes by place
+        }
     return {
+        **trees,
         "cycles": len(cycles),
         "committed": sum(len(c.tokens) for c in cycles),
         "drafted": sum(c.num_drafted for c in cycles),
@@ -162,6 +172,10 @@ def summarize(records: Sequence[dict], k: int, costs: dict, seed: int = 0) -> di
         "predicted_speedup": predicted,
         "predicted_speedup_formula": by_formula,
     }
+    if records and "verified_hist" in records[0]["spec"]:  # token trees: nodes verified, accepted nodes by sibling place
+        summary["verified_hist"] = _summed([r["spec"]["verified_hist"] for r in records])
+        summary["mean_verified"] = ratio(sum(n * w for w, n in enumerate(summary["verified_hist"])), total("cycles"))
+        summary["sibling_accepted"] = _summed([r["spec"]["sibling_accepted"] for r in records])
     summary["spec_tokens_per_s"] = ratio(summary["new_tokens"], summary["spec_time_s"])
     summary["base_tokens_per_s"] = ratio(summary["base_new_tokens"], summary["base_time_s"])
     if records and "batch" in records[0]:
@@ -211,12 +225,13 @@ def in_run_costs(records: Sequence[dict], k: int) -> dict:
         return sum(e[0] for e in entries), sum(e[1] for e in entries)
 
     step = ratio(*clocked("base", "verify@1"))
+    widest = max([k] + [len(r["spec"].get("verified_hist", [])) - 1 for r in records])  # a token tree's passes are wider
     drafted = sum(r["spec"]["drafted"] - r["spec"]["first_drafted"] for r in records)
     draft_s, _ = clocked("spec", "draft")
     return {
         "target_step_s": step,
         "cost_ratio": ratio(ratio(draft_s, drafted), step) if drafted else 0.0,  # nothing drafted: no draft cost to price
-        "verify_cost": [ratio(ratio(*clocked("spec", f"verify@{n}")), step) for n in range(1, k + 2)],  # [k + 1] v(1..k+1)
+        "verify_cost": [ratio(ratio(*clocked("spec", f"verify@{n}")), step) for n in range(1, widest + 2)],  # v(1..k+1), or wider
     }
 
 
@@ -232,12 +247,21 @@ def predicted_by_cycles(records: Sequence[dict], c: float, v: Sequence[float]) -
     for r in records:
         cycles[r["spec"]["first_drafted"]] -= 1
         committed -= r["spec"]["first_committed"]
-    return ratio(committed, cycles_cost(cycles, c, v))
+    if "verified_hist" not in records[0]["spec"]:
+        return ratio(committed, cycles_cost(cycles, c, v))
+    widest = max(len(r["spec"]["verified_hist"]) for r in records)
+    passes = np.sum([np.pad(r["spec"]["verified_hist"], (0, widest - len(r["spec"]["verified_hist"]))) for r in records], axis=0)
+    for r in records:
+        passes[r["spec"]["first_verified"]] -= 1
+    return ratio(committed, cycles_cost(cycles, c, v, passes))
 
 
-def cycles_cost(cycles: np.ndarray, c: float, v: Sequence[float]) -> float:
-    """Target steps that cycles[j] cycles drafting j tokens each cost: j draft steps (c) and a pass of j + 1 positions."""
-    return sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
+def cycles_cost(cycles: np.ndarray, c: float, v: Sequence[float], passes: np.ndarray | None = None) -> float:
+    """Target steps that cycles[j] cycles drafting j tokens each cost: j draft steps (c) and a pass of j + 1 positions.
+    Token trees: cycles[j] drafted j levels (a draft step each) and passes[n] passes verified n nodes (v(n + 1))."""
+    if passes is None:
+        return sum(n * (j * c + v[j]) for j, n in enumerate(cycles.tolist()))
+    return sum(n * j * c for j, n in enumerate(cycles.tolist())) + sum(n * v[w] for w, n in enumerate(passes.tolist()) if n)
 
 
 def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
@@ -252,6 +276,15 @@ def batch_passes(units: Sequence[dict], c: float, v: Sequence[float]) -> float:
         sum(u["base"]["new_tokens"] - u["base"]["first_tokens"] for u in units), sum(u["base"]["steps"] - 1 for u in units)
     )
     return ratio(spec, base)
+
+
+def _summed(lists: Sequence[list[int]]) -> list[int]:
+    """Histograms of different lengths, summed."""
+    out = [0] * max(map(len, lists), default=0)
+    for values in lists:
+        for i, n in enumerate(values):
+            out[i] += n
+    return out
 
 
 def median_ci(samples: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:

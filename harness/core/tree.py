@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from harness.core.sampling import sample_rows
+from harness.base.host_reads import from_host
+from harness.core.sampling import Sampling, sample_rows, shape_probs
 
 
 class TreeVerdict(NamedTuple):
@@ -44,13 +45,11 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
     return out
 
 
-def without(r: torch.Tensor, q: torch.Tensor, x: int, one_hot: bool) -> torch.Tensor:
-    """[V] the law the next sibling is tested against once x was rejected from r [V]."""
-    rest = r.clone() if one_hot else (r - q).clamp_min(0)
-    if one_hot:
-        rest[x] = 0
+def without(r: torch.Tensor, q: torch.Tensor | None, x, one_hot: bool) -> torch.Tensor:
+    """[V] the law the next sibling is tested against once x (an int or a [] tensor) was rejected from r [V]."""
+    rest = r.index_fill(0, torch.as_tensor(x, device=r.device).view(1), 0) if one_hot else (r - q).clamp_min(0)
     total = rest.sum()
-    return rest / total if total > 0 else r  # no mass left: rejection had probability 0, r stays
+    return torch.where(total > 0, rest / total, r)  # no mass left: rejection had probability 0, r stays
 
 
 def uniforms(n: int, generator, device) -> torch.Tensor:
@@ -99,3 +98,91 @@ def greedy_tree(tokens: torch.Tensor, parents: list[int], argmax: torch.Tensor) 
             return TreeVerdict(path, argmax[node + 1])
         path.append(chosen)
         node = chosen
+
+
+class TreeVerdicts(NamedTuple):
+    """One row's tree verdict on the device: nothing here has been read by the host."""
+
+    accepted: torch.Tensor  # [] nodes on the accepted path
+    path: torch.Tensor  # [D] the accepted nodes, root to leaf, then -1
+    next_token: torch.Tensor  # [] the recovered or bonus token
+
+
+def children_table(parents: list[int], widths: list[int]) -> list[list[int]]:
+    """[S, N + 1] the node tried at round s below each node (row 0 the root, i + 1 node i), or N where it has no
+    s-th child; S = the most children any node has (widths: per depth, so S = max(widths))."""
+    table = [[len(parents)] * (len(parents) + 1) for _ in range(max(widths, default=0))]
+    for node, children in children_of(parents).items():
+        for s, child in enumerate(children):
+            table[s][node + 1] = child
+    return table
+
+
+def verify_tree_rows(
+    tokens: torch.Tensor,  # [N] drafted tokens
+    parents: list[int],  # [N] as verify_tree's
+    widths: list[int],  # [D] the most children a node has at each depth
+    q: torch.Tensor | None,  # [N, V] as verify_tree's (None: one-hot)
+    p: torch.Tensor,  # [N + 1, V] as verify_tree's
+    generator,
+) -> TreeVerdicts:
+    """verify_tree on the device, draw for draw (the same uniforms, tests and final draw): the walk visits one
+    node per depth as a device index, trying its children round by round. No host read."""
+    N, device, one_hot = tokens.shape[0], p.device, q is None
+    table = from_host(children_table(parents, widths), device)  # [S, N + 1]
+    u = torch.cat([uniforms(N, generator, device), torch.full((1,), 2.0, dtype=torch.float64, device=device)])  # [N + 1]
+    padded = torch.cat([tokens, tokens.new_zeros(1)])  # [N + 1]: node N stands for "no child", never accepted
+    q = None if one_hot else torch.cat([q, q[:1]])  # [N + 1, V]
+    node, r, stopped, path = (
+        torch.zeros((), dtype=torch.long, device=device),
+        p[0],
+        torch.zeros((), dtype=torch.bool, device=device),
+        [],
+    )
+    for width in widths:
+        chosen = torch.full((), -1, dtype=torch.long, device=device)
+        for s in range(width):
+            child = table[s, node]  # [] the node tried, or N
+            x = padded[child]
+            a = r[x] if one_hot else (r[x] / q[child, x]).clamp(max=1)
+            trial = ~stopped & (child < N) & (chosen < 0)
+            accepted = trial & (u[child] < a)
+            chosen = torch.where(accepted, child, chosen)
+            r = torch.where(trial & ~accepted, without(r, None if one_hot else q[child], x, one_hot), r)
+        took = ~stopped & (chosen >= 0)
+        path.append(torch.where(took, chosen, -1))
+        r = torch.where(took, p[chosen + 1], r)  # below the accepted child: its own law (at a leaf, the bonus row)
+        node, stopped = torch.where(took, chosen + 1, node), ~took
+    path = torch.stack(path) if path else torch.zeros(0, dtype=torch.long, device=device)
+    return TreeVerdicts((path >= 0).sum(), path, sample_rows(r[None], [generator])[0])
+
+
+def greedy_tree_rows(tokens: torch.Tensor, parents: list[int], widths: list[int], argmax: torch.Tensor) -> TreeVerdicts:
+    """greedy_tree on the device (argmax [N + 1]). No host read."""
+    _N, device = tokens.shape[0], argmax.device
+    table = from_host(children_table(parents, widths), device)  # [S, N + 1]
+    padded = torch.cat([tokens, tokens.new_full((1,), -1)])  # [N + 1]: "no child" matches no token
+    node, stopped, path = torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.bool, device=device), []
+    for width in widths:
+        children = table[:width, node]  # [width]
+        match = padded[children] == argmax[node]
+        chosen = torch.where(match.any() & ~stopped, children[match.long().argmax()], -1)
+        path.append(chosen)
+        node, stopped = torch.where(chosen >= 0, chosen + 1, node), chosen < 0
+    path = torch.stack(path) if path else torch.zeros(0, dtype=torch.long, device=device)
+    return TreeVerdicts((path >= 0).sum(), path, argmax[node])
+
+
+def verify_tree_cycle(
+    tokens: torch.Tensor,  # [N] drafted nodes
+    parents: list[int],
+    widths: list[int],
+    q: torch.Tensor | None,  # [N, V] (None: one-hot, or greedy)
+    scored: torch.Tensor,  # [N + 1, V] the target's logits after the root and after each node
+    sampling: Sampling,
+    generator,
+) -> TreeVerdicts:
+    """The loop's verdict on a tree: greedy through it at temperature 0, else the rule on the shaped laws."""
+    if sampling.greedy:
+        return greedy_tree_rows(tokens, parents, widths, scored.argmax(-1))
+    return verify_tree_rows(tokens, parents, widths, q, shape_probs(scored, sampling), generator)

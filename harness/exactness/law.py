@@ -67,8 +67,8 @@ class PromptKept:
         self.warm = self.lm.length >= self.keep
         return out
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
-        out = self.lm.forward(input_ids, num_logits)
+    def forward(self, input_ids: torch.Tensor, num_logits: int = 1, **tree) -> torch.Tensor:
+        out = self.lm.forward(input_ids, num_logits, **tree)
         self.warm = self.lm.length >= self.keep
         return out
 

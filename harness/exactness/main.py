@@ -320,13 +320,14 @@ def run_check(cfg: DictConfig, quiet: bool = False) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # once the check can start
     sampling = Sampling(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
     pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k)
-    rows = e.rows if cfg.get("batch_size", 1) == 1 and not acceptance else 1
+    rows = e.rows if cfg.get("batch_size", 1) == 1 and not acceptance and cfg.get("tree") is None else 1  # trees: one row
     if rows > 1:
         try:
             pair.reserve(max(ids.shape[0] for _, ids in prompts), length, cfg.k, rows)
         except HarnessError:  # a pair that decodes one sequence at a time (static cache, compiled steps, sliding windows)
             rows = 1
     pair.follow_draft_length(cfg.get("draft_length"))  # the draft-length policy a run would use
+    pair.follow_tree(cfg)
     pair.use_costs(measure_costs(pair, prompts[0][1], cfg.k, sampling))  # as run_cell does: the proposals a run makes
 
     started = time.perf_counter()

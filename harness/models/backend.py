@@ -21,15 +21,26 @@ class Backend:
     cache = None  # the transformers cache object, where there is one
     lean = None  # the lean forward (harness.models.lean.LeanLlama), where it runs the steps
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        """Append input_ids [T] to the cache; logits [num_logits, V] of the last positions (V: the head's rows)."""
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+        """Append input_ids [T] to the cache; logits [num_logits, V] of the last positions (V: the head's rows).
+
+        tree: a token tree, the parents of the last len(tree) cached slots (ending with these T; the first
+        len(tree) - T fed before), each an index into `tree` before its own or -1 (the slot before the tree).
+        A node sits at the position of its depth (first level: right after the slots before the tree) and
+        attends to those slots and its own ancestors only (harness.models.kv_store.tree_layout). None, or a
+        chain: the plain causal step. A backend that cannot run trees refuses them (HarnessError)."""
         raise NotImplementedError
 
     def forward_features(
-        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...]
+        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...], tree: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, and the hidden states [T, len(layers) * hidden] at every fed position: for index
         i < L (the layer count) the input of layer i, for i = L the final normed state."""
+        raise NotImplementedError
+
+    def compact(self, base: int, kept: list[int]) -> None:
+        """Move the cached slots base + kept[j] (kept increasing) to base + j: a tree's accepted path made
+        contiguous, to be followed by rollback(base + len(kept)). `length` does not change."""
         raise NotImplementedError
 
     def reset(self, rollback: bool = True) -> None:

@@ -17,6 +17,8 @@ from harness.config.settings import BATCH_ONE_ONLY
 from harness.errors import HarnessError
 from harness.models.cached import CachedLM
 
+TREES_ONE_ROW = "token trees run at batch_size=1 (one sequence, OneRow): use batch_size=1, or feed chains (drop `tree`)"
+
 
 class BatchedLM:
     """B sequences of one model (`lm`, a CachedLM), decoded together; `lengths[i]`: positions cached for row i (host ints)."""
@@ -37,17 +39,24 @@ class BatchedLM:
     def warm_up(self, shapes: list[tuple[int, int]], captures=((),)) -> None:
         """With compile=true: compile the steps of these shapes for the reserved rows now (as CachedLM.warm_up)."""
 
-    def forward(self, feeds: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
+    def forward(self, feeds: list[torch.Tensor], num_logits: list[int], tree: list | None = None) -> list[torch.Tensor]:
         """Append feeds[i] [T_i] (T_i may be 0) to active row i; per row the logits [num_logits[i], V]
-        of its last positions (num_logits[i] <= T_i)."""
+        of its last positions (num_logits[i] <= T_i). tree: per row a token tree (CachedLM.forward) or None;
+        only OneRow runs trees."""
+        refuse_trees(tree)
         return self._step(feeds, num_logits, ())[0]
 
     def forward_features(
-        self, feeds: list[torch.Tensor], num_logits: list[int], layers: tuple[int, ...]
+        self, feeds: list[torch.Tensor], num_logits: list[int], layers: tuple[int, ...], tree: list | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """As forward, and per row the hidden states [T_i, len(layers) * hidden] of its fed positions."""
+        refuse_trees(tree)
         logits, features = self._step(feeds, num_logits, layers)  # features [B, T, F]
         return logits, [row[: f.shape[0]] for row, f in zip(features, feeds)]
+
+    def compact(self, bases: list[int], kept: list[list[int]]) -> None:
+        """Move row i's slots bases[i] + kept[i][j] to bases[i] + j: a tree's accepted path (OneRow only)."""
+        raise HarnessError(TREES_ONE_ROW)
 
     def _step(self, feeds, num_logits, layers) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """A step of `forward`: per row its logits, and the features [B, T, F] of `layers` (None without)."""
@@ -186,17 +195,23 @@ class OneRow(BatchedLM):
         else:
             self.lm.reset(rollback=False)
 
-    def forward(self, feeds, num_logits):
-        (feed,), (n,) = feeds, num_logits
+    def forward(self, feeds, num_logits, tree=None):
+        (feed,), (n,), options = feeds, num_logits, _tree(tree)
         if n == 0:  # cached, nothing scored (a draft's prompt)
-            self.lm.prefill(feed)
+            if not options:
+                self.lm.prefill(feed)
+            elif feed.shape[0]:
+                self.lm.forward(feed, num_logits=1, **options)
             return [torch.empty(0, self.vocab_size, device=self.device)]
-        return [self.lm.forward(feed, num_logits=n)]
+        return [self.lm.forward(feed, num_logits=n, **options)]
 
-    def forward_features(self, feeds, num_logits, layers):
+    def forward_features(self, feeds, num_logits, layers, tree=None):
         (feed,), (n,) = feeds, num_logits
-        logits, features = self.lm.forward_features(feed, max(n, 1), layers)
+        logits, features = self.lm.forward_features(feed, max(n, 1), layers, **_tree(tree))
         return [logits[logits.shape[0] - n :]], [features]
+
+    def compact(self, bases, kept) -> None:
+        self.lm.compact(bases[0], kept[0])
 
     def rollback(self, lengths) -> None:
         self.lm.rollback(lengths[0])
@@ -206,6 +221,17 @@ class OneRow(BatchedLM):
 
     def keep(self, rows) -> None:
         assert list(rows) in ([], [0]), rows
+
+
+def refuse_trees(tree: list | None) -> None:
+    """A batch form refuses token trees (HarnessError): they run one sequence at a time."""
+    if tree is not None and any(row is not None for row in tree):
+        raise HarnessError(TREES_ONE_ROW)
+
+
+def _tree(tree: list | None) -> dict:
+    """OneRow's one row's tree as keyword arguments: none without (wrappers of a CachedLM may take no tree)."""
+    return {} if tree is None or tree[0] is None else {"tree": tree[0]}
 
 
 def resized(storage, rows: int, compiled: bool, make):

@@ -118,18 +118,25 @@ class CachedLM:
         self.backend.reset(rollback)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
-        """Append input_ids [T] to the cache; logits [num_logits, vocab_size] of the last positions."""
-        return self.full_width(self.backend.forward(self.readable_ids(input_ids), num_logits))
+    def forward(self, input_ids: torch.Tensor, num_logits: int = 1, tree: list[int] | None = None) -> torch.Tensor:
+        """Append input_ids [T] to the cache; logits [num_logits, vocab_size] of the last positions. tree: the parents
+        of the last len(tree) cached slots, a token tree fed in one step (Backend.forward); None: a chain."""
+        return self.full_width(self.backend.forward(self.readable_ids(input_ids), num_logits, tree))
 
     @torch.inference_mode()
     def forward_features(
-        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...]
+        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...], tree: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, and the hidden states [T, len(layers) * hidden] at every position fed (Backend.forward_features:
         the inputs of the layers named, the final normed state for index L); for drafts that read the target."""
-        logits, features = self.backend.forward_features(self.readable_ids(input_ids), num_logits, layers)
+        logits, features = self.backend.forward_features(self.readable_ids(input_ids), num_logits, layers, tree)
         return self.full_width(logits), features
+
+    @torch.inference_mode()
+    def compact(self, base: int, kept: list[int]) -> None:
+        """Move cached slots base + kept[j] (kept increasing) to base + j: a tree's accepted path made contiguous;
+        then rollback(base + len(kept)) drops the rest."""
+        self.backend.compact(base, kept)
 
     def readable_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids with the ids the model cannot read as token 0 (on the device: no host read)."""

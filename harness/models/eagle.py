@@ -196,12 +196,15 @@ class HeadRows:
         self.lengths = [self.lengths[i] for i in kept]
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], from_target: bool):
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], from_target: bool, tree=None):
         """Row i's pairs at positions lengths[i].. : tokens [B, T] after features hidden [B, T, F] (the target's
         when from_target, else the head's outputs [B, T, H]), the first counts[i] real (the rest padding).
-        (logits [B, V] of each row's last real pair, outputs [B, T, H])."""
+        (logits [B, V] of each row's last real pair, outputs [B, T, H]). tree (one row: the parents of its
+        last slots, harness.models.kv_store.tree_layout): the pairs are tree nodes, and the logits [T, V] every pair's."""
         B, T = tokens.shape
         starts, self.lengths = self.lengths, [n + c for n, c in zip(self.lengths, counts)]
+        if tree is not None:
+            return self._pairs(tokens, hidden, self.store.step(starts, T, tree), slice(0, T), from_target)
         if runs_captured(self.captured, starts, counts, T):
             return self._captured(tokens, hidden, starts, counts, from_target)
         step = self.store.step(starts, T)

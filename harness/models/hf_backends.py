@@ -14,6 +14,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers.cache_utils import DynamicLayer
 
 from harness.base.host_reads import unwatched
 from harness.config.settings import COMPILED_MAX_TOKENS
@@ -21,6 +22,7 @@ from harness.errors import HarnessError
 from harness.models.backend import Backend
 from harness.models.captured import allow_recompiles
 from harness.models.kv_cache import GrowingLayer, in_place
+from harness.models.kv_store import compaction, is_chain, tree_layout
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
@@ -58,19 +60,22 @@ class HFBackend(Backend):
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
         self.length = 0
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        return self._step(input_ids, num_logits)[0]
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+        return self._step(input_ids, num_logits, tree=tree)[0]
 
-    def forward_features(self, input_ids, num_logits, layers):
+    def forward_features(self, input_ids, num_logits, layers, tree=None):
         """The hidden states come back from the forward itself (output_hidden_states), compiled or not."""
-        logits, states = self._step(input_ids, num_logits, hidden=True)
+        logits, states = self._step(input_ids, num_logits, hidden=True, tree=tree)
         return logits, torch.cat([states[i][0] for i in layers], dim=-1)  # [T, len(layers) * hidden]
 
-    def _step(self, input_ids: torch.Tensor, num_logits: int, hidden: bool = False):
-        step_not_prompt = self.length > 0 and input_ids.shape[0] <= COMPILED_MAX_TOKENS
-        step = self.compiled if self.compiled is not None and step_not_prompt else self.model
-        cache = {self.cache_kwarg: self.cache}
-        out = step(input_ids=input_ids[None], **cache, use_cache=True, logits_to_keep=num_logits, output_hidden_states=hidden)
+    def _step(self, input_ids: torch.Tensor, num_logits: int, hidden: bool = False, tree: list[int] | None = None):
+        if tree is not None and not is_chain(tree):  # (a chain is a plain step)
+            step, options = self.model, self._tree_inputs(tree, input_ids.shape[0])  # the eager model
+        else:
+            step_not_prompt = self.length > 0 and input_ids.shape[0] <= COMPILED_MAX_TOKENS
+            step, options = self.compiled if self.compiled is not None and step_not_prompt else self.model, {}
+        options[self.cache_kwarg] = self.cache
+        out = step(input_ids=input_ids[None], **options, use_cache=True, logits_to_keep=num_logits, output_hidden_states=hidden)
         if not self.cache_checked:  # once per model (until it passes): reading the cache's length is a host sync on CUDA
             if self.cache.get_seq_length() != input_ids.shape[0]:
                 raise HarnessError(
@@ -86,6 +91,44 @@ class HFBackend(Backend):
         self.length += input_ids.shape[0]
         self.output_reused = step is self.compiled and self.device.type == "cuda"  # a CUDA graph's output buffer
         return out.logits[0, -num_logits:], out.hidden_states  # [num_logits, V], (L + 1) x [1, T, hidden] or None
+
+    def _tree_inputs(self, tree: list[int], width: int) -> dict[str, torch.Tensor]:
+        """position_ids [1, T] and the 4D attention mask [1, 1, T, end] of a tree step (tree_layout). transformers
+        takes a 4D mask as given (masking_utils' `_preprocess_mask_arguments` returns it, unchecked), so it is made
+        in the form the attention uses: boolean for sdpa (True: attended), additive for eager (0, or the dtype's
+        least value), as masking_utils' sdpa_mask and eager_mask make theirs."""
+        self._check_trees()
+        attention = self.model.config._attn_implementation
+        if attention not in ("sdpa", "eager"):
+            raise HarnessError(
+                f"token trees pass their own attention mask, which attn_implementation={attention} does not take: "
+                "load the model with attn_implementation='sdpa' (or 'eager'), or feed a chain (drop `tree`)"
+            )
+        positions, mask = tree_layout(tree, self.length, width, self.device)  # [T], [T, end]
+        mask = mask[None, None]  # [1, 1, T, end]
+        if attention == "eager":
+            dtype = self.model.dtype
+            mask = torch.where(mask, torch.zeros((), dtype=dtype, device=self.device), torch.finfo(dtype).min)
+        return {"position_ids": positions[None], "attention_mask": mask}
+
+    def _check_trees(self) -> None:
+        """Refuse token trees on a cache with layers that cannot be compacted (HarnessError)."""
+        for layer in self.cache.layers:
+            if type(layer) not in (GrowingLayer, DynamicLayer):
+                raise HarnessError(
+                    f"{type(self.model).__name__}'s cache has {type(layer).__name__} layers (sliding-window or "
+                    "otherwise not plain full attention), which token trees cannot compact: feed a chain (drop `tree`)"
+                )
+
+    def compact(self, base: int, kept: list[int]) -> None:
+        """Move slots base + kept[j] to base + j in every layer (all full attention: `_check_trees`)."""
+        self._check_trees()
+        if moves := compaction(base, kept, self.device):
+            target, source = moves
+            for layer in self.cache.layers:
+                if layer.is_initialized:  # keys, values [B, H, length, D]: GrowingLayer's views of its storage
+                    for stored in (layer.keys, layer.values):
+                        stored[:, :, target] = stored.index_select(2, source)
 
 
 class DynamicBackend(HFBackend):
@@ -175,7 +218,9 @@ class StaticBackend(HFBackend):
                 f"of {self.capacity} tokens cannot roll back past the window: use cache=dynamic"
             )
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+        if tree is not None:
+            self._check_trees()
         if self.length + input_ids.shape[0] > self.capacity:
             raise HarnessError(
                 f"the static KV cache holds {self.capacity} tokens and this sequence needs more: use cache=dynamic, or reserve a longer sequence"
@@ -183,6 +228,16 @@ class StaticBackend(HFBackend):
         if not self.cache_checked:  # before the forward: it depends on the cache alone, and leaves it as it was
             self.check_rollback()
         return super().forward(input_ids, num_logits)
+
+    def forward_features(self, input_ids, num_logits, layers, tree=None):
+        if tree is not None:
+            self._check_trees()
+        return super().forward_features(input_ids, num_logits, layers)
+
+    def _check_trees(self) -> None:
+        raise HarnessError(
+            "token trees run on cache=dynamic (a static cache is not compacted): use cache=dynamic, or feed chains"
+        )
 
     def rollback(self, length: int) -> None:
         if length < self.length:

@@ -4,6 +4,10 @@ Per layer, keys and values [rows, kv_heads, capacity, head_dim], grown in multip
 its own length (kept by the caller: a rollback only moves it); a step writes at each row's positions and
 attention reads the first `end` positions, a causal mask hiding what lies past a row's own (padding, or
 what a rollback dropped). A captured step (`fixed_step`) reads the whole capacity: fixed shapes.
+
+A token tree (one row) is fed in one step: `tree` lists the parents of the last len(tree) slots (-1: the slot
+before them), each node at the position of its depth and seeing only the slots before the tree and its own
+ancestors (`tree_layout`); `compact` then moves the accepted path's slots together.
 """
 
 from __future__ import annotations
@@ -17,6 +21,34 @@ from harness.base.host_reads import from_host
 ROOM = 256  # the storage grows in multiples of this many positions
 
 
+def is_chain(tree: list[int]) -> bool:
+    """Whether the tree is a chain (each node the child of the one before): a plain causal step."""
+    return all(parent == j - 1 for j, parent in enumerate(tree))
+
+
+def tree_layout(tree: list[int], start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [T] and the attention mask [T, start + T] (True: attended) of the last `width` of a tree's slots.
+
+    tree[j]: the parent (an index into `tree`, before j) of slot base + j, base = start + width - len(tree), or -1:
+    the slot base - 1. Slot base + j sits at position base + depth(j) - 1 and sees the slots before base and those
+    of its ancestors and itself. Worked out on the host (trees are small) and sent in one copy: no device read."""
+    n = len(tree)
+    base = start + width - n
+    if not (width <= n and base >= 0 and all(-1 <= parent < j for j, parent in enumerate(tree))):
+        raise ValueError(f"a tree of {n} nodes feeding {width} after {start} cached, its parents before their children: {tree}")
+    depths: list[int] = []
+    seen: list[int] = []  # per node, a bit set of its ancestors and itself
+    for j, parent in enumerate(tree):
+        depths.append(1 + (depths[parent] if parent >= 0 else 0))
+        seen.append((seen[parent] if parent >= 0 else 0) | 1 << j)
+    fed = range(n - width, n)
+    bits = [seen[j] >> a & 1 for j in fed for a in range(n)]
+    sent = from_host([base + depths[j] - 1 for j in fed] + bits, device)  # positions [T], then the tree's mask [T, n]
+    within = sent[width:].view(width, n).bool()
+    mask = torch.cat([torch.ones(width, base, dtype=torch.bool, device=device), within], dim=1)  # [T, start + T]
+    return sent[:width], mask
+
+
 @dataclass
 class Step:
     """Where a step lands: positions [B, T], the mask (None, [T, end] or [B, 1, T, end]), `end` read, the write index
@@ -26,6 +58,17 @@ class Step:
     mask: torch.Tensor | None
     end: int
     index: tuple[slice, slice, slice] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def compaction(base: int, kept: list[int], device: torch.device) -> tuple[slice, torch.Tensor] | None:
+    """The slots to write (a slice) and the index [n] of those to read there, moving slots base + kept[j] to base + j
+    (the leading ones already in place left out); None when nothing moves."""
+    if any(b <= a for a, b in zip(kept, kept[1:])) or kept and kept[0] < 0:
+        raise ValueError(f"the slots kept are increasing tree indices, not {kept}")
+    first = next((j for j, k in enumerate(kept) if k != j), len(kept))
+    if first == len(kept):
+        return None
+    return slice(base + first, base + len(kept)), from_host([base + k for k in kept[first:]], device)
 
 
 class KVStore:
@@ -56,12 +99,25 @@ class KVStore:
         for stored in self.keys + self.values:
             stored[: len(kept)] = stored[index]
 
-    def step(self, starts: list[int], width: int) -> Step:
-        """A step of `width` positions per row after starts[i] stored ones (host ints: no device read)."""
+    def compact(self, row: int, base: int, kept: list[int]) -> None:
+        """Move row `row`'s slots base + kept[j] (kept increasing) to base + j in every layer: a tree's accepted path
+        made contiguous. The row's length is the caller's."""
+        if moves := compaction(base, kept, self.like.device):
+            target, source = moves
+            for stored in self.keys + self.values:
+                stored[row, :, target] = stored[row].index_select(1, source)  # a gathered copy: source may overlap target
+
+    def step(self, starts: list[int], width: int, tree: list[int] | None = None) -> Step:
+        """A step of `width` positions per row after starts[i] stored ones (host ints: no device read); with a `tree`
+        (one row, `tree_layout`) at the tree's positions with its mask, written to the same slots."""
         device, B = self.like.device, len(starts)
         end = max(starts) + width
         if end > self.capacity:
             self.reserve(max(end, 2 * self.capacity))
+        if tree is not None and not is_chain(tree):
+            assert B == 1, "a token tree is fed to one row"
+            positions, mask = tree_layout(tree, starts[0], width, device)  # [T], [T, end]
+            return Step(positions[None], mask, end, (slice(0, 1), slice(None), slice(starts[0], end)))
         if B == 1:
             positions = torch.arange(starts[0], end, device=device)[None]  # [1, T]
             mask = None if width == 1 else torch.arange(end, device=device) <= positions[0, :, None]  # [T, end]

@@ -19,7 +19,7 @@ from harness.errors import HarnessError
 from harness.models.backend import Backend
 from harness.models.captured import Captured, padded_rows, room, runs_captured
 from harness.models.cpu_linear import planned_linear
-from harness.models.kv_store import KVStore, Step
+from harness.models.kv_store import KVStore, Step, is_chain
 
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
@@ -130,18 +130,21 @@ class LeanLlama:
         num_logits: list[int],
         counts: list[int] | None = None,
         capture: tuple[int, ...] = (),
+        tree: list[int] | None = None,
     ):
         """Row b feeds input_ids[b] [T] at positions starts[b].. of its stored row (host ints), the first
         counts[b] of them real (default: all; the rest is padding, written past the row's length and never
         read); logits [N, V] of each row's last num_logits[b] real positions, row by row. capture (layer
-        indices, L for the final normed state): also the hidden states [B, T, len(capture) * hidden]."""
+        indices, L for the final normed state): also the hidden states [B, T, len(capture) * hidden].
+        tree (one row): the parents of the last len(tree) slots (KVStore.step), run eagerly, never captured."""
         B, T = input_ids.shape
         self._count_pass()
         counts = counts or [T] * B
-        if runs_captured(self.captured, starts, counts, T):
+        tree = None if tree is None or is_chain(tree) else tree  # a chain is a plain step
+        if tree is None and runs_captured(self.captured, starts, counts, T):
             x, taken = self._captured_step(input_ids, starts, capture)  # a step after the prompt: fixed shapes
         else:
-            x, taken = self._layers(input_ids, self.store.step(starts, T), capture)  # [B, T, hidden]
+            x, taken = self._layers(input_ids, self.store.step(starts, T, tree), capture)  # [B, T, hidden]
         if B == 1:  # one row: its last positions are a slice
 
             def chosen(h: torch.Tensor) -> torch.Tensor:
@@ -269,15 +272,18 @@ class LeanBackend(Backend):
             lean.compile()
         return cls(lean, capacity)
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        logits = self.lean.forward(input_ids[None], [self.length], [num_logits])  # [num_logits, V]
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+        logits = self.lean.forward(input_ids[None], [self.length], [num_logits], tree=tree)  # [num_logits, V]
         self.length += input_ids.shape[0]
         return logits
 
-    def forward_features(self, input_ids, num_logits, layers):
-        logits, features = self.lean.forward(input_ids[None], [self.length], [num_logits], capture=layers)  # [n, V], [1, T, F]
+    def forward_features(self, input_ids, num_logits, layers, tree=None):
+        logits, features = self.lean.forward(input_ids[None], [self.length], [num_logits], capture=layers, tree=tree)
         self.length += input_ids.shape[0]
-        return logits, features[0]
+        return logits, features[0]  # [n, V], [T, F]
+
+    def compact(self, base: int, kept: list[int]) -> None:
+        self.lean.store.compact(0, base, kept)
 
     def reset(self, rollback: bool = True) -> None:
         self.length = 0  # the storage is simply overwritten from position 0 on

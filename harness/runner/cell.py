@@ -94,6 +94,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
     records = read_records(lines_path, trim=True)
     pair.follow_linear(records)
     pair.follow_draft_length(cfg.get("draft_length"))
+    pair.follow_tree(cfg)
     costs = _warmed_up(pair, encoded, cfg, sampling)
     clocks_at_start = gpu_clocks(device)  # None on a CPU
 
@@ -131,6 +132,7 @@ def _run_claimed(cfg: DictConfig, cell_dir: Path, device: torch.device, quiet: b
             limit_ratio=costs["limit"]["target_limit_ratio"],
             **({"cost_only": pair.cost_only, "predicted_grid": metrics.predicted_grid(costs)} if pair.cost_only else {}),
             draft_length=pair.drafter.draft_length.describe(),  # the policy, its calibration and fitted settings
+            tree=None if pair.drafter.tree is None else pair.drafter.tree.describe(),
             recompiles_after_warm_up=compiles() - pair.compiled_at_warm_up if cfg.compile else None,
             gpu_clocks={"start": clocks_at_start, "end": gpu_clocks(device)} if clocks_at_start else None,
             cell=cell_dir.name,
@@ -162,7 +164,7 @@ def _warmed_up(pair: Pair, encoded: list, cfg: DictConfig, sampling: Sampling) -
     warm_cfg = OmegaConf.merge(cfg, {"max_new_tokens": min(8, cfg.max_new_tokens)})
     run_batch(pair, [(p, ids[-32:], i) for i, (p, ids) in enumerate(encoded[:B])], 0, warm_cfg, sampling)
     prompts = [ids for _, ids in encoded[:B]]
-    costs = measure_costs(pair, prompts, k, sampling)
+    costs = measure_costs(pair, prompts, k, sampling, widest=pair.drafter.tree.nodes if pair.drafter.tree else 0)
     costs["limit"] = limits(pair, costs, prompts)
     pair.use_costs(costs)
     return costs

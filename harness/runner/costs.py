@@ -102,23 +102,27 @@ class Clock:
         return out
 
 
-def measure_costs(pair: Pair, prompts: torch.Tensor | list[torch.Tensor], k: int, sampling: Sampling, rounds: int = 9) -> dict:
+def measure_costs(
+    pair: Pair, prompts: torch.Tensor | list[torch.Tensor], k: int, sampling: Sampling, rounds: int = 9, widest: int = 0
+) -> dict:
     """Target step time, verify cost v(n) = T(n positions) / T(1) and draft cost ratio c, of passes over
     B = len(prompts) rows (one prompt [T]: B = 1) at their prompts' contexts, in units of the B-row step.
     A feature head's drafts start with one pair read from the target's features (as after a rejection at
-    the first draft). Interleaved rounds (`cost_rounds`), so that drift in the machine's speed cancels."""
+    the first draft). Interleaved rounds (`cost_rounds`), so that drift in the machine's speed cancels. widest: v(n)
+    up to n = widest + 1 at least (a token tree of `widest` nodes; its drafts are timed per level, k levels)."""
     from harness.core.loop import Rows
 
     prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
     device, B, drafter = pair.device, len(prompts), pair.drafter
     target = rows_of(pair.target, B)
     reads = drafter.reads_target  # a feature head: the verify returns its features, as in the loop
-    prompts = [ids[-max(pair.context - k, 1) :] for ids in prompts]  # room for the k + 1 positions scored after each
+    scored = max(k, widest)
+    prompts = [ids[-max(pair.context - scored, 1) :] for ids in prompts]  # room for the positions scored after each
     lengths = [ids.shape[0] - 1 for ids in prompts]
     verify = (lambda feeds, n: target.forward_features(feeds, n, reads)) if reads else target.forward
     target.start(B)
     prompt_features = verify([ids[:-1] for ids in prompts], [0] * B)[1] if reads else None
-    extra = [ids[-1:].repeat(k + 1) for ids in prompts]  # positions to score; their values do not matter for timing
+    extra = [ids[-1:].repeat(scored + 1) for ids in prompts]  # positions to score; their values do not matter for timing
     generators = [torch.Generator(device).manual_seed(row) for row in range(B)]
 
     def score(n: int) -> float:
@@ -134,12 +138,12 @@ def measure_costs(pair: Pair, prompts: torch.Tensor | list[torch.Tensor], k: int
             drafter.observe([(features, 0) for features in prompt_features])
             drafter.propose(Rows([ids[:-1] for ids in prompts], generators), [1] * B, sampling)
             drafter.rollback(lengths)
-        score(k + 1)  # as in the loop, the draft runs right after a target pass (see `cost_rounds`)
+        score(scored + 1)  # as in the loop, the draft runs right after a target pass (see `cost_rounds`)
         rows = Rows(prompts, generators)
         return seconds(device, lambda: drafter.propose(rows, [k] * B, sampling)) / k
 
     with drafting_whole(drafter, B):  # k drafts every round, whatever the cell's draft-length policy
-        costs = cost_rounds(score, draft, k, rounds)
+        costs = cost_rounds(score, draft, scored, rounds)
     return {**costs, "batch_size": B} if B > 1 else costs
 
 

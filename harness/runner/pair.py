@@ -18,6 +18,7 @@ from harness.base.device import device_identity
 from harness.config.settings import DRAFT_KINDS
 from harness.core.drafters import Drafter, FeatureDrafter, ModelDrafter, NgramDrafter
 from harness.core.lengths import make_policy
+from harness.core.tree_shapes import TreeSpec
 from harness.data.prompts import set_pair_template
 from harness.errors import HarnessError
 from harness.models import cpu_linear
@@ -94,6 +95,18 @@ class Pair:
         """measure_costs' figures to the drafter and its draft-length policy (`cost` weighs by c and v(n))."""
         self.drafter.use_costs(costs)
         self.drafter.draft_length.use_costs(costs)
+
+    def follow_tree(self, cfg) -> None:
+        """The cell's token tree (harness.core.tree_shapes): `tree` cut to depth k, or a chain of one child below it;
+        or a dynamic tree of depth k."""
+        tree, k = cfg.get("tree"), cfg.get("k")
+        if tree is None:
+            self.drafter.tree = None
+        elif tree == "dynamic":
+            self.drafter.tree = TreeSpec(nodes=cfg.get("tree_nodes", 8), topk=cfg.get("tree_topk", 4))
+        else:
+            widths = (list(tree) + [1] * k)[:k]
+            self.drafter.tree = TreeSpec(tuple(widths), sampled=cfg.get("tree_candidates", "top") == "sampled")
 
     def follow_draft_length(self, setting) -> None:
         """The cell's draft-length policy (conf/draft_length/), fresh: a pair loaded once serves every cell."""

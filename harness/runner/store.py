@@ -62,10 +62,17 @@ def cell_key(cfg: DictConfig, device: torch.device | None = None) -> str:
     policy = (keyed.get("draft_length") or {}).get("policy", "constant")
     if policy == "constant":
         keyed.pop("draft_length", None)  # k every cycle, as before the setting existed: the same cells
+    if keyed.get("tree") is None:
+        keyed.pop("tree", None)  # a chain, as before the setting existed: the same cells
+        for name, default in (("tree_candidates", "top"), ("tree_nodes", 8), ("tree_topk", 4)):
+            if keyed.get(name) == default:
+                keyed.pop(name)
     digest = json_digest(keyed, 10)
     batch = f"-b{cfg.batch_size}" if cfg.get("batch_size", 1) > 1 else ""
     length = "" if policy == "constant" else f"-{policy}"
-    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}{batch}{length}-{digest}"
+    shape = cfg.get("tree")
+    tree = "" if shape is None else f"-treedyn{cfg.tree_nodes}" if shape == "dynamic" else "-tree" + "x".join(map(str, shape))
+    return f"{cfg.pair.name}-k{cfg.k}-t{float(cfg.temperature)}{batch}{length}{tree}-{digest}"
 
 
 def cell_path(cfg: DictConfig, out_dir: str | Path | None = None, device: torch.device | None = None) -> Path:
