@@ -319,6 +319,7 @@ def decide_context(
     }
     decision["mix"]["what_would_change"] = what_would_change(decision, table, names, w_vec, fits, cells)
     decision["draft_length"] = draft_length_choices(candidates, mix, per_cat, names, confidence, mix_known, small)
+    decision["trees"] = tree_choices(candidates, mix, per_cat, names, confidence, mix_known, small)
     return decision
 
 
@@ -334,42 +335,71 @@ def draft_length_choices(
     """Per draft measured under a draft-length policy (label `draft~policy`, harness.core.lengths) and with
     constant k: its best policy candidate against its best constant-k one, for the mix and per category, as
     a paired ratio of speedups with its bootstrap interval (the same resamples for both), and what to ship."""
+
+    def ship(better: str, p: dict, c: dict, policy: str) -> str:
+        return {
+            "yes": f"draft_length={policy}, k cap {p['k']}",
+            "no": f"constant k={c['k']}",
+            "tie": f"constant k={c['k']} (as good: draft_length={policy} not clearly better)",
+        }[better]
+
+    return against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "policy", ship)
+
+
+def tree_choices(
+    candidates: list[dict],
+    mix: np.ndarray,
+    per_cat: np.ndarray,
+    names: list[str],
+    confidence: float,
+    mix_known: bool,
+    small: list,
+) -> list[dict]:
+    """Per draft measured with token trees (label `draft~tree3x2x1`, `draft~treedyn8`) and as a chain: its best
+    tree against its best chain, for the mix and per category, paired over the same prompts, and what to ship."""
+
+    def ship(better: str, p: dict, c: dict, tree: str) -> str:
+        return {
+            "yes": f"{tree}, k {p['k']}",
+            "no": f"chain k={c['k']}",
+            "tie": f"chain k={c['k']} (as good: {tree} not clearly better)",
+        }[better]
+
+    return against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "tree", ship)
+
+
+def against_base(candidates, mix, per_cat, names, confidence, mix_known, small, family: str, ship) -> list[dict]:
+    """Per draft, its best candidate of a `family` (labels `draft~suffix`: "tree" suffixes start with tree,
+    "policy" the others) against its best plain one (no suffix), per scope; ship(verdict, best, plain, suffix)."""
     by_draft: dict[str, list[tuple[int, str]]] = {}
     for i, c in enumerate(candidates):
-        draft, _, policy = c["label"].partition("~")
-        by_draft.setdefault(draft, []).append((i, policy or "constant"))
+        draft, _, suffix = c["label"].partition("~")
+        by_draft.setdefault(draft, []).append((i, suffix))
     out = []
     for draft, entries in sorted(by_draft.items()):
-        constant = [i for i, policy in entries if policy == "constant"]
-        policies = [i for i, policy in entries if policy != "constant"]
-        if not constant or not policies:
+        plain = [i for i, suffix in entries if not suffix]
+        others = [i for i, suffix in entries if suffix and suffix.startswith("tree") == (family == "tree")]
+        if not plain or not others:
             continue
         scopes = [("mix", mix, mix_known)] + [(g, per_cat[:, :, j], g not in small) for j, g in enumerate(names)]
         for scope, values, known in scopes:
-            best_policy, best_constant = (max(idx, key=lambda i: values[i, 0]) for idx in (policies, constant))
-            ratio = values[best_policy, 0] / values[best_constant, 0]
-            low, high = (
-                interval(values[best_policy, 1:] / values[best_constant, 1:], confidence) if known else (math.nan, math.nan)
-            )
-            p, c = candidates[best_policy], candidates[best_constant]
-            policy = p["label"].partition("~")[2]
-            if low > 1:
-                ship = f"draft_length={policy}, k cap {p['k']}"
-            elif high < 1:
-                ship = f"constant k={c['k']}"
-            else:
-                ship = f"constant k={c['k']} (as good: draft_length={policy} not clearly better)"
+            best, base = (max(idx, key=lambda i: values[i, 0]) for idx in (others, plain))
+            ratio = values[best, 0] / values[base, 0]
+            low, high = interval(values[best, 1:] / values[base, 1:], confidence) if known else (math.nan, math.nan)
+            p, c = candidates[best], candidates[base]
+            suffix = p["label"].partition("~")[2]
+            verdict = "yes" if low > 1 else "no" if high < 1 else "tie"
             out.append(
                 {
                     "draft": draft,
                     "scope": scope,
-                    "policy": policy,
-                    "policy_k": p["k"],
-                    "constant_k": c["k"],
+                    family: suffix,
+                    f"{family}_k": p["k"],
+                    "constant_k" if family == "policy" else "chain_k": c["k"],
                     "ratio": float(ratio),
                     "low": low,
                     "high": high,
-                    "ship": ship,
+                    "ship": ship(verdict, p, c, suffix),
                 }
             )
     return out

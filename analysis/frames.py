@@ -162,6 +162,12 @@ def cell_row(raw: RawCell) -> dict:
     if policy != "constant":  # a draft-length policy other than k every cycle: another contender (harness.core.lengths)
         draft_id += f"~{policy}"
         draft_variant += f"~{policy}"
+    if s.get("tree"):  # a token tree, static or dynamic: another contender (harness.core.tree_shapes)
+        tree = s["tree"]
+        shape = f"treedyn{tree['nodes']}" if tree["shape"] == "dynamic" else "tree" + "x".join(map(str, tree["shape"]))
+        shape += "-sampled" if tree.get("candidates") == "sampled" else ""
+        draft_id += f"~{shape}"
+        draft_variant += f"~{shape}"
     temperature = float(s["temperature"])
     top_k, top_p = int(s["top_k"] or 0), float(s["top_p"] or 1.0)
     hist = list(s["accept_hist"])

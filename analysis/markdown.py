@@ -195,6 +195,12 @@ def _decision_section(d: dict) -> list[str]:
         rows = [[*c, _f(e["ratio"]), _ci(e["low"], e["high"])] for c, e in zip(cells, d["draft_length"])]
         out += ["Draft length: each draft's best policy against its best constant k (paired ratio of speedups):", ""]
         out += [_table(header, rows), ""]
+    if d.get("trees"):  # each draft's best token tree against its best chain
+        header = ["draft", "scope", "ship", "tree (k)", "chain k", "ratio tree/chain", f"{pct} CI"]
+        cells = [(e["draft"], e["scope"], e["ship"], f"{e['tree']} ({e['tree_k']})", e["chain_k"]) for e in d["trees"]]
+        rows = [[*c, _f(e["ratio"]), _ci(e["low"], e["high"])] for c, e in zip(cells, d["trees"])]
+        out += ["Token trees: each draft's best tree against its best chain (paired ratio of speedups):", ""]
+        out += [_table(header, rows), ""]
     categories = list(d["categories"])
     rows = [
         [c["label"], c["k"], _f(c["speedup"]), _ci(c["low"], c["high"]), *[_f(c["categories"][g]["speedup"]) for g in categories]]

@@ -336,3 +336,29 @@ def test_a_draft_length_that_cannot_apply_is_one_line(overrides, message):
 def test_a_draft_length_policy_is_its_own_cell_and_constant_the_old_one():
     constant, cost = (cell_key(with_default_pair(composed([f"draft_length={p}"]))) for p in ("constant", "cost"))
     assert cell_key(with_default_pair(composed([]))) == constant and "-cost-" in cost and constant != cost
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["tree=[3,0]"], r"tree=\[3, 0\] must be a list of children per depth, integers >= 1"),
+        (["tree=wide"], "tree=wide must be a list of children per depth"),
+        (["tree=[2,1]", "batch_size=4"], r"tree=\[2, 1\]: token trees run at batch_size=1"),
+        (["tree=[2,1]", "+pair=smollm2_ngram"], "prompt lookup proposes one match, not a tree"),
+        (["tree=[2,1]", "compile=true"], "token trees run eager steps"),
+        (["tree=[2,1]", "draft_length=cost"], "a tree's depth is k"),
+        (["tree=dynamic", "tree_candidates=sampled"], "a dynamic tree keeps the draft's best candidates"),
+        (["tree=dynamic", "tree_nodes=0"], "tree_nodes=0 and tree_topk=4 must be >= 1"),
+        (["tree_candidates=all"], "tree_candidates=all must be top"),
+    ],
+)
+def test_a_tree_that_cannot_run_is_one_line(overrides, message):
+    cfg = with_default_pair(composed(overrides))
+    with pytest.raises(HarnessError, match=message):
+        validate(cfg)
+
+
+def test_a_tree_is_its_own_cell_and_a_chain_the_old_one():
+    keys = {tree: cell_key(with_default_pair(composed([f"tree={tree}", "k=3"]))) for tree in ("null", "[3,2,1]", "dynamic")}
+    assert keys["null"] == cell_key(with_default_pair(composed(["k=3"])))
+    assert "-tree3x2x1-" in keys["[3,2,1]"] and "-treedyn8-" in keys["dynamic"] and len(set(keys.values())) == 3

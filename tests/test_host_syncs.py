@@ -50,6 +50,21 @@ def test_one_host_read_per_cycle_whatever_k(models, k, temperature):
     assert by_file(sites) == {"harness/core/loop.py": [len(cycles)]}, sites
 
 
+@pytest.mark.parametrize("candidates", ["top", "sampled"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_host_read_per_cycle_with_a_static_tree(models, temperature, candidates):
+    """A static token tree: drafting its levels, the tree pass, the rule's walk on the device and compacting both
+    caches read nothing; the cycle's one read takes the path with the accepted count and the next token."""
+    from harness.core.tree_shapes import TreeSpec
+
+    target, draft = models
+    drafter = ModelDrafter(CachedLM(draft, 98))
+    drafter.tree = TreeSpec((3, 2, 1), sampled=candidates == "sampled")
+    cycles, sites = reads_per_site(CachedLM(target, 98), drafter, 3, Sampling(temperature))
+    assert sum(c.nodes for c in cycles) > 10 * len(cycles)  # trees were drafted
+    assert by_file(sites) == {"harness/core/loop.py": [len(cycles)]}, sites
+
+
 @pytest.mark.parametrize("ladder", [(), (16,)])
 def test_top_p_reads_nothing_on_the_path_cuda_takes(models, monkeypatch, ladder):
     """Top-p on CUDA sorts each row at once: a sampled top-p decode reads once per

@@ -1648,3 +1648,25 @@ def test_a_draft_length_policy_ships_only_when_its_paired_interval_clears_the_be
     mix[2, 1:] = base * rng.uniform(0.9, 1.1, 200)  # no better on the resamples: constant k is as good
     (entry, _) = draft_length_choices(candidates, mix, per_cat, ["qa"], 0.95, True, [])
     assert entry["low"] < 1 < entry["high"] and entry["ship"].startswith("constant k=1 (as good")
+
+
+def test_a_tree_ships_only_when_its_paired_interval_clears_the_best_chain_and_policies_stay_apart():
+    from analysis.decide import draft_length_choices, tree_choices
+
+    rng = np.random.default_rng(1)
+    candidates = [
+        {"label": "d", "k": 1},
+        {"label": "d~tree3x2x1", "k": 3},
+        {"label": "d~treedyn8", "k": 3},
+        {"label": "d~cost", "k": 4},
+    ]
+    base = 1.2 + 0.02 * rng.standard_normal(200)
+    mix = np.stack([np.r_[1.2, base], np.r_[1.25, base * 1.04], np.r_[1.4, base * 1.15], np.r_[1.0, base - 0.2]])  # [c, 1 + R]
+    per_cat = mix[:, :, None]
+    (entry, _) = tree_choices(candidates, mix, per_cat, ["qa"], 0.95, True, [])
+    assert entry["tree"] == "treedyn8" and entry["chain_k"] == 1 and entry["ship"] == "treedyn8, k 3" and entry["low"] > 1
+    (policy, _) = draft_length_choices(candidates, mix, per_cat, ["qa"], 0.95, True, [])  # trees are not policies
+    assert policy["policy"] == "cost" and policy["ship"] == "constant k=1"
+    mix[2, 1:], mix[1, 1:] = base * rng.uniform(0.9, 1.1, 200), base * 0.8
+    (entry, _) = tree_choices(candidates, mix, per_cat, ["qa"], 0.95, True, [])
+    assert entry["ship"].startswith("chain k=1 (as good: treedyn8")

@@ -127,50 +127,48 @@ def verify_tree_rows(
     generator,
 ) -> TreeVerdicts:
     """verify_tree on the device, draw for draw (the same uniforms, tests and final draw): the walk visits one
-    node per depth as a device index, trying its children round by round. No host read."""
+    node per depth, held as a [1] index (a 0-d index would be read by the host), trying its children round by
+    round. No host read."""
     N, device, one_hot = tokens.shape[0], p.device, q is None
     table = from_host(children_table(parents, widths), device)  # [S, N + 1]
     u = torch.cat([uniforms(N, generator, device), torch.full((1,), 2.0, dtype=torch.float64, device=device)])  # [N + 1]
     padded = torch.cat([tokens, tokens.new_zeros(1)])  # [N + 1]: node N stands for "no child", never accepted
     q = None if one_hot else torch.cat([q, q[:1]])  # [N + 1, V]
-    node, r, stopped, path = (
-        torch.zeros((), dtype=torch.long, device=device),
-        p[0],
-        torch.zeros((), dtype=torch.bool, device=device),
-        [],
-    )
+    node, stopped, r, path = tokens.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=device), p[0], []
     for width in widths:
-        chosen = torch.full((), -1, dtype=torch.long, device=device)
+        chosen = torch.full_like(node, -1)  # [1]
         for s in range(width):
-            child = table[s, node]  # [] the node tried, or N
-            x = padded[child]
-            a = r[x] if one_hot else (r[x] / q[child, x]).clamp(max=1)
+            child = table[s].index_select(0, node)  # [1] the node tried, or N
+            x = padded.index_select(0, child)  # [1]
+            law = None if one_hot else q.index_select(0, child)[0]  # [V] the draft's law the child was drawn from
+            a = r.index_select(0, x) if one_hot else (r.index_select(0, x) / law.index_select(0, x)).clamp(max=1)
             trial = ~stopped & (child < N) & (chosen < 0)
-            accepted = trial & (u[child] < a)
+            accepted = trial & (u.index_select(0, child) < a)
             chosen = torch.where(accepted, child, chosen)
-            r = torch.where(trial & ~accepted, without(r, None if one_hot else q[child], x, one_hot), r)
+            r = torch.where(trial & ~accepted, without(r, law, x, one_hot), r)
         took = ~stopped & (chosen >= 0)
         path.append(torch.where(took, chosen, -1))
-        r = torch.where(took, p[chosen + 1], r)  # below the accepted child: its own law (at a leaf, the bonus row)
+        r = torch.where(took, p.index_select(0, chosen.clamp(min=-1) + 1)[0], r)  # below the accepted child: its law
         node, stopped = torch.where(took, chosen + 1, node), ~took
-    path = torch.stack(path) if path else torch.zeros(0, dtype=torch.long, device=device)
+    path = torch.cat(path) if path else torch.zeros(0, dtype=torch.long, device=device)
     return TreeVerdicts((path >= 0).sum(), path, sample_rows(r[None], [generator])[0])
 
 
 def greedy_tree_rows(tokens: torch.Tensor, parents: list[int], widths: list[int], argmax: torch.Tensor) -> TreeVerdicts:
     """greedy_tree on the device (argmax [N + 1]). No host read."""
-    _N, device = tokens.shape[0], argmax.device
+    device = argmax.device
     table = from_host(children_table(parents, widths), device)  # [S, N + 1]
     padded = torch.cat([tokens, tokens.new_full((1,), -1)])  # [N + 1]: "no child" matches no token
-    node, stopped, path = torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.bool, device=device), []
+    node, stopped, path = tokens.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=device), []
     for width in widths:
-        children = table[:width, node]  # [width]
-        match = padded[children] == argmax[node]
-        chosen = torch.where(match.any() & ~stopped, children[match.long().argmax()], -1)
+        children = table[:width].index_select(1, node)[:, 0]  # [width]
+        match = padded.index_select(0, children) == argmax.index_select(0, node)  # [width]
+        first = children.gather(0, match.long().argmax().view(1))  # [1] the first child that is the argmax
+        chosen = torch.where(match.any() & ~stopped, first, -1)
         path.append(chosen)
         node, stopped = torch.where(chosen >= 0, chosen + 1, node), chosen < 0
-    path = torch.stack(path) if path else torch.zeros(0, dtype=torch.long, device=device)
-    return TreeVerdicts((path >= 0).sum(), path, argmax[node])
+    path = torch.cat(path) if path else torch.zeros(0, dtype=torch.long, device=device)
+    return TreeVerdicts((path >= 0).sum(), path, argmax.index_select(0, node)[0])
 
 
 def verify_tree_cycle(
