@@ -159,6 +159,26 @@ def test_greedy_output_is_the_targets(heads, kind, k, forward):
         assert all(c.num_drafted == min(k, 40 - sum(len(x.tokens) for x in cycles[:i]) - 1) for i, c in enumerate(cycles) if i)
 
 
+@pytest.mark.parametrize("forward", ["hf", "lean"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("tree", [(2, 1), (3, 2, 1), "dynamic"], ids=str)
+def test_greedy_output_with_token_trees_is_the_targets(heads, kind, tree, forward):
+    """EAGLE-1 and EAGLE-3 heads drafting trees (every node reads its parent's output), verified with the tree
+    mask on HF's forward and the lean one: the target's greedy output (the tiny random heads rarely agree with
+    the target: the tree mask's own test is tests/test_tree_attention.py)."""
+    from harness.core.tree_shapes import TreeSpec, static_parents
+
+    pair = head_pair(heads, kind, forward)
+    pair.drafter.tree = TreeSpec(nodes=8, topk=3) if tree == "dynamic" else TreeSpec(tree)
+    k = 3 if tree == "dynamic" else len(tree)
+    for ids in prompts(pair):
+        alone = list(autoregressive_decode(pair.target, ids, Sampling(0.0), 40, set(), None))
+        cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, Sampling(0.0), 40, set(), None))
+        assert [t for c in cycles for t in c.tokens] == alone
+        assert max(c.nodes for c in cycles) == (8 if tree == "dynamic" else len(static_parents(tree)))
+    pair.drafter.tree = None
+
+
 def test_lean_and_hf_hand_the_same_features(heads):
     pair = head_pair(heads, "eagle3", "hf")
     ids = prompts(pair)[0]

@@ -8,7 +8,7 @@ A cell's W&B run carries
             sweep's `metric.name` is any of those keys;
   history   prompt/* per prompt while the cell runs (live progress);
   media     tables/prompts, tables/categories, charts/position_acceptance,
-            charts/accept_hist; and the cell's prompts.jsonl, summary.json and
+            charts/accept_hist (token trees: charts/sibling_accepted); and the cell's prompts.jsonl, summary.json and
             config.yaml as an artifact (type "cell-results").
 docs/tracking.md lists every key.
 
@@ -419,6 +419,11 @@ def media(summary: dict, records: list[dict]) -> dict:
             logged["charts/calibration"] = wandb.plot.scatter(
                 table, "predicted", "observed", title="draft confidence: predicted against observed acceptance"
             )
+    if summary.get("sibling_accepted"):  # token trees: accepted nodes by their place among their siblings
+        places = wandb.Table(columns=["place", "accepted"], data=[[str(n), c] for n, c in enumerate(summary["sibling_accepted"])])
+        logged["charts/sibling_accepted"] = wandb.plot.bar(
+            places, "place", "accepted", title="accepted tree nodes by sibling place"
+        )
     return logged
 
 
