@@ -8,6 +8,11 @@ bonus row; a rollback crops both caches to the committed length minus one. A row
 leaves the batch after its cycle. Every random draw of a row's cycle comes from its own generator, so its law
 is the one-sequence law. Host reads: ONE per cycle for the whole batch (tests/test_host_syncs.py), and one per
 drafted position under a draft-length policy that stops within a cycle (harness.core.lengths).
+
+A token tree (batch of one, harness.core.tree_shapes) is the same cycle: the pass feeds [last committed, its
+N nodes] with a tree mask and scores N + 1 rows, harness.core.tree walks it on the device, the one read takes
+the accepted path too, and both caches keep that path only (`compact`) before the rollback. A dynamic tree
+also reads its structure while drafting: once per depth below the first, once for the nodes kept.
 """
 
 from __future__ import annotations
