@@ -401,7 +401,7 @@ def test_twelve_cells_of_one_pair_load_each_model_once(tiny_pair, tmp_path, monk
     monkeypatch.setattr(
         run,
         "measure_costs",
-        lambda pair, ids, k, sampling: {
+        lambda pair, ids, k, sampling, **_: {
             "target_step_s": 1.0,
             "draft_step_s": 0.1,
             "cost_ratio": 0.1,
