@@ -31,21 +31,31 @@ def tree_layout(tree: list[int], start: int, width: int, device: torch.device) -
 
     tree[j]: the parent (an index into `tree`, before j) of slot base + j, base = start + width - len(tree), or -1:
     the slot base - 1. Slot base + j sits at position base + depth(j) - 1 and sees the slots before base and those
-    of its ancestors and itself. Worked out on the host (trees are small) and sent in one copy: no device read."""
+    of its ancestors and itself. A leading chain (a verify pass's unseen committed tokens) is causal, made on the
+    device; the nodes' columns are worked out on the host (trees are small) and sent in one copy: no device read."""
     n = len(tree)
     base = start + width - n
     if not (width <= n and base >= 0 and all(-1 <= parent < j for j, parent in enumerate(tree))):
         raise ValueError(f"a tree of {n} nodes feeding {width} after {start} cached, its parents before their children: {tree}")
+    chain = next((j for j, parent in enumerate(tree) if parent != j - 1), n)  # its leading chain: causal, as a plain step
     depths: list[int] = []
-    seen: list[int] = []  # per node, a bit set of its ancestors and itself
+    reach: dict[int, int] = {}  # per node past the chain: the chain slot its path leaves from
+    seen: dict[int, int] = {}  # per node past the chain: a bit set of its ancestors past the chain, and itself
     for j, parent in enumerate(tree):
         depths.append(1 + (depths[parent] if parent >= 0 else 0))
-        seen.append((seen[parent] if parent >= 0 else 0) | 1 << j)
+        if j >= chain:
+            reach[j] = reach[parent] if parent >= chain else parent
+            seen[j] = (seen[parent] if parent >= chain else 0) | 1 << (j - chain)
     fed = range(n - width, n)
-    bits = [seen[j] >> a & 1 for j in fed for a in range(n)]
-    sent = from_host([base + depths[j] - 1 for j in fed] + bits, device)  # positions [T], then the tree's mask [T, n]
-    within = sent[width:].view(width, n).bool()
-    mask = torch.cat([torch.ones(width, base, dtype=torch.bool, device=device), within], dim=1)  # [T, start + T]
+    nodes = [j for j in fed if j >= chain]
+    low = min((reach[j] + 1 for j in nodes), default=n)  # the columns below it every fed slot sees (or a causal one)
+    block = [int(a <= reach[j]) if a < chain else seen[j] >> (a - chain) & 1 for j in nodes for a in range(low, n)]
+    sent = from_host([base + depths[j] - 1 for j in fed] + block, device)  # positions [T], then the nodes' columns
+    mask = (
+        torch.arange(start + width, device=device) <= base + torch.arange(n - width, n, device=device)[:, None]
+    )  # [T, start + T]
+    if nodes:
+        mask[width - len(nodes) :, base + low : base + n] = sent[width:].view(len(nodes), n - low).bool()
     return sent[:width], mask
 
 
