@@ -323,30 +323,33 @@ def decide_context(
     return decision
 
 
-def draft_length_choices(
-    candidates: list[dict],
-    mix: np.ndarray,
-    per_cat: np.ndarray,
-    names: list[str],
-    confidence: float,
-    mix_known: bool,
-    small: list,
-) -> list[dict]:
+SHIP = {  # what to ship when a family's best beats (yes), loses to (no) or ties (tie) the draft's best plain candidate
+    "policy": {
+        "yes": "draft_length={suffix}, k cap {k}",
+        "no": "constant k={base_k}",
+        "tie": "constant k={base_k} (as good: draft_length={suffix} not clearly better)",
+    },
+    "tree": {
+        "yes": "{suffix}, k {k}",
+        "no": "chain k={base_k}",
+        "tie": "chain k={base_k} (as good: {suffix} not clearly better)",
+    },
+}
+
+
+def draft_length_choices(candidates, mix, per_cat, names, confidence, mix_known, small) -> list[dict]:
     """Per draft measured under a draft-length policy (label `draft~policy`, harness.core.lengths) and with
-    constant k: its best policy candidate against its best constant-k one, for the mix and per category, as
-    a paired ratio of speedups with its bootstrap interval (the same resamples for both), and what to ship."""
-
-    def ship(better: str, p: dict, c: dict, policy: str) -> str:
-        return {
-            "yes": f"draft_length={policy}, k cap {p['k']}",
-            "no": f"constant k={c['k']}",
-            "tie": f"constant k={c['k']} (as good: draft_length={policy} not clearly better)",
-        }[better]
-
-    return against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "policy", ship)
+    constant k: its best policy candidate against its best constant-k one (`against_base`)."""
+    return against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "policy")
 
 
-def tree_choices(
+def tree_choices(candidates, mix, per_cat, names, confidence, mix_known, small) -> list[dict]:
+    """Per draft measured with token trees (label `draft~tree3x2x1`, `draft~treedyn8`) and as a chain: its best
+    tree against its best chain (`against_base`)."""
+    return against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "tree")
+
+
+def against_base(
     candidates: list[dict],
     mix: np.ndarray,
     per_cat: np.ndarray,
@@ -354,23 +357,11 @@ def tree_choices(
     confidence: float,
     mix_known: bool,
     small: list,
+    family: str,
 ) -> list[dict]:
-    """Per draft measured with token trees (label `draft~tree3x2x1`, `draft~treedyn8`) and as a chain: its best
-    tree against its best chain, for the mix and per category, paired over the same prompts, and what to ship."""
-
-    def ship(better: str, p: dict, c: dict, tree: str) -> str:
-        return {
-            "yes": f"{tree}, k {p['k']}",
-            "no": f"chain k={c['k']}",
-            "tie": f"chain k={c['k']} (as good: {tree} not clearly better)",
-        }[better]
-
-    return against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "tree", ship)
-
-
-def against_base(candidates, mix, per_cat, names, confidence, mix_known, small, family: str, ship) -> list[dict]:
     """Per draft, its best candidate of a `family` (labels `draft~suffix`: "tree" suffixes start with tree,
-    "policy" the others) against its best plain one (no suffix), per scope; ship(verdict, best, plain, suffix)."""
+    "policy" the others) against its best plain one (no suffix), for the mix and per category: a paired ratio of
+    speedups with its bootstrap interval (the same resamples for both), and what to ship (`SHIP`)."""
     by_draft: dict[str, list[tuple[int, str]]] = {}
     for i, c in enumerate(candidates):
         draft, _, suffix = c["label"].partition("~")
@@ -399,7 +390,7 @@ def against_base(candidates, mix, per_cat, names, confidence, mix_known, small, 
                     "ratio": float(ratio),
                     "low": low,
                     "high": high,
-                    "ship": ship(verdict, p, c, suffix),
+                    "ship": SHIP[family][verdict].format(suffix=suffix, k=p["k"], base_k=c["k"]),
                 }
             )
     return out
