@@ -61,7 +61,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.frames import CELL_CONFIDENCE
+from analysis.frames import CELL_CONFIDENCE, verify_width
 from analysis.names import CONDITION_KEYS, CONTEXT_KEYS, describe, varying
 from analysis.paired import MIN_COVERAGE, build_table, category_sums, interval, resample_counts, speedups
 from analysis.ship import choose, select, verdict, what_would_change
@@ -345,8 +345,16 @@ def draft_length_choices(candidates, mix, per_cat, names, confidence, mix_known,
 
 def tree_choices(candidates, mix, per_cat, names, confidence, mix_known, small) -> list[dict]:
     """Per draft measured with token trees (label `draft~tree3x2x1`, `draft~treedyn8`) and as a chain: its best
-    tree against its best chain (`against_base`)."""
-    return against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "tree")
+    tree against its best chain (`width` None), then at each verify width (positions a pass scores, `verify_width`)
+    that a chain and a tree share, the best tree of that width against that chain (`against_base`)."""
+    best = against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "tree")
+    widths = [verify_width(c["label"], c["k"]) for c in candidates]
+    equal = []
+    for width in sorted(set(widths)):
+        same = [w == width for w in widths]
+        entries = against_base(candidates, mix, per_cat, names, confidence, mix_known, small, "tree", same)
+        equal += [{**e, "width": width} for e in entries]
+    return [{**e, "width": None} for e in best] + equal
 
 
 def against_base(
@@ -358,12 +366,16 @@ def against_base(
     mix_known: bool,
     small: list,
     family: str,
+    among: list[bool] | None = None,
 ) -> list[dict]:
     """Per draft, its best candidate of a `family` (labels `draft~suffix`: "tree" suffixes start with tree,
     "policy" the others) against its best plain one (no suffix), for the mix and per category: a paired ratio of
-    speedups with its bootstrap interval (the same resamples for both), and what to ship (`SHIP`)."""
+    speedups with its bootstrap interval (the same resamples for both), and what to ship (`SHIP`). `among`: per
+    candidate, whether it takes part (default: all)."""
     by_draft: dict[str, list[tuple[int, str]]] = {}
     for i, c in enumerate(candidates):
+        if among is not None and not among[i]:
+            continue
         draft, _, suffix = c["label"].partition("~")
         by_draft.setdefault(draft, []).append((i, suffix))
     out = []

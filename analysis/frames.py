@@ -141,6 +141,22 @@ def frames(raws: Iterable[RawCell], source: str, kind: str, notes: list[str] | N
     return Results(cells, prompts, source, kind, notes, shapes)
 
 
+def verify_width(label: str, k: int) -> int:
+    """Positions a cycle's verify pass scores (the last committed token and the drafts) of a candidate labelled as
+    `cell_row` labels it: k + 1 for a chain (any draft-length policy: its cap), nodes + 1 for a token tree
+    (`~tree3x2x1`: the nodes of those children per depth, `~treedyn8`: 8)."""
+    suffix = label.partition("~")[2].removesuffix("-sampled")
+    if suffix.startswith("treedyn"):
+        return int(suffix.removeprefix("treedyn")) + 1
+    if suffix.startswith("tree"):
+        level = nodes = 1
+        for width in suffix.removeprefix("tree").split("x"):
+            level *= int(width)
+            nodes += level
+        return nodes
+    return k + 1
+
+
 def cell_row(raw: RawCell) -> dict:
     """One row of the cells frame: what the summary and the config say of one cell."""
     s, cfg = raw.summary, raw.config

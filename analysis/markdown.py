@@ -195,12 +195,15 @@ def _decision_section(d: dict) -> list[str]:
         rows = [[*c, _f(e["ratio"]), _ci(e["low"], e["high"])] for c, e in zip(cells, d["draft_length"])]
         out += ["Draft length: each draft's best policy against its best constant k (paired ratio of speedups):", ""]
         out += [_table(header, rows), ""]
-    if d.get("trees"):  # each draft's best token tree against its best chain
-        header = ["draft", "scope", "ship", "tree (k)", "chain k", "ratio tree/chain", f"{pct} CI"]
-        cells = [(e["draft"], e["scope"], e["ship"], f"{e['tree']} ({e['tree_k']})", e["chain_k"]) for e in d["trees"]]
-        rows = [[*c, _f(e["ratio"]), _ci(e["low"], e["high"])] for c, e in zip(cells, d["trees"])]
-        out += ["Token trees: each draft's best tree against its best chain (paired ratio of speedups):", ""]
-        out += [_table(header, rows), ""]
+    for equal, title in [(False, "each draft's best tree against its best chain"), (True, "at equal verify width")]:
+        trees = [e for e in d.get("trees", []) if (e.get("width") is not None) == equal]  # width: positions a pass scores
+        header = ["draft", "scope", "ship", "tree (k)", "chain k"] + ["width"] * equal + ["ratio tree/chain", f"{pct} CI"]
+        cells = [
+            [e["draft"], e["scope"], e["ship"], f"{e['tree']} ({e['tree_k']})", e["chain_k"]] + [e.get("width")] * equal
+            for e in trees
+        ]
+        rows = [[*c, _f(e["ratio"]), _ci(e["low"], e["high"])] for c, e in zip(cells, trees)]
+        out += [f"Token trees, {title} (paired ratio of speedups):", "", _table(header, rows), ""] if trees else []
     categories = list(d["categories"])
     rows = [
         [c["label"], c["k"], _f(c["speedup"]), _ci(c["low"], c["high"]), *[_f(c["categories"][g]["speedup"]) for g in categories]]

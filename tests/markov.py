@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from harness.models.kv_store import DeviceTree
+
 
 class MarkovLM:
     """A trigram LM with the CachedLM verbs. Index `vocab_size` in the first
@@ -42,6 +44,8 @@ class MarkovLM:
     def forward(self, input_ids: torch.Tensor, num_logits: int = 1, tree: list[int] | None = None) -> torch.Tensor:
         """Append input_ids [T]; logits [num_logits, V] after each of the last positions. tree: the parents of
         the last len(tree) positions (harness.models.kv_store.tree_layout), each reading its parent's token."""
+        if isinstance(tree, DeviceTree):  # read here: a test model, not a measured one
+            tree = list(range(-1, tree.chain - 1)) + [p + tree.chain if p >= 0 else tree.chain - 1 for p in tree.parents.tolist()]
         tokens, v = self.tokens, self.vocab_size
         start = len(tokens)
         tokens.extend(input_ids.tolist())

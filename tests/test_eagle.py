@@ -165,7 +165,8 @@ def test_greedy_output_is_the_targets(heads, kind, k, forward):
 def test_greedy_output_with_token_trees_is_the_targets(heads, kind, tree, forward):
     """EAGLE-1 and EAGLE-3 heads drafting trees (every node reads its parent's output), verified with the tree
     mask on HF's forward and the lean one: the target's greedy output (the tiny random heads rarely agree with
-    the target: the tree mask's own test is tests/test_tree_attention.py)."""
+    the target: the tree mask's own test is tests/test_tree_attention.py), one host read per cycle."""
+    from harness.base.host_reads import HostReads
     from harness.core.tree_shapes import TreeSpec, static_parents
 
     pair = head_pair(heads, kind, forward)
@@ -173,8 +174,10 @@ def test_greedy_output_with_token_trees_is_the_targets(heads, kind, tree, forwar
     k = 3 if tree == "dynamic" else len(tree)
     for ids in prompts(pair):
         alone = list(autoregressive_decode(pair.target, ids, Sampling(0.0), 40, set(), None))
-        cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, Sampling(0.0), 40, set(), None))
+        with HostReads() as reads:
+            cycles = list(speculative_decode(pair.target, pair.drafter, ids, k, Sampling(0.0), 40, set(), None))
         assert [t for c in cycles for t in c.tokens] == alone
+        assert reads.total == len(cycles), reads.sites
         assert max(c.nodes for c in cycles) == (8 if tree == "dynamic" else len(static_parents(tree)))
     pair.drafter.tree = None
 

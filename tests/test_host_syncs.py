@@ -50,18 +50,24 @@ def test_one_host_read_per_cycle_whatever_k(models, k, temperature):
     assert by_file(sites) == {"harness/core/loop.py": [len(cycles)]}, sites
 
 
-@pytest.mark.parametrize("candidates", ["top", "sampled"])
+TREES = {"[3,2,1] top": ((3, 2, 1), False), "[3,2,1] sampled": ((3, 2, 1), True), "dynamic 8": ((), False)}
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("forward", ["hf", "lean"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_one_host_read_per_cycle_with_a_static_tree(models, temperature, candidates):
-    """A static token tree: drafting its levels, the tree pass, the rule's walk on the device and compacting both
-    caches read nothing; the cycle's one read takes the path with the accepted count and the next token."""
+def test_one_host_read_per_cycle_with_a_tree(models, temperature, forward, tree):
+    """A token tree, static or dynamic (its structure chosen on the device from the draft's values): drafting
+    its levels, the tree pass, the rule's walk and compacting both caches read nothing; the cycle's one read
+    takes the path, where the draft cached it and its ranks with the accepted count and the next token."""
     from harness.core.tree_shapes import TreeSpec
 
+    widths, sampled = TREES[tree]
     target, draft = models
-    drafter = ModelDrafter(CachedLM(draft, 98))
-    drafter.tree = TreeSpec((3, 2, 1), sampled=candidates == "sampled")
-    cycles, sites = reads_per_site(CachedLM(target, 98), drafter, 3, Sampling(temperature))
-    assert sum(c.nodes for c in cycles) > 10 * len(cycles)  # trees were drafted
+    drafter = ModelDrafter(CachedLM(draft, 98, forward=forward))
+    drafter.tree = TreeSpec(widths, sampled=sampled, nodes=8, topk=3)
+    cycles, sites = reads_per_site(CachedLM(target, 98, forward=forward), drafter, 3, Sampling(temperature))
+    assert sum(c.nodes for c in cycles) > 7 * len(cycles)  # trees were drafted
     assert by_file(sites) == {"harness/core/loop.py": [len(cycles)]}, sites
 
 

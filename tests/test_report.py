@@ -1670,3 +1670,35 @@ def test_a_tree_ships_only_when_its_paired_interval_clears_the_best_chain_and_po
     mix[2, 1:], mix[1, 1:] = base * rng.uniform(0.9, 1.1, 200), base * 0.8
     (entry, _) = tree_choices(candidates, mix, per_cat, ["qa"], 0.95, True, [])
     assert entry["ship"].startswith("chain k=1 (as good: treedyn8")
+
+
+def test_trees_meet_the_chain_that_verifies_as_many_positions():
+    """Beside the best tree against the best chain, each verify width a chain and a tree share (k + 1 positions
+    for a chain, nodes + 1 for a tree) gets the best tree of that width against that chain."""
+    from analysis.decide import tree_choices
+    from analysis.frames import verify_width
+
+    assert [verify_width(label, 2) for label in ["d", "d~tree2x1", "d~tree3x2x1-sampled", "d~treedyn8", "d~cost"]] == [
+        3,
+        5,
+        16,
+        9,
+        3,
+    ]
+    labels = [("d", 1), ("d", 4), ("d~tree2x1", 2), ("d~treedyn4", 2), ("d", 8), ("d~treedyn8", 3), ("d~cost", 4)]
+    speedups = [1.2, 0.9, 1.0, 1.1, 0.5, 1.05, 1.15]
+    rng = np.random.default_rng(2)
+    noise = 1 + 0.01 * rng.standard_normal(200)
+    mix = np.stack([np.r_[s, s * noise] for s in speedups])  # [c, 1 + R]
+    candidates = [{"label": label, "k": k} for label, k in labels]
+    entries = tree_choices(candidates, mix, mix[:, :, None], ["qa"], 0.95, True, [])
+    best, equal = [e for e in entries if e["width"] is None], [e for e in entries if e["width"] is not None]
+    assert [(e["tree"], e["chain_k"]) for e in best] == [("treedyn4", 1)] * 2 and best[0]["ship"].startswith("chain k=1")
+    assert [(e["width"], e["scope"], e["tree"], e["chain_k"]) for e in equal] == [
+        (5, "mix", "treedyn4", 4),
+        (5, "qa", "treedyn4", 4),
+        (9, "mix", "treedyn8", 8),
+        (9, "qa", "treedyn8", 8),
+    ]
+    assert equal[0]["ratio"] == pytest.approx(1.1 / 0.9) and equal[0]["low"] > 1 and equal[0]["ship"] == "treedyn4, k 2"
+    assert equal[2]["ratio"] == pytest.approx(1.05 / 0.5)

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 from harness.errors import HarnessError
 from harness.models.batched import LeanBatch, OneRow
 from harness.models.cached import CachedLM
-from harness.models.kv_store import tree_layout
+from harness.models.kv_store import DeviceTree, ancestry, tree_layout
 from tests.test_loop import sliding_window_pair
 
 VOCAB = 50
@@ -55,20 +55,54 @@ def test_layout_of_a_tree():
     assert mask.tolist() == [[True, True] + [bool(b) for b in row] for row in tree_part]
 
 
+def brute_layout(tree: list[int], start: int, width: int) -> tuple[list[int], list[list[bool]]]:
+    """tree_layout by its definition: each fed slot at the position of its depth, seeing the slots before the
+    tree, its ancestors and itself."""
+    n = len(tree)
+    base = start + width - n
+    fed = range(n - width, n)
+    return [base + len(path(tree, j)) - 1 for j in fed], [
+        [a < base or a - base in path(tree, j) for a in range(start + width)] for j in fed
+    ]
+
+
+def test_layouts_of_random_trees_host_and_device_are_the_definitions():
+    """3,000 random trees (a leading chain of 0-4 slots, then nodes; any number of the last slots fed): the
+    host's layout and a DeviceTree's (its structure on the device) are brute_layout's."""
+    gen, cpu = torch.Generator().manual_seed(0), torch.device("cpu")
+    pick = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=gen))  # noqa: E731
+    for _ in range(3000):
+        chain, N = pick(0, 4), pick(1, 9)
+        nodes = [pick(-1, i - 1) for i in range(N)]
+        tree = list(range(-1, chain - 1)) + [chain + p if p >= 0 else chain - 1 for p in nodes]
+        width = pick(1, len(tree))
+        start = pick(len(tree) - width + (chain == 0), 12)  # a chainless tree hangs below a cached slot
+        positions, mask = brute_layout(tree, start, width)
+        for got in (tree_layout(tree, start, width, cpu), tree_layout(DeviceTree(chain, torch.tensor(nodes)), start, width, cpu)):
+            assert got[0].tolist() == positions and got[1].tolist() == mask, (tree, start, width)
+
+
+def test_ancestry_spans_the_deepest_path():
+    """A chain of 9 nodes: each sees every node above it (fewer squarings would stop short)."""
+    assert torch.equal(ancestry(torch.arange(-1, 8)), torch.ones(9, 9, dtype=torch.bool).tril())
+
+
 @pytest.mark.parametrize("forward, attention", BACKENDS)
 @pytest.mark.parametrize("tree", [BRANCHING, ROOTS])
 @pytest.mark.parametrize(
     "first", [None, 1, 3, 5]
 )  # None: the whole tree in one forward; else the first `first` nodes, then the rest
-def test_every_node_has_the_logits_of_its_path_as_a_chain(forward, attention, tree, first):
+@pytest.mark.parametrize("form", ["host", "device"])  # the parents a host list, or a DeviceTree
+def test_every_node_has_the_logits_of_its_path_as_a_chain(forward, attention, tree, first, form):
     lm = make(forward, attention)
     tokens = TOKENS[: len(tree)]
     lm.forward(PROMPT)
+    given = (lambda nodes: nodes) if form == "host" else (lambda nodes: DeviceTree(0, torch.tensor(nodes)))
     if first is None:
-        logits = lm.forward(tokens, num_logits=len(tree), tree=tree)
+        logits = lm.forward(tokens, num_logits=len(tree), tree=given(tree))
     else:
-        head = lm.forward(tokens[:first], num_logits=first, tree=tree[:first])
-        logits = torch.cat([head, lm.forward(tokens[first:], num_logits=len(tree) - first, tree=tree)])
+        head = lm.forward(tokens[:first], num_logits=first, tree=given(tree[:first]))
+        logits = torch.cat([head, lm.forward(tokens[first:], num_logits=len(tree) - first, tree=given(tree))])
     assert lm.length == len(PROMPT) + len(tree)
     for node in range(len(tree)):
         expected = chain_logits(lm.model, torch.cat([PROMPT, tokens[path(tree, node)]]))

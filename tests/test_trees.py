@@ -26,10 +26,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("shape", [[3], [2, 1], [2, 2], [1, 3], [3, 2, 1], [4, 1]], ids=str)
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "one_hot"])
-def test_the_device_rule_draws_as_the_reference_rule(shape, sampled):
+@pytest.mark.parametrize("form", ["host", "device"])  # the parents a host list, or kept on the device (more rounds)
+def test_the_device_rule_draws_as_the_reference_rule(shape, sampled, form):
     """verify_tree_rows: the same path and next token as verify_tree from the same generator state, on 200
-    random cases (some accepting nothing, some whole paths); greedy_tree_rows as greedy_tree."""
+    random cases (some accepting nothing, some whole paths); greedy_tree_rows as greedy_tree. Parents kept on
+    the device (a dynamic tree's) come with a bound on the rounds, not the widths: the same draws."""
     parents, V, reached = static_parents(shape), 5, set()
+    given, rounds = (parents, shape) if form == "host" else (torch.tensor(parents), [max(shape) + 1] * len(shape))
     gen = torch.Generator().manual_seed(len(shape) * 10 + sampled)
     for case in range(200):
         p = torch.softmax(2 * torch.randn(len(parents) + 1, V, generator=gen), -1)
@@ -37,19 +40,20 @@ def test_the_device_rule_draws_as_the_reference_rule(shape, sampled):
         tokens = torch.multinomial(q, 1, generator=gen)[:, 0] if sampled else torch.randint(0, V, (len(parents),), generator=gen)
         law = q if sampled else None
         ref = tree.verify_tree(tokens, parents, law, p, torch.Generator().manual_seed(case))
-        got = tree.verify_tree_rows(tokens, parents, shape, law, p, torch.Generator().manual_seed(case))
+        got = tree.verify_tree_rows(tokens, given, rounds, law, p, torch.Generator().manual_seed(case))
         assert [n for n in got.path.tolist() if n >= 0] == ref.path and int(got.accepted) == len(ref.path)
         assert int(got.next_token) == int(ref.next_token)
         reached.add(len(ref.path))
         argmax = p.argmax(-1)
         argmax[case % (len(parents) + 1)] = tokens[case % len(parents)]  # some cases follow a node
-        ref, got = tree.greedy_tree(tokens, parents, argmax), tree.greedy_tree_rows(tokens, parents, shape, argmax)
+        ref, got = tree.greedy_tree(tokens, parents, argmax), tree.greedy_tree_rows(tokens, given, rounds, argmax)
         assert [n for n in got.path.tolist() if n >= 0] == ref.path and int(got.next_token) == int(ref.next_token)
     assert {0, len(shape)} <= reached, reached
 
 
 def reference_cycle(tokens, parents, widths, q, scored, sampling, generator):
     """The loop's tree rule as the reference verify_tree (host walk), in the device rule's form."""
+    parents = parents.tolist() if isinstance(parents, torch.Tensor) else parents  # a dynamic tree's, read here
     if sampling.greedy:
         verdict = tree.greedy_tree(tokens, parents, scored.argmax(-1))
     else:
@@ -182,26 +186,38 @@ def test_dynamic_tree_runs_keep_the_target_law_and_greedy_output():
 
 
 def test_a_dynamic_tree_keeps_the_best_candidates_with_their_parents():
-    """The kept nodes are the `nodes` best by summed log-probability, every parent kept before its children."""
+    """The kept nodes are the `nodes` best by summed log-probability, every parent kept before its children; the
+    structure stays on the device, and the fed nodes' slots are where each was fed."""
     from harness.core.tree_shapes import grow
 
     V, gen = 6, torch.Generator().manual_seed(1)
     tables = torch.randn(V, V, generator=gen)  # the draft's logits after a token
     root = torch.randn(1, V, generator=gen)
+    fed = []
 
-    def expand(first, tokens, parents):
+    def expand(first, tokens, tree):
+        assert len(tree) == first + tokens.shape[0]
+        fed.extend(tokens.tolist())
         return tables[tokens]
 
     tokens, q, shape = grow(TreeSpec(nodes=7, topk=3), 3, root, expand, Sampling(0.0), None)
-    assert q is None and len(shape.parents) == 7 and tokens.shape == (7,)
-    assert all(p < i for i, p in enumerate(shape.parents))
+    assert isinstance(shape.parents, torch.Tensor) and isinstance(shape.slots, torch.Tensor)
+    parents, slots = shape.parents.tolist(), shape.slots.tolist()
+    assert q is None and len(parents) == 7 and tokens.shape == (7,) and shape.widths == [3, 3, 3]
+    assert all(p < i for i, p in enumerate(parents))
+    assert all(s < 0 or fed[s] == int(tokens[i]) for i, s in enumerate(slots)) and len(fed) == 6  # 3 + 3 fed
+    assert all(slots[p] >= 0 for p in parents if p >= 0)  # a kept node's parent was fed
     logp = lambda logits, t: float(torch.log_softmax(logits, -1)[t])  # noqa: E731
     score = []
-    for i, p in enumerate(shape.parents):
+    for i, p in enumerate(parents):
         above = root[0] if p < 0 else tables[tokens[p]]
         score.append((0.0 if p < 0 else score[p]) + logp(above, int(tokens[i])))
     level1 = torch.log_softmax(root[0], -1).topk(3).values.tolist()
-    assert sorted(s for s, p in zip(score, shape.parents) if p < 0) == pytest.approx(
-        sorted(level1)[-sum(p < 0 for p in shape.parents) :]
-    )
-    assert shape.widths[0] == sum(p < 0 for p in shape.parents)
+    assert sorted(s for s, p in zip(score, parents) if p < 0) == pytest.approx(sorted(level1)[-sum(p < 0 for p in parents) :])
+    top = torch.log_softmax(root[0], -1).topk(3)
+    second = [
+        s + float(v)
+        for s, t in zip(top.values.tolist(), top.indices.tolist())
+        for v in torch.log_softmax(tables[t], -1).topk(3).values
+    ]
+    assert min(score) >= sorted(level1 + second)[-7] - 1e-6  # the kept are the best 7 of all, these among them

@@ -3,8 +3,8 @@
 The loop (harness.core.loop) knows only the verbs of `Drafter`: `start` B new sequences; `propose` up to
 budgets[i] tokens after row i's committed ids (a Proposal; fewer is fine, down to none: a plain target
 step); `observe` the target's hidden states at the committed positions (only a drafter that
-`reads_target`); `rollback` to the first lengths[i] tokens of what row i has seen; `keep` these rows.
-The runner also asks `reserve`, `warm_up`, `use_costs`, `models`, `context`, `size` and `forwards`.
+`reads_target`); `keep_paths` after a token tree, the accepted nodes it cached; `rollback` to the first
+lengths[i] tokens of what row i has seen; `keep` these rows. The runner also asks `reserve`, `warm_up`, `use_costs`, `models`, `context`, `size` and `forwards`.
 harness.runner.pair.load_pair is the one place that knows the classes.
 """
 
@@ -21,6 +21,7 @@ from harness.core.sampling import Sampling, sample_rows, shape_probs
 from harness.core.tree_shapes import TreeShape, TreeSpec, grow
 from harness.models.batched import resized, rows_of
 from harness.models.eagle import FeatureHead, HeadRows
+from harness.models.kv_store import DeviceTree
 
 if TYPE_CHECKING:
     from harness.core.loop import Rows
@@ -84,7 +85,7 @@ class Drafter(Protocol):
     def start(self, prompts: list[torch.Tensor]) -> None: ...
     def propose(self, rows: Rows, budgets: list[int], sampling: Sampling) -> Proposal: ...
     def observe(self, seen: list[tuple[torch.Tensor, int]]) -> None: ...
-    def keep_paths(self, bases: list[int], paths: list[list[int]]) -> None: ...
+    def keep_paths(self, bases: list[int], slots: list[list[int]]) -> None: ...
     def rollback(self, lengths: list[int]) -> None: ...
     def keep(self, rows: list[int]) -> None: ...
 
@@ -100,7 +101,7 @@ class DrafterBase:
     tree: TreeSpec | None = None  # token trees (harness.core.tree_shapes), at batch size 1; None: chains
 
     def observe(self, seen) -> None: ...
-    def keep_paths(self, bases: list[int], paths: list[list[int]]) -> None: ...
+    def keep_paths(self, bases: list[int], slots: list[list[int]]) -> None: ...
     def reserve(self, positions: int, rows: int = 1) -> None: ...
     def warm_up(self, k: int, rows: int = 1) -> None: ...
     def use_costs(self, costs: dict) -> None: ...
@@ -158,16 +159,16 @@ class ModelDrafter(DrafterBase):
         feed = rows.ids[0][self.rows.lengths[0] :]
         root = self.rows.forward([feed], [1])[0]  # [1, V]
 
-        def expand(first, tokens, parents):  # the level's nodes, below their parents among the nodes fed so far
-            return self.rows.forward([tokens], [tokens.shape[0]], tree=[parents[: first + tokens.shape[0]]])[0]  # [n, V]
+        def expand(first, tokens, tree):  # the level's nodes, below their parents among the nodes fed so far
+            return self.rows.forward([tokens], [tokens.shape[0]], tree=[tree])[0]  # [n, V]
 
         tokens, q, shape = grow(self.tree, depth, root, expand, sampling, rows.generators[0])
-        self.slots = shape.slots  # where this draft cached each node (-1: not fed)
         return Proposal(tokens[None], [tokens.shape[0]], None if q is None else q[None], shape)
 
-    def keep_paths(self, bases, paths) -> None:
-        """After a tree: the accepted nodes it fed move next to the committed tokens; the rest is dropped."""
-        kept = [self.slots[node] for node in paths[0] if self.slots[node] >= 0]
+    def keep_paths(self, bases, slots) -> None:
+        """After a tree: the accepted nodes it fed (slots[0]: where it cached each, -1: not fed) move next to the
+        committed tokens; the rest is dropped."""
+        kept = [slot for slot in slots[0] if slot >= 0]
         self.rows.compact(bases, [kept])
         self.rows.rollback([bases[0] + len(kept)])
 
@@ -277,11 +278,12 @@ class FeatureDrafter(DrafterBase):
         self.pairs = [lengths[0] - 1]
         outputs = [last]  # row 0 the root's output, row i + 1 node i's (fed breadth first)
 
-        def expand(first, tokens, parents):
+        def expand(first, tokens, tree):
             n = tokens.shape[0]
-            above = from_host([parents[i] + 1 for i in range(first, first + n)], tokens.device)  # [n] rows of `outputs`
+            parents = tree.parents if isinstance(tree, DeviceTree) else from_host(tree, tokens.device)  # [first + n]
+            above = parents[first:] + 1  # [n] rows of `outputs`
             logits, out = self.store.step(
-                tokens[None], torch.cat(outputs)[above][None], [n], from_target=False, tree=parents[: first + n]
+                tokens[None], torch.cat(outputs)[above][None], [n], from_target=False, tree=tree
             )  # [n, V], [1, n, H]
             outputs.append(out[0])
             return logits

@@ -11,8 +11,9 @@ drafted position under a draft-length policy that stops within a cycle (harness.
 
 A token tree (batch of one, harness.core.tree_shapes) is the same cycle: the pass feeds [last committed, its
 N nodes] with a tree mask and scores N + 1 rows, harness.core.tree walks it on the device, the one read takes
-the accepted path too, and both caches keep that path only (`compact`) before the rollback. A dynamic tree
-also reads its structure while drafting: once per depth below the first, once for the nodes kept.
+the accepted path too (the nodes, where the drafter cached them, their ranks among siblings), and both caches
+keep that path only (`compact`) before the rollback. A dynamic tree's structure stays on the device: still
+one read.
 """
 
 from __future__ import annotations
@@ -111,21 +112,23 @@ def speculative_decode_rows(
             lm.forward_features(feeds, wanted, reads, **shape) if reads else (lm.forward(feeds, wanted, **shape), None)
         )
         scored = logits[0][None] if B == 1 else torch.nn.utils.rnn.pad_sequence(logits, batch_first=True)  # [B, K+1, V]
-        drafts, path = proposal.tokens, None  # [B, K] the drafts a verdict counts from (a tree: its accepted path's)
+        drafts, facts = proposal.tokens, None  # [B, K] the drafts a verdict counts from (a tree: its accepted path's)
         if tree is not None:
             q = None if proposal.q is None else proposal.q[0]
             verdict = tree_rule(proposal.tokens[0], tree.parents, tree.widths, q, scored[0], sampling, rows.generators[0])
             path, counts = verdict.path, [len(tree.widths)]  # a tree drafts len(widths) positions
             drafts = proposal.tokens[0, path.clamp(min=0)][None]  # [1, D]
             verdicts = Verdicts(verdict.accepted[None], verdict.next_token[None], (path >= 0).float()[None])
+            facts = torch.cat([path[None], tree.path_facts(path)])  # [3, D] nodes, the drafter's slots, ranks
         elif sampling.greedy:
             verdicts = greedy_rows(proposal.tokens, counts, scored.argmax(-1))
         else:
             verdicts = rule(proposal.tokens, counts, proposal.q, shape_probs(scored, sampling), rows.generators)
-        accepted, committed, nodes = read_verdicts(drafts, verdicts, path)  # the cycle's one host read
+        accepted, committed, along = read_verdicts(drafts, verdicts, facts)  # the cycle's one host read
         if tree is not None:  # the caches keep the accepted path only, next to the committed tokens
+            nodes, slots, ranks = along
             lm.compact([rows.ids[0].shape[0]], [nodes])
-            drafter.keep_paths([rows.ids[0].shape[0]], [nodes])
+            drafter.keep_paths([rows.ids[0].shape[0]], [slots])
         policy.outcome(counts, accepted)
         cycles, lengths, seen, finished = [], [], [], []
         for i, (n, c) in enumerate(zip(accepted, counts)):
@@ -134,7 +137,7 @@ def speculative_decode_rows(
             # Positions after an EOS among the accepted drafts were never going to be kept: not tested.
             took, tested = (n, min(n + 1, c)) if len(kept) > n else (len(kept), len(kept))
             expected = verdicts.expected_acceptance[i, :tested]
-            shape = {} if tree is None else {"nodes": len(tree.parents), "ranks": tuple(tree.rank_of(j) for j in nodes[:took])}
+            shape = {} if tree is None else {"nodes": len(tree.parents), "ranks": tuple(ranks[:took])}
             cycles.append((rows.index[i], Cycle(kept, c, took, expected, c - took if len(kept) <= n else 0, **shape)))
             lengths.append(length + n)  # the committed ids and the n accepted drafts; the next token is fed next cycle
             if reads:  # the features of the committed positions the target has now read: the unseen and the n accepted
@@ -159,14 +162,15 @@ def speculative_decode_rows(
 
 
 def read_verdicts(
-    drafts: torch.Tensor, verdicts: Verdicts, path: torch.Tensor | None = None
-) -> tuple[list[int], list[list[int]], list[int]]:
+    drafts: torch.Tensor, verdicts: Verdicts, along: torch.Tensor | None = None
+) -> tuple[list[int], list[list[int]], list[list[int]]]:
     """The host's one read of a cycle: per row its accepted count, and its accepted drafts then the next token;
-    with a tree's path [D] (one row), the accepted nodes too."""
-    parts = [verdicts.accepted[:, None], verdicts.next_token[:, None], drafts] + ([] if path is None else [path[None]])
+    with one row's `along` [R, D] (a tree's facts per accepted node), its R rows cut to the accepted count."""
+    D = drafts.shape[1]
+    parts = [verdicts.accepted[:, None], verdicts.next_token[:, None], drafts] + ([] if along is None else [along.reshape(1, -1)])
     packed = torch.cat(parts, dim=1).tolist()  # host read
-    nodes = [] if path is None else packed[0][2 + drafts.shape[1] : 2 + drafts.shape[1] + packed[0][0]]
-    return [row[0] for row in packed], [row[2 : 2 + row[0]] + row[1:2] for row in packed], nodes
+    rows = [] if along is None else [packed[0][2 + D * (r + 1) : 2 + D * (r + 1) + packed[0][0]] for r in range(along.shape[0])]
+    return [row[0] for row in packed], [row[2 : 2 + row[0]] + row[1:2] for row in packed], rows
 
 
 def autoregressive_decode_rows(

@@ -118,10 +118,25 @@ def children_table(parents: list[int], widths: list[int]) -> list[list[int]]:
     return table
 
 
+def sibling_ranks(parents: torch.Tensor) -> torch.Tensor:
+    """[N] each node's place among its siblings, 0: tried first (parents [N] on the device; no host read)."""
+    return (parents[:, None] == parents[None, :]).tril(-1).sum(-1)
+
+
+def tree_table(parents: list[int] | torch.Tensor, widths: list[int], device) -> torch.Tensor:
+    """children_table on the device: copied from the host's, or made there from parents [N] kept on the device
+    (a dynamic tree's; widths bound every node's children)."""
+    if not isinstance(parents, torch.Tensor):
+        return from_host(children_table(parents, widths), device)
+    N = parents.shape[0]
+    table = torch.full((max(widths, default=0), N + 1), N, dtype=torch.long, device=device)
+    return table.index_put_((sibling_ranks(parents), parents + 1), torch.arange(N, device=device))
+
+
 def verify_tree_rows(
     tokens: torch.Tensor,  # [N] drafted tokens
-    parents: list[int],  # [N] as verify_tree's
-    widths: list[int],  # [D] the most children a node has at each depth
+    parents: list[int] | torch.Tensor,  # [N] as verify_tree's, on the host or the device
+    widths: list[int],  # [D] the most children a node has at each depth (or more: a round without a child tries nothing)
     q: torch.Tensor | None,  # [N, V] as verify_tree's (None: one-hot)
     p: torch.Tensor,  # [N + 1, V] as verify_tree's
     generator,
@@ -130,7 +145,7 @@ def verify_tree_rows(
     node per depth, held as a [1] index (a 0-d index would be read by the host), trying its children round by
     round. No host read."""
     N, device, one_hot = tokens.shape[0], p.device, q is None
-    table = from_host(children_table(parents, widths), device)  # [S, N + 1]
+    table = tree_table(parents, widths, device)  # [S, N + 1]
     u = torch.cat([uniforms(N, generator, device), torch.full((1,), 2.0, dtype=torch.float64, device=device)])  # [N + 1]
     padded = torch.cat([tokens, tokens.new_zeros(1)])  # [N + 1]: node N stands for "no child", never accepted
     q = None if one_hot else torch.cat([q, q[:1]])  # [N + 1, V]
@@ -154,10 +169,12 @@ def verify_tree_rows(
     return TreeVerdicts((path >= 0).sum(), path, sample_rows(r[None], [generator])[0])
 
 
-def greedy_tree_rows(tokens: torch.Tensor, parents: list[int], widths: list[int], argmax: torch.Tensor) -> TreeVerdicts:
+def greedy_tree_rows(
+    tokens: torch.Tensor, parents: list[int] | torch.Tensor, widths: list[int], argmax: torch.Tensor
+) -> TreeVerdicts:
     """greedy_tree on the device (argmax [N + 1]). No host read."""
     device = argmax.device
-    table = from_host(children_table(parents, widths), device)  # [S, N + 1]
+    table = tree_table(parents, widths, device)  # [S, N + 1]
     padded = torch.cat([tokens, tokens.new_full((1,), -1)])  # [N + 1]: "no child" matches no token
     node, stopped, path = tokens.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=device), []
     for width in widths:
@@ -173,7 +190,7 @@ def greedy_tree_rows(tokens: torch.Tensor, parents: list[int], widths: list[int]
 
 def verify_tree_cycle(
     tokens: torch.Tensor,  # [N] drafted nodes
-    parents: list[int],
+    parents: list[int] | torch.Tensor,
     widths: list[int],
     q: torch.Tensor | None,  # [N, V] (None: one-hot, or greedy)
     scored: torch.Tensor,  # [N + 1, V] the target's logits after the root and after each node

@@ -17,6 +17,8 @@ import torch
 
 from harness.base.host_reads import from_host
 from harness.core.sampling import Sampling, sample_rows, shape_probs
+from harness.core.tree import sibling_ranks
+from harness.models.kv_store import DeviceTree
 
 
 @dataclass(frozen=True)
@@ -44,21 +46,29 @@ class TreeSpec:
 
 @dataclass
 class TreeShape:
-    """One proposal's tree: node i's parent (-1: the last committed token), each depth's most children of a
-    node (the rule's rounds), and where the drafter cached each node (-1: not fed, a leaf)."""
+    """One proposal's tree: node i's parent (-1: the last committed token), per depth the rule's rounds (the most
+    children a node has), and where the drafter cached each node (-1: not fed, a leaf). A dynamic tree's parents
+    and slots stay on the device ([N] tensors): the host never reads its structure."""
 
-    parents: list[int]
+    parents: list[int] | torch.Tensor
     widths: list[int]
     one_hot: bool  # candidates were the draft's top tokens: the rule takes no q
-    slots: list[int]  # node i's slot among the nodes the drafter fed, or -1
+    slots: list[int] | torch.Tensor
 
-    def with_prefix(self, chain: int) -> list[int]:
+    def with_prefix(self, chain: int) -> list[int] | DeviceTree:
         """Parents of a verify pass's fed slots: `chain` committed tokens (a chain), then the nodes below the last."""
+        if isinstance(self.parents, torch.Tensor):
+            return DeviceTree(chain, self.parents)
         return list(range(-1, chain - 1)) + [chain + p if p >= 0 else chain - 1 for p in self.parents]
 
-    def rank_of(self, node: int) -> int:
-        """The node's place among its siblings (0: tried first)."""
-        return self.parents[:node].count(self.parents[node])
+    def path_facts(self, path: torch.Tensor) -> torch.Tensor:
+        """[2, D] for the accepted nodes path [D] (-1 past its end: garbage there): where the drafter cached each
+        (-1: not fed) and its place among its siblings (0: tried first). On the device, read with the verdict."""
+        parents, slots = self.parents, self.slots
+        if not isinstance(parents, torch.Tensor):  # a static tree's, known to the host: copied, not read
+            parents, slots = from_host(parents, path.device), from_host(slots, path.device)
+        at = path.clamp(min=0)
+        return torch.stack([slots[at], sibling_ranks(parents)[at]])
 
 
 def static_parents(widths) -> list[int]:
@@ -82,14 +92,16 @@ def depth_widths(parents: list[int]) -> list[int]:
     return [max(parents.count(p) for p, d in zip(parents, depth) if d == level) for level in range(1, max(depth, default=0) + 1)]
 
 
-Expand = Callable[[int, torch.Tensor, list[int]], torch.Tensor]  # (first fed, tokens [n], parents of the fed) -> [n, V]
+# (first fed, tokens [n], the fed nodes' tree: parents of the first + n, a list or a DeviceTree) -> logits [n, V]
+Expand = Callable[[int, torch.Tensor, "list[int] | DeviceTree"], torch.Tensor]
 
 
 def grow(
     spec: TreeSpec, depth: int, root: torch.Tensor, expand: Expand, sampling: Sampling, generator
 ) -> tuple[torch.Tensor, torch.Tensor | None, TreeShape]:
-    """Draft a tree of up to `depth` levels below the root's logits [1, V]; expand(first, tokens, parents) feeds a
-    level's nodes (the fed nodes' parents, among the fed) and gives their logits. (tokens [N], q [N, V] or None, shape)."""
+    """Draft a tree of up to `depth` levels below the root's logits [1, V]; expand(first, tokens, tree) feeds a
+    level's nodes (tree: the parents of every node fed so far, among the fed) and gives their logits.
+    (tokens [N], q [N, V] or None, shape)."""
     if spec.dynamic:
         return grow_dynamic(spec, depth, root, expand)
     widths = list(spec.widths[:depth])
@@ -105,7 +117,7 @@ def grow(
             laws.append(q)
         drafted.append(picked)
         if d + 1 < len(widths):
-            logits = expand(first, picked, parents)
+            logits = expand(first, picked, parents[: first + picked.shape[0]])
         first += picked.shape[0]
     fed = len(parents) - math.prod(widths)  # every level but the last, breadth first: the first nodes
     shape = TreeShape(parents, widths, one_hot, [i if i < fed else -1 for i in range(len(parents))])
@@ -116,28 +128,31 @@ def grow_dynamic(spec: TreeSpec, depth: int, root: torch.Tensor, expand: Expand)
     """EAGLE-2's tree: each depth's candidates are the topk best children (by the draft's log-probability summed
     along the path) of the topk best nodes of the depth above, which are fed; the tree keeps the `nodes` best
     candidates, each with its parent (a parent scores at least its child, and a stable sort puts it first).
-    The draft's top tokens (one-hot). One host read per depth below the first (the nodes to feed) and one for the kept."""
-    K = spec.topk
-    scores, tokens = torch.log_softmax(root.float(), -1)[0].topk(K)  # [K] each
-    all_scores, all_tokens, parents, fed = [scores], [tokens], [-1] * K, []
-    frontier = list(range(K))  # the candidates fed next
-    for d in range(1, depth):
-        index = from_host(frontier, root.device)
-        logits = expand(
-            len(fed), torch.cat(all_tokens)[index], [fed.index(parents[c]) if parents[c] >= 0 else -1 for c in fed + frontier]
-        )
-        fed += frontier
+    The draft's top tokens (one-hot). Chosen on the device: the structure is never read by the host."""
+    K, device = spec.topk, root.device
+    scores, tokens = torch.log_softmax(root.float(), -1)[0].topk(K)  # [K] each: the first depth's candidates
+    all_scores, all_tokens, above = [scores], [tokens], [torch.full((K,), -1, device=device)]  # above: candidates' parents
+    frontier = torch.arange(K, device=device)  # [F] the candidates fed next
+    fed, fed_parents = [], [torch.full((K,), -1, device=device)]  # the candidates fed; their parents among the fed
+    first, total = 0, K  # nodes fed before this depth, candidates so far
+    for _ in range(1, depth):  # each depth below the first
+        fed.append(frontier)
+        logits = expand(first, torch.cat(all_tokens)[frontier], DeviceTree(0, torch.cat(fed_parents)))  # [F, V]
         children, tokens = torch.log_softmax(logits.float(), -1).topk(K)  # [F, K]
-        children = children + torch.cat(all_scores)[index][:, None]
-        first = len(parents)
+        children = children + torch.cat(all_scores)[frontier][:, None]  # summed along the path
         all_scores.append(children.reshape(-1))
         all_tokens.append(tokens.reshape(-1))
-        parents += [c for c in frontier for _ in range(K)]
-        if d + 1 < depth:
-            frontier = [first + i for i in children.reshape(-1).topk(min(K, children.numel())).indices.tolist()]  # host read
-    order = torch.sort(torch.cat(all_scores), descending=True, stable=True).indices[: spec.nodes]
-    kept = sorted(order.tolist())  # host read; breadth first (candidates are numbered depth by depth)
-    where = {c: i for i, c in enumerate(kept)}
-    tree_parents = [where[parents[c]] if parents[c] >= 0 else -1 for c in kept]
-    shape = TreeShape(tree_parents, depth_widths(tree_parents), True, [fed.index(c) if c in fed else -1 for c in kept])
-    return torch.cat(all_tokens)[from_host(kept, root.device)], None, shape
+        above.append(frontier.repeat_interleave(K))
+        best = children.reshape(-1).topk(min(K, children.numel())).indices  # [F'] the next depth's to feed
+        fed_parents.append(first + best // K)
+        first, total, frontier = first + frontier.shape[0], total + children.numel(), total + best
+    N = min(spec.nodes, total)
+    kept = torch.sort(torch.cat(all_scores), descending=True, stable=True).indices[:N].sort().values  # [N] breadth first
+    index = torch.full((total + 1,), -1, device=device)  # a candidate's place among the kept (entry `total`: -1)
+    index[kept] = torch.arange(N, device=device)
+    slot = torch.full((total + 1,), -1, device=device)  # a candidate's place among the fed
+    if fed:
+        fed = torch.cat(fed)
+        slot[fed] = torch.arange(fed.shape[0], device=device)
+    parents = index[torch.cat(above)[kept]]  # [N] -1 (a root's) picks index[-1] = -1
+    return torch.cat(all_tokens)[kept], None, TreeShape(parents, [min(K, N)] * depth, True, slot[kept])

@@ -7,7 +7,8 @@ what a rollback dropped). A captured step (`fixed_step`) reads the whole capacit
 
 A token tree (one row) is fed in one step: `tree` lists the parents of the last len(tree) slots (-1: the slot
 before them), each node at the position of its depth and seeing only the slots before the tree and its own
-ancestors (`tree_layout`); `compact` then moves the accepted path's slots together.
+ancestors (`tree_layout`); `compact` then moves the accepted path's slots together. A `DeviceTree` (a dynamic
+tree's, chosen by the draft's values) keeps its parents on the device: its layout is made there too.
 """
 
 from __future__ import annotations
@@ -21,18 +22,61 @@ from harness.base.host_reads import from_host
 ROOM = 256  # the storage grows in multiples of this many positions
 
 
-def is_chain(tree: list[int]) -> bool:
-    """Whether the tree is a chain (each node the child of the one before): a plain causal step."""
+@dataclass(frozen=True)
+class DeviceTree:
+    """A tree of len(self) slots whose structure the host never reads: `chain` slots in a chain, then the nodes,
+    parents [N] on the device, parents[i] in -1..i-1 (-1: the last chain slot, or with no chain the slot before)."""
+
+    chain: int
+    parents: torch.Tensor  # [N]
+
+    def __len__(self) -> int:
+        return self.chain + self.parents.shape[0]
+
+
+def is_chain(tree: list[int] | DeviceTree) -> bool:
+    """Whether the tree is a chain (each node the child of the one before): a plain causal step. A DeviceTree is
+    taken as a tree (its mask is right for a chain too)."""
+    if isinstance(tree, DeviceTree):
+        return tree.parents.shape[0] == 0
     return all(parent == j - 1 for j, parent in enumerate(tree))
 
 
-def tree_layout(tree: list[int], start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def ancestry(parents: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool: node i's ancestors among the nodes, and itself (parents [N], each before its child, -1 above
+    the nodes). The parent-or-self relation squared until it spans the deepest path: no host read."""
+    nodes = torch.arange(parents.shape[0], device=parents.device)
+    seen = ((parents[:, None] == nodes) | (nodes[:, None] == nodes)).float()  # [N, N]
+    for _ in range(max(parents.shape[0] - 2, 0).bit_length()):  # paths of up to 2^steps >= N - 1 edges
+        seen = (seen @ seen > 0).float()
+    return seen.bool()
+
+
+def device_layout(tree: DeviceTree, start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """tree_layout of a DeviceTree, made on the device from its parents (`ancestry`)."""
+    n, N = len(tree), tree.parents.shape[0]
+    base, fed = start + width - n, min(width, N)  # the tree's first slot; its nodes among the fed slots
+    if not (width <= n and base >= 0):
+        raise ValueError(f"a tree of {n} slots feeding {width} after {start} cached")
+    seen = ancestry(tree.parents)  # [N, N]
+    depth = seen.sum(-1)  # [N] counted from the last chain slot (or the slot before the tree)
+    chain = torch.arange(base + min(n - width, tree.chain), base + tree.chain, device=device)  # the chain slots fed
+    positions = torch.cat([chain, base + tree.chain - 1 + depth[N - fed :]])  # [T]
+    mask = torch.arange(start + width, device=device) <= base + torch.arange(n - width, n, device=device)[:, None]
+    mask[width - fed :, base + tree.chain : base + n] = seen[N - fed :]  # [T, start + T]
+    return positions, mask
+
+
+def tree_layout(tree: list[int] | DeviceTree, start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [T] and the attention mask [T, start + T] (True: attended) of the last `width` of a tree's slots.
 
     tree[j]: the parent (an index into `tree`, before j) of slot base + j, base = start + width - len(tree), or -1:
     the slot base - 1. Slot base + j sits at position base + depth(j) - 1 and sees the slots before base and those
     of its ancestors and itself. A leading chain (a verify pass's unseen committed tokens) is causal, made on the
-    device; the nodes' columns are worked out on the host (trees are small) and sent in one copy: no device read."""
+    device; the nodes' columns are worked out on the host (trees are small) and sent in one copy: no device read.
+    A DeviceTree's are made on the device (`device_layout`)."""
+    if isinstance(tree, DeviceTree):
+        return device_layout(tree, start, width, device)
     n = len(tree)
     base = start + width - n
     if not (width <= n and base >= 0 and all(-1 <= parent < j for j, parent in enumerate(tree))):
@@ -117,7 +161,7 @@ class KVStore:
             for stored in self.keys + self.values:
                 stored[row, :, target] = stored[row].index_select(1, source)  # a gathered copy: source may overlap target
 
-    def step(self, starts: list[int], width: int, tree: list[int] | None = None) -> Step:
+    def step(self, starts: list[int], width: int, tree: list[int] | DeviceTree | None = None) -> Step:
         """A step of `width` positions per row after starts[i] stored ones (host ints: no device read); with a `tree`
         (one row, `tree_layout`) at the tree's positions with its mask, written to the same slots."""
         device, B = self.like.device, len(starts)
