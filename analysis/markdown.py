@@ -197,7 +197,8 @@ def _decision_section(d: dict) -> list[str]:
         out += [_table(header, rows), ""]
     for equal, title in [(False, "each draft's best tree against its best chain"), (True, "at equal verify width")]:
         trees = [e for e in d.get("trees", []) if (e.get("width") is not None) == equal]  # width: positions a pass scores
-        header = ["draft", "scope", "ship", "tree (k)", "chain k"] + ["width"] * equal + ["ratio tree/chain", f"{pct} CI"]
+        pick = "pick at this width" if equal else "ship"
+        header = ["draft", "scope", pick, "tree (k)", "chain k"] + ["width"] * equal + ["ratio tree/chain", f"{pct} CI"]
         cells = [
             [e["draft"], e["scope"], e["ship"], f"{e['tree']} ({e['tree_k']})", e["chain_k"]] + [e.get("width")] * equal
             for e in trees
