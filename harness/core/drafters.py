@@ -21,7 +21,6 @@ from harness.core.sampling import Sampling, sample_rows, shape_probs
 from harness.core.tree_shapes import TreeShape, TreeSpec, grow
 from harness.models.batched import resized, rows_of
 from harness.models.eagle import FeatureHead, HeadRows
-from harness.models.kv_store import DeviceTree
 
 if TYPE_CHECKING:
     from harness.core.loop import Rows
@@ -280,8 +279,7 @@ class FeatureDrafter(DrafterBase):
 
         def expand(first, tokens, tree):
             n = tokens.shape[0]
-            parents = tree.parents if isinstance(tree, DeviceTree) else from_host(tree, tokens.device)  # [first + n]
-            above = parents[first:] + 1  # [n] rows of `outputs`
+            above = tree.parents[first:] + 1  # [n] rows of `outputs`
             logits, out = self.store.step(
                 tokens[None], torch.cat(outputs)[above][None], [n], from_target=False, tree=tree
             )  # [n, V], [1, n, H]

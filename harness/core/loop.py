@@ -12,8 +12,8 @@ drafted position under a draft-length policy that stops within a cycle (harness.
 A token tree (batch of one, harness.core.tree_shapes) is the same cycle: the pass feeds [last committed, its
 N nodes] with a tree mask and scores N + 1 rows, harness.core.tree walks it on the device, the one read takes
 the accepted path too (the nodes, where the drafter cached them, their ranks among siblings), and both caches
-keep that path only (`compact`) before the rollback. A dynamic tree's structure stays on the device: still
-one read.
+keep that path only (`compact`) before the rollback. A tree's structure stays on the device (a dynamic tree's
+is chosen there): still one read.
 """
 
 from __future__ import annotations

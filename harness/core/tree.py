@@ -108,26 +108,17 @@ class TreeVerdicts(NamedTuple):
     next_token: torch.Tensor  # [] the recovered or bonus token
 
 
-def children_table(parents: list[int], widths: list[int]) -> list[list[int]]:
-    """[S, N + 1] the node tried at round s below each node (row 0 the root, i + 1 node i), or N where it has no
-    s-th child; S = the most children any node has (widths: per depth, so S = max(widths))."""
-    table = [[len(parents)] * (len(parents) + 1) for _ in range(max(widths, default=0))]
-    for node, children in children_of(parents).items():
-        for s, child in enumerate(children):
-            table[s][node + 1] = child
-    return table
-
-
 def sibling_ranks(parents: torch.Tensor) -> torch.Tensor:
     """[N] each node's place among its siblings, 0: tried first (parents [N] on the device; no host read)."""
     return (parents[:, None] == parents[None, :]).tril(-1).sum(-1)
 
 
 def tree_table(parents: list[int] | torch.Tensor, widths: list[int], device) -> torch.Tensor:
-    """children_table on the device: copied from the host's, or made there from parents [N] kept on the device
-    (a dynamic tree's; widths bound every node's children)."""
+    """[S, N + 1] the node tried at round s below each node (row 0 the root, i + 1 node i), or N where it has no
+    s-th child; S = max(widths), at least the most children any node has. Made on the device from parents [N]
+    (a host list is copied there first): no host read."""
     if not isinstance(parents, torch.Tensor):
-        return from_host(children_table(parents, widths), device)
+        parents = from_host(parents, device)
     N = parents.shape[0]
     table = torch.full((max(widths, default=0), N + 1), N, dtype=torch.long, device=device)
     return table.index_put_((sibling_ranks(parents), parents + 1), torch.arange(N, device=device))

@@ -46,29 +46,24 @@ class TreeSpec:
 
 @dataclass
 class TreeShape:
-    """One proposal's tree: node i's parent (-1: the last committed token), per depth the rule's rounds (the most
-    children a node has), and where the drafter cached each node (-1: not fed, a leaf). A dynamic tree's parents
-    and slots stay on the device ([N] tensors): the host never reads its structure."""
+    """One proposal's tree, its structure on the device ([N] tensors: the host never reads it): node i's parent
+    (-1: the last committed token) and where the drafter cached it (-1: not fed, a leaf); per depth the rule's
+    rounds (host ints: at least the most children a node has there)."""
 
-    parents: list[int] | torch.Tensor
+    parents: torch.Tensor
     widths: list[int]
     one_hot: bool  # candidates were the draft's top tokens: the rule takes no q
-    slots: list[int] | torch.Tensor
+    slots: torch.Tensor
 
-    def with_prefix(self, chain: int) -> list[int] | DeviceTree:
-        """Parents of a verify pass's fed slots: `chain` committed tokens (a chain), then the nodes below the last."""
-        if isinstance(self.parents, torch.Tensor):
-            return DeviceTree(chain, self.parents)
-        return list(range(-1, chain - 1)) + [chain + p if p >= 0 else chain - 1 for p in self.parents]
+    def with_prefix(self, chain: int) -> DeviceTree:
+        """A verify pass's fed slots: `chain` committed tokens (a chain), then the nodes below the last."""
+        return DeviceTree(chain, self.parents)
 
     def path_facts(self, path: torch.Tensor) -> torch.Tensor:
         """[2, D] for the accepted nodes path [D] (-1 past its end: garbage there): where the drafter cached each
         (-1: not fed) and its place among its siblings (0: tried first). On the device, read with the verdict."""
-        parents, slots = self.parents, self.slots
-        if not isinstance(parents, torch.Tensor):  # a static tree's, known to the host: copied, not read
-            parents, slots = from_host(parents, path.device), from_host(slots, path.device)
         at = path.clamp(min=0)
-        return torch.stack([slots[at], sibling_ranks(parents)[at]])
+        return torch.stack([self.slots[at], sibling_ranks(self.parents)[at]])
 
 
 def static_parents(widths) -> list[int]:
@@ -84,16 +79,8 @@ def static_parents(widths) -> list[int]:
     return parents
 
 
-def depth_widths(parents: list[int]) -> list[int]:
-    """Per depth, the most children any node at the depth above has."""
-    depth = []
-    for p in parents:
-        depth.append(1 + (depth[p] if p >= 0 else 0))
-    return [max(parents.count(p) for p, d in zip(parents, depth) if d == level) for level in range(1, max(depth, default=0) + 1)]
-
-
-# (first fed, tokens [n], the fed nodes' tree: parents of the first + n, a list or a DeviceTree) -> logits [n, V]
-Expand = Callable[[int, torch.Tensor, "list[int] | DeviceTree"], torch.Tensor]
+# (first fed, tokens [n], the fed nodes' tree: the parents of the first + n) -> logits [n, V]
+Expand = Callable[[int, torch.Tensor, DeviceTree], torch.Tensor]
 
 
 def grow(
@@ -106,6 +93,9 @@ def grow(
         return grow_dynamic(spec, depth, root, expand)
     widths = list(spec.widths[:depth])
     parents = static_parents(widths)
+    fed = len(parents) - math.prod(widths)  # every level but the last, breadth first: the first nodes
+    known = from_host(parents + [i if i < fed else -1 for i in range(len(parents))], root.device)  # one copy
+    parents, slots = known[: len(parents)], known[len(parents) :]  # [N] each
     one_hot = sampling.greedy or not spec.sampled
     logits, drafted, laws, first = root, [], [], 0
     for d, width in enumerate(widths):
@@ -117,11 +107,9 @@ def grow(
             laws.append(q)
         drafted.append(picked)
         if d + 1 < len(widths):
-            logits = expand(first, picked, parents[: first + picked.shape[0]])
+            logits = expand(first, picked, DeviceTree(0, parents[: first + picked.shape[0]]))
         first += picked.shape[0]
-    fed = len(parents) - math.prod(widths)  # every level but the last, breadth first: the first nodes
-    shape = TreeShape(parents, widths, one_hot, [i if i < fed else -1 for i in range(len(parents))])
-    return torch.cat(drafted), None if one_hot else torch.cat(laws), shape
+    return torch.cat(drafted), None if one_hot else torch.cat(laws), TreeShape(parents, widths, one_hot, slots)
 
 
 def grow_dynamic(spec: TreeSpec, depth: int, root: torch.Tensor, expand: Expand) -> tuple[torch.Tensor, None, TreeShape]:

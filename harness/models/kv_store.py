@@ -7,8 +7,8 @@ what a rollback dropped). A captured step (`fixed_step`) reads the whole capacit
 
 A token tree (one row) is fed in one step: `tree` lists the parents of the last len(tree) slots (-1: the slot
 before them), each node at the position of its depth and seeing only the slots before the tree and its own
-ancestors (`tree_layout`); `compact` then moves the accepted path's slots together. A `DeviceTree` (a dynamic
-tree's, chosen by the draft's values) keeps its parents on the device: its layout is made there too.
+ancestors (`tree_layout`, made on the device from a `DeviceTree`: the host never reads a tree's structure);
+`compact` then moves the accepted path's slots together.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ ROOM = 256  # the storage grows in multiples of this many positions
 
 @dataclass(frozen=True)
 class DeviceTree:
-    """A tree of len(self) slots whose structure the host never reads: `chain` slots in a chain, then the nodes,
-    parents [N] on the device, parents[i] in -1..i-1 (-1: the last chain slot, or with no chain the slot before)."""
+    """A tree of len(self) slots whose structure stays on the device: `chain` slots in a chain, then the nodes,
+    parents [N], parents[i] in -1..i-1 (-1: the last chain slot, or with no chain the slot before)."""
 
     chain: int
     parents: torch.Tensor  # [N]
@@ -52,8 +52,18 @@ def ancestry(parents: torch.Tensor) -> torch.Tensor:
     return seen.bool()
 
 
-def device_layout(tree: DeviceTree, start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """tree_layout of a DeviceTree, made on the device from its parents (`ancestry`)."""
+def tree_layout(tree: list[int] | DeviceTree, start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [T] and the attention mask [T, start + T] (True: attended) of the last `width` of a tree's slots,
+    made on the device from its parents (`ancestry`): no host read.
+
+    Slot base + j (base = start + width - len(tree)) sits at position base + depth(j) - 1 and sees the slots before
+    base, its ancestors and itself. A DeviceTree's leading chain (a verify pass's unseen committed tokens, the whole
+    prompt in the first cycle) is causal; its nodes hang below the chain's last slot. A host list tree[j] gives the
+    parent (an index into `tree`, before j, or -1: the slot base - 1) of slot base + j: a DeviceTree without a chain."""
+    if not isinstance(tree, DeviceTree):
+        if not all(-1 <= parent < j for j, parent in enumerate(tree)):
+            raise ValueError(f"a tree's parents come before their children: {tree}")
+        tree = DeviceTree(0, from_host(tree, device))
     n, N = len(tree), tree.parents.shape[0]
     base, fed = start + width - n, min(width, N)  # the tree's first slot; its nodes among the fed slots
     if not (width <= n and base >= 0):
@@ -65,42 +75,6 @@ def device_layout(tree: DeviceTree, start: int, width: int, device: torch.device
     mask = torch.arange(start + width, device=device) <= base + torch.arange(n - width, n, device=device)[:, None]
     mask[width - fed :, base + tree.chain : base + n] = seen[N - fed :]  # [T, start + T]
     return positions, mask
-
-
-def tree_layout(tree: list[int] | DeviceTree, start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [T] and the attention mask [T, start + T] (True: attended) of the last `width` of a tree's slots.
-
-    tree[j]: the parent (an index into `tree`, before j) of slot base + j, base = start + width - len(tree), or -1:
-    the slot base - 1. Slot base + j sits at position base + depth(j) - 1 and sees the slots before base and those
-    of its ancestors and itself. A leading chain (a verify pass's unseen committed tokens) is causal, made on the
-    device; the nodes' columns are worked out on the host (trees are small) and sent in one copy: no device read.
-    A DeviceTree's are made on the device (`device_layout`)."""
-    if isinstance(tree, DeviceTree):
-        return device_layout(tree, start, width, device)
-    n = len(tree)
-    base = start + width - n
-    if not (width <= n and base >= 0 and all(-1 <= parent < j for j, parent in enumerate(tree))):
-        raise ValueError(f"a tree of {n} nodes feeding {width} after {start} cached, its parents before their children: {tree}")
-    chain = next((j for j, parent in enumerate(tree) if parent != j - 1), n)  # its leading chain: causal, as a plain step
-    depths: list[int] = []
-    reach: dict[int, int] = {}  # per node past the chain: the chain slot its path leaves from
-    seen: dict[int, int] = {}  # per node past the chain: a bit set of its ancestors past the chain, and itself
-    for j, parent in enumerate(tree):
-        depths.append(1 + (depths[parent] if parent >= 0 else 0))
-        if j >= chain:
-            reach[j] = reach[parent] if parent >= chain else parent
-            seen[j] = (seen[parent] if parent >= chain else 0) | 1 << (j - chain)
-    fed = range(n - width, n)
-    nodes = [j for j in fed if j >= chain]
-    low = min((reach[j] + 1 for j in nodes), default=n)  # the columns below it every fed slot sees (or a causal one)
-    block = [int(a <= reach[j]) if a < chain else seen[j] >> (a - chain) & 1 for j in nodes for a in range(low, n)]
-    sent = from_host([base + depths[j] - 1 for j in fed] + block, device)  # positions [T], then the nodes' columns
-    mask = (
-        torch.arange(start + width, device=device) <= base + torch.arange(n - width, n, device=device)[:, None]
-    )  # [T, start + T]
-    if nodes:
-        mask[width - len(nodes) :, base + low : base + n] = sent[width:].view(len(nodes), n - low).bool()
-    return sent[:width], mask
 
 
 @dataclass
