@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from harness.models.kv_store import Tree
+
 
 class Backend:
     """One model and its KV cache, batch of one: `length` positions cached, sized for `capacity` (a static
@@ -21,18 +23,19 @@ class Backend:
     cache = None  # the transformers cache object, where there is one
     lean = None  # the lean forward (harness.models.lean.LeanLlama), where it runs the steps
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: Tree | None = None) -> torch.Tensor:
         """Append input_ids [T] to the cache; logits [num_logits, V] of the last positions (V: the head's rows).
 
-        tree: a token tree, the parents of the last len(tree) cached slots (ending with these T; the first
-        len(tree) - T fed before), each an index into `tree` before its own or -1 (the slot before the tree).
+        tree: a token tree over the last len(tree) cached slots (ending with these T; the first len(tree) - T fed
+        before): a host list of parents, each an index into `tree` before its own or -1 (the slot before the
+        tree), or a harness.models.kv_store.DeviceTree (a leading chain, then nodes; parents on the device).
         A node sits at the position of its depth (first level: right after the slots before the tree) and
         attends to those slots and its own ancestors only (harness.models.kv_store.tree_layout). None, or a
         chain: the plain causal step. A backend that cannot run trees refuses them (HarnessError)."""
         raise NotImplementedError
 
     def forward_features(
-        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...], tree: list[int] | None = None
+        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...], tree: Tree | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, and the hidden states [T, len(layers) * hidden] at every fed position: for index
         i < L (the layer count) the input of layer i, for i = L the final normed state."""

@@ -15,6 +15,7 @@ from harness.config.settings import COMPILED_MAX_TOKENS, HF_COMPILE_STATIC, LEAN
 from harness.errors import HarnessError
 from harness.models.backend import Backend
 from harness.models.hf_backends import cache_kwarg, compile_steps, hf_backend
+from harness.models.kv_store import Tree
 from harness.models.lean import LeanBackend
 from harness.models.lean import unsupported as lean_unsupported
 
@@ -118,14 +119,14 @@ class CachedLM:
         self.backend.reset(rollback)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, num_logits: int = 1, tree: list[int] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, num_logits: int = 1, tree: Tree | None = None) -> torch.Tensor:
         """Append input_ids [T] to the cache; logits [num_logits, vocab_size] of the last positions. tree: the parents
         of the last len(tree) cached slots, a token tree fed in one step (Backend.forward); None: a chain."""
         return self.full_width(self.backend.forward(self.readable_ids(input_ids), num_logits, tree))
 
     @torch.inference_mode()
     def forward_features(
-        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...], tree: list[int] | None = None
+        self, input_ids: torch.Tensor, num_logits: int, layers: tuple[int, ...], tree: Tree | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, and the hidden states [T, len(layers) * hidden] at every position fed (Backend.forward_features:
         the inputs of the layers named, the final normed state for index L); for drafts that read the target."""

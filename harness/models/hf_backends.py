@@ -22,7 +22,7 @@ from harness.errors import HarnessError
 from harness.models.backend import Backend
 from harness.models.captured import allow_recompiles
 from harness.models.kv_cache import GrowingLayer, in_place
-from harness.models.kv_store import compaction, is_chain, tree_layout
+from harness.models.kv_store import Tree, compaction, is_chain, tree_layout
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
@@ -60,7 +60,7 @@ class HFBackend(Backend):
         self.cache_checked = False  # the first prompt checks that the model really filled the cache
         self.length = 0
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: Tree | None = None) -> torch.Tensor:
         return self._step(input_ids, num_logits, tree=tree)[0]
 
     def forward_features(self, input_ids, num_logits, layers, tree=None):
@@ -68,7 +68,7 @@ class HFBackend(Backend):
         logits, states = self._step(input_ids, num_logits, hidden=True, tree=tree)
         return logits, torch.cat([states[i][0] for i in layers], dim=-1)  # [T, len(layers) * hidden]
 
-    def _step(self, input_ids: torch.Tensor, num_logits: int, hidden: bool = False, tree: list[int] | None = None):
+    def _step(self, input_ids: torch.Tensor, num_logits: int, hidden: bool = False, tree: Tree | None = None):
         if tree is not None and not is_chain(tree):  # (a chain is a plain step)
             step, options = self.model, self._tree_inputs(tree, input_ids.shape[0])  # the eager model
         else:
@@ -218,7 +218,7 @@ class StaticBackend(HFBackend):
                 f"of {self.capacity} tokens cannot roll back past the window: use cache=dynamic"
             )
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: Tree | None = None) -> torch.Tensor:
         if tree is not None:
             self._check_trees()
         if self.length + input_ids.shape[0] > self.capacity:

@@ -34,7 +34,10 @@ class DeviceTree:
         return self.chain + self.parents.shape[0]
 
 
-def is_chain(tree: list[int] | DeviceTree) -> bool:
+Tree = list[int] | DeviceTree  # a token tree as the forwards take it: host parents (small), or kept on the device
+
+
+def is_chain(tree: Tree) -> bool:
     """Whether the tree is a chain (each node the child of the one before): a plain causal step. A DeviceTree is
     taken as a tree (its mask is right for a chain too)."""
     if isinstance(tree, DeviceTree):
@@ -52,7 +55,7 @@ def ancestry(parents: torch.Tensor) -> torch.Tensor:
     return seen.bool()
 
 
-def tree_layout(tree: list[int] | DeviceTree, start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_layout(tree: Tree, start: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [T] and the attention mask [T, start + T] (True: attended) of the last `width` of a tree's slots,
     made on the device from its parents (`ancestry`): no host read.
 
@@ -135,7 +138,7 @@ class KVStore:
             for stored in self.keys + self.values:
                 stored[row, :, target] = stored[row].index_select(1, source)  # a gathered copy: source may overlap target
 
-    def step(self, starts: list[int], width: int, tree: list[int] | DeviceTree | None = None) -> Step:
+    def step(self, starts: list[int], width: int, tree: Tree | None = None) -> Step:
         """A step of `width` positions per row after starts[i] stored ones (host ints: no device read); with a `tree`
         (one row, `tree_layout`) at the tree's positions with its mask, written to the same slots."""
         device, B = self.like.device, len(starts)

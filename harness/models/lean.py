@@ -19,7 +19,7 @@ from harness.errors import HarnessError
 from harness.models.backend import Backend
 from harness.models.captured import Captured, padded_rows, room, runs_captured
 from harness.models.cpu_linear import planned_linear
-from harness.models.kv_store import KVStore, Step, is_chain
+from harness.models.kv_store import KVStore, Step, Tree, is_chain
 
 # check(): the largest logit difference from HF's forward, over the largest logit, that passes
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
@@ -130,7 +130,7 @@ class LeanLlama:
         num_logits: list[int],
         counts: list[int] | None = None,
         capture: tuple[int, ...] = (),
-        tree: list[int] | None = None,
+        tree: Tree | None = None,
     ):
         """Row b feeds input_ids[b] [T] at positions starts[b].. of its stored row (host ints), the first
         counts[b] of them real (default: all; the rest is padding, written past the row's length and never
@@ -272,7 +272,7 @@ class LeanBackend(Backend):
             lean.compile()
         return cls(lean, capacity)
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: list[int] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, num_logits: int, tree: Tree | None = None) -> torch.Tensor:
         logits = self.lean.forward(input_ids[None], [self.length], [num_logits], tree=tree)  # [num_logits, V]
         self.length += input_ids.shape[0]
         return logits
